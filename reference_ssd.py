@@ -1,0 +1,187 @@
+"""Float64 oracle for the mamba-cp tests (DESIGN.md sections 1, 2 and 4).
+
+`ssd_reference` is the naive token-by-token Mamba2 SSD recurrence; every test compares
+against it. `ssd_reference_chunked` computes the same thing in the chunked form, for
+shapes too long for a Python loop over tokens. `causal_conv1d_reference` and
+`conv1d_ssd_reference` add the depthwise causal conv of the fused Mamba2 core.
+Everything is computed in float64 and stays differentiable: inputs are cast with
+`.double()`, never detached, so gradients reach the caller's tensors.
+"""
+
+import torch
+import torch.nn.functional as F
+
+_NO_LIMIT = (0.0, float("inf"))
+
+
+def process_dt(dt, dt_bias=None, dt_softplus=False, dt_limit=_NO_LIMIT):
+    """dt' = clamp(softplus(dt + dt_bias)); float64 (b, l, h)."""
+    v = dt.double()  # (b, l, h)
+    if dt_bias is not None:
+        v = v + dt_bias.double()  # (h,) broadcasts over (b, l)
+    if dt_softplus:
+        v = F.softplus(v)  # torch default threshold 20 (linear above), like the kernels
+    if tuple(dt_limit) != _NO_LIMIT:  # mamba_ssm: the default limit means no clamp at all
+        v = torch.clamp(v, dt_limit[0], dt_limit[1])
+    return v
+
+
+def _heads(B, nheads):
+    """(b, l, g, n) -> float64 (b, l, nheads, n); head hh reads group hh // (nheads // g)."""
+    g = B.shape[2]
+    if nheads % g:
+        raise ValueError(f"nheads={nheads} is not divisible by ngroups={g}")
+    return B.double().repeat_interleave(nheads // g, dim=2)
+
+
+def _epilogue(y, x, D, z):
+    """y + D * x, then gate with silu(z). y, x, z: (b, l, h, p); D: (h,) or (h, p)."""
+    if D is not None:
+        Dd = D.double()
+        Dd = Dd[:, None] if Dd.dim() == 1 else Dd  # (h, p)
+        y = y + x.double() * Dd
+    if z is not None:
+        y = y * F.silu(z.double())
+    return y
+
+
+def ssd_reference(x, dt, A, B, C, D=None, z=None, dt_bias=None, initial_states=None,
+                  seq_idx=None, dt_softplus=False, dt_limit=_NO_LIMIT):
+    """Sequential SSD loop over tokens. Returns y (b, l, h, p) and final state (b, h, p, n)."""
+    b, l, h, p = x.shape
+    n = B.shape[-1]
+    xd = x.double()  # (b, l, h, p)
+    dtp = process_dt(dt, dt_bias, dt_softplus, dt_limit)  # (b, l, h)
+    a = torch.exp(dtp * A.double())  # (b, l, h) per-token decay
+    Bh, Ch = _heads(B, h), _heads(C, h)  # (b, l, h, n)
+    if initial_states is None:
+        S = xd.new_zeros(b, h, p, n)
+    else:
+        S = initial_states.double()  # (b, h, p, n)
+    ys = []
+    for t in range(l):
+        if seq_idx is not None and t > 0:
+            # a new document starts at t: reset the state before token t
+            keep = (seq_idx[:, t] == seq_idx[:, t - 1])[:, None, None, None]  # (b, 1, 1, 1)
+            S = torch.where(keep, S, torch.zeros_like(S))
+        inp = (dtp[:, t, :, None, None] * xd[:, t, :, :, None]
+               * Bh[:, t, :, None, :])  # (b, h, p, n) = dt' x B^T
+        S = a[:, t, :, None, None] * S + inp
+        ys.append(torch.einsum("bhpn,bhn->bhp", S, Ch[:, t]))  # (b, h, p)
+    y = torch.stack(ys, dim=1)  # (b, l, h, p)
+    return _epilogue(y, x, D, z), S
+
+
+def _segsum(v):
+    """out[..., i, j] = sum_{j<k<=i} v[..., k] for i >= j, -inf above the diagonal.
+
+    Computed as a masked cumsum (not cs_i - cs_j) so no cancellation can occur.
+    v: (..., Q) -> (..., Q, Q).
+    """
+    Q = v.shape[-1]
+    vr = v[..., :, None].expand(*v.shape, Q)  # (..., Q, Q): vr[..., k, j] = v[k]
+    strict = torch.tril(torch.ones(Q, Q, dtype=torch.bool, device=v.device), -1)  # k > j
+    out = torch.cumsum(vr.masked_fill(~strict, 0.0), dim=-2)  # sum over j < k <= i
+    causal = torch.tril(torch.ones(Q, Q, dtype=torch.bool, device=v.device))  # i >= j
+    return out.masked_fill(~causal, float("-inf"))
+
+
+def ssd_reference_chunked(x, dt, A, B, C, D=None, z=None, dt_bias=None, initial_states=None,
+                          seq_idx=None, dt_softplus=False, dt_limit=_NO_LIMIT, chunk_size=64):
+    """Chunked SSD (DESIGN section 2), vectorised; same results as `ssd_reference`."""
+    b, l, h, p = x.shape
+    Q = chunk_size
+    pad = (-l) % Q
+    nc = (l + pad) // Q
+    dtp = process_dt(dt, dt_bias, dt_softplus, dt_limit)  # (b, l, h)
+    xd, Bh, Ch = x.double(), _heads(B, h), _heads(C, h)
+    seq = seq_idx if seq_idx is not None else torch.zeros(b, l, dtype=torch.long, device=x.device)
+    if pad:
+        # pad dt' (not raw dt) with zeros: decay 1 and no contribution; padding joins the
+        # last document so the final state is the state after token l-1
+        xd = F.pad(xd, (0, 0, 0, 0, 0, pad))
+        Bh, Ch = F.pad(Bh, (0, 0, 0, 0, 0, pad)), F.pad(Ch, (0, 0, 0, 0, 0, pad))
+        dtp = F.pad(dtp, (0, 0, 0, pad))
+        seq = torch.cat([seq, seq[:, -1:].expand(b, pad)], dim=1)
+    xd = xd.reshape(b, nc, Q, h, p)
+    Bh, Ch = Bh.reshape(b, nc, Q, h, -1), Ch.reshape(b, nc, Q, h, -1)  # (b, c, Q, h, n)
+    dtp = dtp.reshape(b, nc, Q, h)
+    seq = seq.reshape(b, nc, Q)
+    xdt = xd * dtp[..., None]  # (b, c, Q, h, p) = dt' x
+    dA = (dtp * A.double()).permute(0, 3, 1, 2)  # (b, h, c, Q)
+
+    # 1. intra-chunk: tokens i >= j of the same document interact
+    same = (seq[..., :, None] == seq[..., None, :])[:, None]  # (b, 1, c, Q, Q)
+    Lm = torch.exp(_segsum(dA).masked_fill(~same, float("-inf")))  # (b, h, c, Q, Q)
+    CB = torch.einsum("bclhn,bcshn->bhcls", Ch, Bh)  # (b, h, c, Q, Q)
+    y_diag = torch.einsum("bhcls,bcshp->bclhp", CB * Lm, xdt)  # (b, c, Q, h, p)
+
+    # 2. chunk states with zero entry: only tokens of the chunk's last document survive
+    decay_states = Lm[..., -1, :]  # (b, h, c, Q) = exp(cs_last - cs_j), doc-masked
+    # pairwise contractions in a fixed order: never form per-token (p, n) states
+    xdt_decayed = xdt * decay_states.permute(0, 2, 3, 1)[..., None]  # (b, c, Q, h, p)
+    states = torch.einsum("bclhn,bclhp->bchpn", Bh, xdt_decayed)  # (b, c, h, p, n)
+
+    # 3. state passing; the entry state reaches tokens of the document of the token just
+    #    before the chunk (for chunk 0: the document of token 0, which initial_states feeds)
+    prev_seq = torch.cat([seq[:, :1, 0], seq[:, :-1, -1]], dim=1)  # (b, c)
+    reach = (seq == prev_seq[..., None])[:, None]  # (b, 1, c, Q)
+    whole = reach[..., -1]  # (b, 1, c): no document starts inside the chunk
+    carry = torch.exp(dA.sum(-1).masked_fill(~whole, float("-inf")))  # (b, h, c)
+    S = xd.new_zeros(b, h, p, Bh.shape[-1]) if initial_states is None else initial_states.double()
+    entry = []
+    for c in range(nc):  # sequential over chunks only
+        entry.append(S)
+        S = carry[:, :, c, None, None] * S + states[:, c]
+    S_in = torch.stack(entry, dim=1)  # (b, c, h, p, n)
+
+    # 4. inter-chunk output: exp(cs_i) * S_in C_i
+    in_decay = torch.exp(torch.cumsum(dA, -1).masked_fill(~reach, float("-inf")))  # (b, h, c, Q)
+    y_off = torch.einsum("bclhn,bchpn->bclhp", Ch, S_in) * in_decay.permute(0, 2, 3, 1)[..., None]
+
+    y = (y_diag + y_off).reshape(b, nc * Q, h, p)[:, :l]  # (b, l, h, p)
+    return _epilogue(y, x, D, z), S
+
+
+def causal_conv1d_reference(xBC, weight, bias=None, seq_idx=None):
+    """Depthwise causal conv + SiLU. xBC (b, l, dim); weight (dim, d_conv); bias (dim,)."""
+    b, l, dim = xBC.shape
+    K = weight.shape[1]
+    xp = F.pad(xBC.double(), (0, 0, K - 1, 0))  # (b, l+K-1, dim): zeros for s < 0
+    w = weight.double()
+    if seq_idx is not None:
+        # padded positions hold zeros anyway; any id works for them
+        seqp = torch.cat([seq_idx[:, :1].expand(b, K - 1), seq_idx], dim=1)  # (b, l+K-1)
+    out = xp.new_zeros(b, l, dim) if bias is None else bias.double().expand(b, l, dim)
+    for k in range(K):
+        tap = xp[:, k:k + l]  # (b, l, dim): position s = t - (K-1) + k
+        if seq_idx is not None:  # a tap never crosses a document boundary
+            tap = torch.where((seqp[:, k:k + l] == seq_idx)[..., None], tap, torch.zeros_like(tap))
+        out = out + w[:, k] * tap
+    return F.silu(out)
+
+
+def conv1d_ssd_reference(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, *, headdim, ngroups,
+                         seq_idx=None, initial_states=None, dt_limit=_NO_LIMIT, chunked=False,
+                         chunk_size=64):
+    """Fused Mamba2 core: conv over [x | B | C], then SSD with softplus(dt + dt_bias)."""
+    b, l, dim = xBC.shape
+    nheads = dt.shape[-1]
+    d_x = nheads * headdim
+    rest = dim - d_x  # 2 * ngroups * dstate
+    if rest <= 0 or rest % (2 * ngroups):
+        raise ValueError(f"xBC has {dim} channels; expected nheads*headdim ({d_x}) + "
+                         f"2*ngroups*dstate with ngroups={ngroups}")
+    if conv_weight.shape[0] != dim:
+        raise ValueError(f"conv_weight has shape {tuple(conv_weight.shape)}; expected ({dim}, d_conv)")
+    dstate = rest // (2 * ngroups)
+    u = causal_conv1d_reference(xBC, conv_weight, conv_bias, seq_idx)  # (b, l, dim)
+    x, B, C = torch.split(u, [d_x, ngroups * dstate, ngroups * dstate], dim=-1)
+    x = x.reshape(b, l, nheads, headdim)
+    B = B.reshape(b, l, ngroups, dstate)
+    C = C.reshape(b, l, ngroups, dstate)
+    kw = dict(D=D, dt_bias=dt_bias, initial_states=initial_states, seq_idx=seq_idx,
+              dt_softplus=True, dt_limit=dt_limit)
+    if chunked:
+        return ssd_reference_chunked(x, dt, A, B, C, chunk_size=chunk_size, **kw)
+    return ssd_reference(x, dt, A, B, C, **kw)

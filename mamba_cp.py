@@ -128,6 +128,18 @@ def _seq_ids(seq_ptr, b, start, seqlen, stride_seq_b, stride_seq_l, Q: tl.conste
     return seq, last, prev
 
 
+@triton.jit
+def _entry_term(entry_ptr, gamma_ptr, b, c, h, offs_p, offs_n, mask_pn,
+                stride_en_b, stride_en_h, stride_en_p, stride_en_n, stride_ga_b, stride_ga_c, stride_ga_h):
+    """gamma(c) * S_entry[b, h] as a (BP, BN) float32 tile: what the segment's entry state adds
+    to chunk c's entry state (forward), or what the gradient at its exit adds to chunk c's exit
+    gradient (backward, with rho for gamma)."""
+    gamma = tl.load(gamma_ptr + b.to(tl.int64) * stride_ga_b + tl.cast(c, tl.int64) * stride_ga_c + h * stride_ga_h)
+    S = tl.load(entry_ptr + b.to(tl.int64) * stride_en_b + h * stride_en_h
+                + offs_p[:, None] * stride_en_p + offs_n[None, :] * stride_en_n, mask=mask_pn, other=0.0)
+    return gamma * S.to(tl.float32)
+
+
 # ---------------------------------------------------------------------------------------------
 # 2. Forward kernels
 # ---------------------------------------------------------------------------------------------
@@ -135,22 +147,24 @@ def _seq_ids(seq_ptr, b, start, seqlen, stride_seq_b, stride_seq_l, Q: tl.conste
 
 @triton.jit
 def _state_fwd_kernel(
-    x_ptr, B_ptr, dt_ptr, dt_bias_ptr, A_ptr, seq_ptr, init_ptr, states_ptr, final_ptr,
+    x_ptr, B_ptr, dt_ptr, dt_bias_ptr, A_ptr, seq_ptr, states_ptr, gamma_ptr, ext_ptr,
     seqlen, nheads, headdim, dstate, nchunks, heads_per_group, dt_min, dt_max,
     stride_x_b, stride_x_l, stride_x_h, stride_x_p,
     stride_B_b, stride_B_l, stride_B_g, stride_B_n,
     stride_dt_b, stride_dt_l, stride_dt_h,
     stride_seq_b, stride_seq_l,
-    stride_init_b, stride_init_h, stride_init_p, stride_init_n,
     stride_st_b, stride_st_c, stride_st_h, stride_st_p, stride_st_n,
-    stride_fin_b, stride_fin_h, stride_fin_p, stride_fin_n,
+    stride_ga_b, stride_ga_c, stride_ga_h,
+    stride_ext_b, stride_ext_h, stride_ext_p, stride_ext_n,
     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_DT_LIMIT: tl.constexpr,
-    HAS_SEQ: tl.constexpr, HAS_INIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_SEQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Walk the chunks of one (batch, head, p-block, n-block) in order, carrying the state:
-    store each chunk's entry state, then S <- exp(cs_last) S + sum_j exp(cs_last-cs_j) dt'_j x_j B_j^T.
-    One pass over x and B; the chunk states never round-trip through memory unscanned."""
+    """Walk the chunks of one (batch, head, p-block, n-block) in order from a zero entry state,
+    carrying S: store each chunk's entry state, then S <- exp(cs_last) S + sum_j exp(cs_last-cs_j) dt'_j x_j B_j^T.
+    Also store gamma(c), the decay from the segment's start to chunk c's entry (0 once a document
+    has started in between); gamma(nchunks) is the segment's own decay a. The segment's true
+    chunk entry states are then states(c) + gamma(c) S_entry, whatever S_entry turns out to be."""
     pid_p = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_bh = tl.program_id(2)
@@ -167,16 +181,17 @@ def _state_fwd_kernel(
     st_base = (states_ptr + b.to(tl.int64) * stride_st_b + h * stride_st_h
                + offs_p[:, None] * stride_st_p + offs_n[None, :] * stride_st_n)
 
-    if HAS_INIT:
-        S = tl.load(init_ptr + b.to(tl.int64) * stride_init_b + h * stride_init_h
-                    + offs_p[:, None] * stride_init_p + offs_n[None, :] * stride_init_n,
-                    mask=mask_pn, other=0.0).to(tl.float32)                      # (BP, BN)
-    else:
-        S = tl.zeros((BP, BN), dtype=tl.float32)
+    ga_base = gamma_ptr + b.to(tl.int64) * stride_ga_b + h * stride_ga_h
+    first_tile = (pid_p == 0) & (pid_n == 0)          # one program per head writes gamma
 
+    S = tl.zeros((BP, BN), dtype=tl.float32)                                      # (BP, BN)
+    log_gamma = tl.zeros((), dtype=tl.float64)
+    alive = tl.full((), 1.0, tl.float32)              # 0 once a document starts in the segment
     for c in range(nchunks):
         start = c * Q
         tl.store(st_base + tl.cast(c, tl.int64) * stride_st_c, S.to(states_ptr.dtype.element_ty), mask=mask_pn)
+        tl.store(ga_base + tl.cast(c, tl.int64) * stride_ga_c, alive * tl.exp(log_gamma.to(tl.float32)),
+                 mask=first_tile)
         dt, dA = _chunk_dt(dt_ptr, dt_bias_ptr, A_ptr, b, h, start, seqlen,
                            stride_dt_b, stride_dt_l, stride_dt_h,
                            Q, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT, dt_min, dt_max)
@@ -184,10 +199,12 @@ def _state_fwd_kernel(
         total = tl.sum(dA.to(tl.float64), axis=0)
         w = tl.exp((total - cs).to(tl.float32)) * dt                              # (Q,) weight of token j
         decay = tl.exp(total.to(tl.float32))
+        log_gamma += total
         if HAS_SEQ:
             seq, last, prev = _seq_ids(seq_ptr, b, start, seqlen, stride_seq_b, stride_seq_l, Q)
             w = tl.where(seq == last, w, 0.0)          # only the last document reaches the exit
             decay = tl.where(last == prev, decay, 0.0)  # a document starts inside: entry is cut off
+            alive = tl.where(last == prev, alive, 0.0)
         t = start + offs_q
         valid = t < seqlen
         x = tl.load(x_base + t.to(tl.int64)[:, None] * stride_x_l,
@@ -197,13 +214,16 @@ def _state_fwd_kernel(
         xw = (x.to(tl.float32) * w[:, None]).to(x.dtype)
         S = decay * S + tl.dot(tl.trans(xw), Bm, input_precision=DOT_PRECISION)  # (BP, BN)
 
-    tl.store(final_ptr + b.to(tl.int64) * stride_fin_b + h * stride_fin_h
-             + offs_p[:, None] * stride_fin_p + offs_n[None, :] * stride_fin_n, S, mask=mask_pn)
+    tl.store(ga_base + tl.cast(nchunks, tl.int64) * stride_ga_c, alive * tl.exp(log_gamma.to(tl.float32)),
+             mask=first_tile)
+    tl.store(ext_ptr + b.to(tl.int64) * stride_ext_b + h * stride_ext_h
+             + offs_p[:, None] * stride_ext_p + offs_n[None, :] * stride_ext_n, S, mask=mask_pn)
 
 
 @triton.jit
 def _output_fwd_kernel(
     x_ptr, B_ptr, C_ptr, dt_ptr, dt_bias_ptr, A_ptr, D_ptr, z_ptr, seq_ptr, states_ptr, y_ptr,
+    entry_ptr, gamma_ptr,
     seqlen, headdim, dstate, heads_per_group, dt_min, dt_max,
     stride_x_b, stride_x_l, stride_x_h, stride_x_p,
     stride_B_b, stride_B_l, stride_B_g, stride_B_n,
@@ -214,13 +234,17 @@ def _output_fwd_kernel(
     stride_seq_b, stride_seq_l,
     stride_st_b, stride_st_c, stride_st_h, stride_st_p, stride_st_n,
     stride_y_b, stride_y_l, stride_y_h, stride_y_p,
+    stride_en_b, stride_en_h, stride_en_p, stride_en_n,
+    stride_ga_b, stride_ga_c, stride_ga_h,
     ngroups,
     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_DT_LIMIT: tl.constexpr,
-    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_SEQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_ENTRY: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Outputs of one (chunk, batch, group, p-block): C.B is formed once and reused by every
-    head of the group; then per head y = (C.B * decay * dt') x + exp(cs) C S_in (+ D x, * silu z)."""
+    head of the group; then per head y = (C.B * decay * dt') x + exp(cs) C S_in (+ D x, * silu z),
+    with S_in = states(c) + gamma(c) S_entry: the segment's entry state is folded in here."""
     c = tl.program_id(0)
     pid_bg = tl.program_id(1)
     pid_p = tl.program_id(2)
@@ -260,9 +284,14 @@ def _output_fwd_kernel(
                     + offs_p[None, :] * stride_x_p, mask=mask_qp, other=0.0)        # (Q, BP)
         y = tl.dot(M.to(x.dtype), x, input_precision=DOT_PRECISION)                # (Q, BP)
 
+        mask_pn = (offs_p[:, None] < headdim) & (offs_n[None, :] < dstate)
         S_in = tl.load(states_ptr + b.to(tl.int64) * stride_st_b + tl.cast(c, tl.int64) * stride_st_c
                        + h * stride_st_h + offs_p[:, None] * stride_st_p + offs_n[None, :] * stride_st_n,
-                       mask=(offs_p[:, None] < headdim) & (offs_n[None, :] < dstate), other=0.0)
+                       mask=mask_pn, other=0.0)                                    # (BP, BN)
+        if HAS_ENTRY:
+            S_in = S_in.to(tl.float32) + _entry_term(entry_ptr, gamma_ptr, b, c, h, offs_p, offs_n, mask_pn,
+                                                     stride_en_b, stride_en_h, stride_en_p, stride_en_n,
+                                                     stride_ga_b, stride_ga_c, stride_ga_h)
         e = tl.where(entry, tl.exp(hi + lo), 0.0)                                  # (Q,)
         y += e[:, None] * tl.dot(Cm, tl.trans(S_in.to(Cm.dtype)), input_precision=DOT_PRECISION)
 
@@ -284,24 +313,26 @@ def _output_fwd_kernel(
 
 @triton.jit
 def _state_bwd_kernel(
-    dout_ptr, z_ptr, C_ptr, dt_ptr, dt_bias_ptr, A_ptr, seq_ptr, dfinal_ptr, dstates_ptr, dinit_ptr,
+    dout_ptr, z_ptr, C_ptr, dt_ptr, dt_bias_ptr, A_ptr, seq_ptr, dstates_ptr, rho_ptr, G_ptr,
     seqlen, nheads, headdim, dstate, nchunks, heads_per_group, dt_min, dt_max,
     stride_do_b, stride_do_l, stride_do_h, stride_do_p,
     stride_z_b, stride_z_l, stride_z_h, stride_z_p,
     stride_C_b, stride_C_l, stride_C_g, stride_C_n,
     stride_dt_b, stride_dt_l, stride_dt_h,
     stride_seq_b, stride_seq_l,
-    stride_df_b, stride_df_h, stride_df_p, stride_df_n,
     stride_ds_b, stride_ds_c, stride_ds_h, stride_ds_p, stride_ds_n,
-    stride_di_b, stride_di_h, stride_di_p, stride_di_n,
+    stride_rho_b, stride_rho_c, stride_rho_h,
+    stride_G_b, stride_G_h, stride_G_p, stride_G_n,
     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_DT_LIMIT: tl.constexpr,
-    HAS_Z: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_DFINAL: tl.constexpr, HAS_DINIT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    HAS_Z: tl.constexpr, HAS_SEQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """The forward state pass run backwards: walk the chunks last to first carrying dS, the
-    gradient arriving at a chunk's exit; store it per chunk, then
-    dS <- exp(cs_last) dS + sum_i exp(cs_i) dy_i C_i^T   (the chunk's own outputs' pull on S_in)."""
+    """The forward state pass run backwards, from a zero gradient at the segment's exit: walk
+    the chunks last to first carrying dS, the gradient arriving at a chunk's exit; store it per
+    chunk, then dS <- exp(cs_last) dS + sum_i exp(cs_i) dy_i C_i^T. What is left at the start is
+    G, the pull of the segment's own outputs on its entry state. Also store rho(c), the decay
+    from chunk c's exit to the segment's exit, so a gradient dS_exit that arrives later adds
+    rho(c) dS_exit to chunk c's exit gradient."""
     pid_p = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_bh = tl.program_id(2)
@@ -313,19 +344,20 @@ def _state_bwd_kernel(
     offs_n = pid_n * BN + tl.arange(0, BN)
     mask_pn = (offs_p[:, None] < headdim) & (offs_n[None, :] < dstate)
 
-    if HAS_DFINAL:
-        dS = tl.load(dfinal_ptr + b.to(tl.int64) * stride_df_b + h * stride_df_h
-                     + offs_p[:, None] * stride_df_p + offs_n[None, :] * stride_df_n,
-                     mask=mask_pn, other=0.0).to(tl.float32)                     # (BP, BN)
-    else:
-        dS = tl.zeros((BP, BN), dtype=tl.float32)
+    dS = tl.zeros((BP, BN), dtype=tl.float32)                                     # (BP, BN)
     ds_base = (dstates_ptr + b.to(tl.int64) * stride_ds_b + h * stride_ds_h
                + offs_p[:, None] * stride_ds_p + offs_n[None, :] * stride_ds_n)
+    rho_base = rho_ptr + b.to(tl.int64) * stride_rho_b + h * stride_rho_h
+    first_tile = (pid_p == 0) & (pid_n == 0)
+    log_rho = tl.zeros((), dtype=tl.float64)
+    alive = tl.full((), 1.0, tl.float32)
 
     for i in range(nchunks):
         c = nchunks - 1 - i
         start = c * Q
         tl.store(ds_base + tl.cast(c, tl.int64) * stride_ds_c, dS.to(dstates_ptr.dtype.element_ty), mask=mask_pn)
+        tl.store(rho_base + tl.cast(c, tl.int64) * stride_rho_c, alive * tl.exp(log_rho.to(tl.float32)),
+                 mask=first_tile)
         dt, dA = _chunk_dt(dt_ptr, dt_bias_ptr, A_ptr, b, h, start, seqlen,
                            stride_dt_b, stride_dt_l, stride_dt_h,
                            Q, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT, dt_min, dt_max)
@@ -333,10 +365,12 @@ def _state_bwd_kernel(
         total = tl.sum(dA.to(tl.float64), axis=0)
         e = tl.exp(hi + lo)                                                       # (Q,)
         decay = tl.exp(total.to(tl.float32))
+        log_rho += total
         if HAS_SEQ:
             seq, last, prev = _seq_ids(seq_ptr, b, start, seqlen, stride_seq_b, stride_seq_l, Q)
             e = tl.where(seq == prev, e, 0.0)
             decay = tl.where(last == prev, decay, 0.0)
+            alive = tl.where(last == prev, alive, 0.0)
         t = start + offs_q
         t64 = t.to(tl.int64)
         valid = t < seqlen
@@ -352,14 +386,14 @@ def _state_bwd_kernel(
         dye = (dy * e[:, None]).to(Cm.dtype)
         dS = decay * dS + tl.dot(tl.trans(dye), Cm, input_precision=DOT_PRECISION)  # (BP, BN)
 
-    if HAS_DINIT:
-        tl.store(dinit_ptr + b.to(tl.int64) * stride_di_b + h * stride_di_h
-                 + offs_p[:, None] * stride_di_p + offs_n[None, :] * stride_di_n, dS, mask=mask_pn)
+    tl.store(G_ptr + b.to(tl.int64) * stride_G_b + h * stride_G_h
+             + offs_p[:, None] * stride_G_p + offs_n[None, :] * stride_G_n, dS, mask=mask_pn)
 
 
 @triton.jit
 def _chunk_bwd_kernel(
     x_ptr, B_ptr, C_ptr, dt_ptr, dt_bias_ptr, A_ptr, D_ptr, z_ptr, seq_ptr, states_ptr, dstates_ptr,
+    entry_ptr, gamma_ptr, dexit_ptr, rho_ptr,
     dout_ptr, dx_ptr, dB_ptr, dC_ptr, ddt_ptr, dz_ptr, dA_part_ptr, dD_part_ptr,
     seqlen, headdim, dstate, heads_per_group, ngroups, nheads, dt_min, dt_max,
     stride_x_b, stride_x_l, stride_x_h, stride_x_p,
@@ -371,6 +405,10 @@ def _chunk_bwd_kernel(
     stride_seq_b, stride_seq_l,
     stride_st_b, stride_st_c, stride_st_h, stride_st_p, stride_st_n,
     stride_ds_b, stride_ds_c, stride_ds_h, stride_ds_p, stride_ds_n,
+    stride_en_b, stride_en_h, stride_en_p, stride_en_n,
+    stride_ga_b, stride_ga_c, stride_ga_h,
+    stride_dex_b, stride_dex_h, stride_dex_p, stride_dex_n,
+    stride_rho_b, stride_rho_c, stride_rho_h,
     stride_do_b, stride_do_l, stride_do_h, stride_do_p,
     stride_dx_b, stride_dx_l, stride_dx_h, stride_dx_p,
     stride_dB_b, stride_dB_l, stride_dB_g, stride_dB_n,
@@ -381,7 +419,8 @@ def _chunk_bwd_kernel(
     stride_dDp_b, stride_dDp_c, stride_dDp_h, stride_dDp_p,
     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_DT_LIMIT: tl.constexpr,
-    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_SEQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_SEQ: tl.constexpr,
+    HAS_ENTRY: tl.constexpr, HAS_EXIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Every gradient of one (chunk, batch, group), given the chunk's entry state S_in and the
     gradient dS_out arriving at its exit. C.B is formed once for the group; the heads' pulls on
@@ -458,6 +497,14 @@ def _chunk_bwd_kernel(
         dS_out = tl.load(dstates_ptr + b64 * stride_ds_b + c64 * stride_ds_c + h * stride_ds_h
                          + offs_p[:, None] * stride_ds_p + offs_n[None, :] * stride_ds_n,
                          mask=mask_pn, other=0.0)                                  # (BP, BN)
+        if HAS_ENTRY:
+            S_in = S_in.to(tl.float32) + _entry_term(entry_ptr, gamma_ptr, b, c, h, offs_p, offs_n, mask_pn,
+                                                     stride_en_b, stride_en_h, stride_en_p, stride_en_n,
+                                                     stride_ga_b, stride_ga_c, stride_ga_h)
+        if HAS_EXIT:
+            dS_out = dS_out.to(tl.float32) + _entry_term(dexit_ptr, rho_ptr, b, c, h, offs_p, offs_n, mask_pn,
+                                                         stride_dex_b, stride_dex_h, stride_dex_p, stride_dex_n,
+                                                         stride_rho_b, stride_rho_c, stride_rho_h)
         y_entry = e[:, None] * tl.dot(Cm, tl.trans(S_in.to(Cm.dtype)), input_precision=DOT_PRECISION)
         Dv = tl.zeros((BP,), dtype=tl.float32)
         if HAS_D:
@@ -619,107 +666,134 @@ class _Launch:
         self.warps = 4 if INTERPRET else 8
 
 
-def _state_fwd(x, dt, A, B, dt_bias, seq_idx, initial_states, k):
-    """Entry state of every chunk (b, nchunks, h, p, n) and the final state (b, h, p, n) fp32."""
+def _state_fwd(x, dt, A, B, dt_bias, seq_idx, k):
+    """From a zero entry: chunk entry states (b, nchunks, h, p, n), gamma (b, nchunks+1, h) fp32,
+    and the exit state S_ext (b, h, p, n) fp32. The segment's decay a is gamma[:, -1]."""
     states = torch.empty(k.batch, k.nchunks, k.nheads, k.headdim, k.dstate, device=x.device, dtype=k.state_dtype)
-    final = torch.empty(k.batch, k.nheads, k.headdim, k.dstate, device=x.device, dtype=torch.float32)
+    gamma = torch.empty(k.batch, k.nchunks + 1, k.nheads, device=x.device, dtype=torch.float32)
+    S_ext = torch.empty(k.batch, k.nheads, k.headdim, k.dstate, device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(k.headdim, k.BP_state), triton.cdiv(k.dstate, k.BN_state), k.batch * k.nheads)
     _state_fwd_kernel[grid](
-        x, B, dt, dt_bias, A, seq_idx, initial_states, states, final,
+        x, B, dt, dt_bias, A, seq_idx, states, gamma, S_ext,
         k.seqlen, k.nheads, k.headdim, k.dstate, k.nchunks, k.heads_per_group, k.dt_min, k.dt_max,
-        *x.stride(), *B.stride(), *dt.stride(), *_strides(seq_idx, 2), *_strides(initial_states, 4),
-        *states.stride(), *final.stride(),
-        Q=k.Q, BP=k.BP_state, BN=k.BN_state, HAS_INIT=initial_states is not None,
-        DOT_PRECISION=k.precision, num_warps=4, **k.flags)
-    return states, final
+        *x.stride(), *B.stride(), *dt.stride(), *_strides(seq_idx, 2),
+        *states.stride(), *gamma.stride(), *S_ext.stride(),
+        Q=k.Q, BP=k.BP_state, BN=k.BN_state, DOT_PRECISION=k.precision, num_warps=4, **k.flags)
+    return states, gamma, S_ext
 
 
-def _output_fwd(x, dt, A, B, C, D, z, dt_bias, seq_idx, states, k):
-    y = torch.empty_like(x, memory_format=torch.contiguous_format)
-    D2 = None if D is None else (D[:, None] if D.dim() == 1 else D)               # (h, 1) or (h, p)
-    D_strides = (0, 0) if D2 is None else (D2.stride(0), 0 if D.dim() == 1 else D2.stride(1))
+def _D_view(D):
+    """D as (h, p) strides: (h,) broadcasts over p with a zero stride."""
+    if D is None:
+        return None, (0, 0)
+    return D, (D.stride(0), 0 if D.dim() == 1 else D.stride(1))
+
+
+def _output_fwd(x, dt, A, B, C, D, z, dt_bias, seq_idx, states, gamma, entry, k, y=None):
+    """y (b, l, h, p); entry (b, h, p, n) fp32 is the segment's entry state, or None for zero."""
+    if y is None:
+        y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    D, D_strides = _D_view(D)
     grid = (k.nchunks, k.batch * k.ngroups, triton.cdiv(k.headdim, k.BP))
     _output_fwd_kernel[grid](
-        x, B, C, dt, dt_bias, A, D2, z, seq_idx, states, y,
+        x, B, C, dt, dt_bias, A, D, z, seq_idx, states, y, entry, gamma,
         k.seqlen, k.headdim, k.dstate, k.heads_per_group, k.dt_min, k.dt_max,
         *x.stride(), *B.stride(), *C.stride(), *dt.stride(), *D_strides, *_strides(z, 4),
-        *_strides(seq_idx, 2), *states.stride(), *y.stride(), k.ngroups,
-        Q=k.Q, BP=k.BP, BN=k.BN, HAS_D=D is not None, HAS_Z=z is not None,
-        DOT_PRECISION=k.precision, num_warps=k.warps, **k.flags)
+        *_strides(seq_idx, 2), *states.stride(), *y.stride(), *_strides(entry, 4), *gamma.stride(),
+        k.ngroups, Q=k.Q, BP=k.BP, BN=k.BN, HAS_D=D is not None, HAS_Z=z is not None,
+        HAS_ENTRY=entry is not None, DOT_PRECISION=k.precision, num_warps=k.warps, **k.flags)
     return y
 
 
-def _state_bwd(dout, z, C, dt, A, dt_bias, seq_idx, dfinal, need_dinit, k):
+def _state_bwd(dout, z, C, dt, A, dt_bias, seq_idx, k):
+    """From a zero gradient at the exit: chunk exit gradients (b, nchunks, h, p, n), rho
+    (b, nchunks, h) fp32, and G (b, h, p, n) fp32, the outputs' pull on the entry state."""
     dstates = torch.empty(k.batch, k.nchunks, k.nheads, k.headdim, k.dstate, device=dout.device, dtype=k.state_dtype)
-    dinit = torch.empty(k.batch, k.nheads, k.headdim, k.dstate, device=dout.device, dtype=torch.float32) \
-        if need_dinit else None
+    rho = torch.empty(k.batch, k.nchunks, k.nheads, device=dout.device, dtype=torch.float32)
+    G = torch.empty(k.batch, k.nheads, k.headdim, k.dstate, device=dout.device, dtype=torch.float32)
     grid = (triton.cdiv(k.headdim, k.BP_state), triton.cdiv(k.dstate, k.BN_state), k.batch * k.nheads)
     _state_bwd_kernel[grid](
-        dout, z, C, dt, dt_bias, A, seq_idx, dfinal, dstates, dinit,
+        dout, z, C, dt, dt_bias, A, seq_idx, dstates, rho, G,
         k.seqlen, k.nheads, k.headdim, k.dstate, k.nchunks, k.heads_per_group, k.dt_min, k.dt_max,
         *dout.stride(), *_strides(z, 4), *C.stride(), *dt.stride(), *_strides(seq_idx, 2),
-        *_strides(dfinal, 4), *dstates.stride(), *_strides(dinit, 4),
-        Q=k.Q, BP=k.BP_state, BN=k.BN_state, HAS_Z=z is not None, HAS_DFINAL=dfinal is not None,
-        HAS_DINIT=need_dinit, DOT_PRECISION=k.precision, num_warps=4, **k.flags)
-    return dstates, dinit
+        *dstates.stride(), *rho.stride(), *G.stride(),
+        Q=k.Q, BP=k.BP_state, BN=k.BN_state, HAS_Z=z is not None, DOT_PRECISION=k.precision,
+        num_warps=4, **k.flags)
+    return dstates, rho, G
 
 
-def _chunk_bwd(x, dt, A, B, C, D, z, dt_bias, seq_idx, states, dstates, dout, k):
-    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
-    dB = torch.empty_like(B, memory_format=torch.contiguous_format)
-    dC = torch.empty_like(C, memory_format=torch.contiguous_format)
+def _chunk_bwd(x, dt, A, B, C, D, z, dt_bias, seq_idx, states, gamma, entry, dstates, rho, dexit, dout, k,
+               dx=None, dB=None, dC=None):
+    """Every gradient of the chunks, given the segment's entry state and the gradient at its
+    exit (either may be None for zero). dx, dB, dC may be views into one buffer."""
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format) if dx is None else dx
+    dB = torch.empty_like(B, memory_format=torch.contiguous_format) if dB is None else dB
+    dC = torch.empty_like(C, memory_format=torch.contiguous_format) if dC is None else dC
     ddt = torch.empty(dt.shape, device=dt.device, dtype=torch.float32)
     dz = torch.empty_like(z, memory_format=torch.contiguous_format) if z is not None else None
     dA_part = torch.empty(k.batch, k.nchunks, k.nheads, device=x.device, dtype=torch.float32)
     dD_part = torch.empty(k.batch, k.nchunks, k.nheads, k.headdim, device=x.device, dtype=torch.float32) \
         if D is not None else None
-    D2 = None if D is None else (D[:, None] if D.dim() == 1 else D)
-    D_strides = (0, 0) if D2 is None else (D2.stride(0), 0 if D.dim() == 1 else D2.stride(1))
+    Dv, D_strides = _D_view(D)
     grid = (k.nchunks, k.batch * k.ngroups)
     _chunk_bwd_kernel[grid](
-        x, B, C, dt, dt_bias, A, D2, z, seq_idx, states, dstates,
+        x, B, C, dt, dt_bias, A, Dv, z, seq_idx, states, dstates, entry, gamma, dexit, rho,
         dout, dx, dB, dC, ddt, dz, dA_part, dD_part,
         k.seqlen, k.headdim, k.dstate, k.heads_per_group, k.ngroups, k.nheads, k.dt_min, k.dt_max,
         *x.stride(), *B.stride(), *C.stride(), *dt.stride(), *D_strides, *_strides(z, 4),
-        *_strides(seq_idx, 2), *states.stride(), *dstates.stride(), *dout.stride(),
+        *_strides(seq_idx, 2), *states.stride(), *dstates.stride(),
+        *_strides(entry, 4), *gamma.stride(), *_strides(dexit, 4), *rho.stride(), *dout.stride(),
         *dx.stride(), *dB.stride(), *dC.stride(), *ddt.stride(), *_strides(dz, 4),
         *dA_part.stride(), *_strides(dD_part, 4),
         Q=k.Q, BP=k.BP, BN=k.BN, HAS_D=D is not None, HAS_Z=z is not None,
+        HAS_ENTRY=entry is not None, HAS_EXIT=dexit is not None,
         DOT_PRECISION=k.precision, num_warps=k.warps, **k.flags)
-    return dx, dB, dC, ddt, dz, dA_part, dD_part
+    dA = dA_part.sum(dim=(0, 1))                                                    # (h,)
+    dD = None
+    if D is not None:
+        dD = dD_part.sum(dim=(0, 1))                                                # (h, p)
+        dD = dD.sum(-1) if D.dim() == 1 else dD
+    return dx, dB, dC, ddt, dz, dA, dD
+
+
+def _affine_exit(S_ext, a, S_entry):
+    """S_out = a S_in + S_ext, per batch row and head. S_ext (b, h, p, n), a (b, h)."""
+    return S_ext if S_entry is None else S_ext + a[:, :, None, None] * S_entry
 
 
 class _ChunkScanFn(torch.autograd.Function):
-    """Forward: state pass, output pass. Backward: recompute the chunk entry states (they are as
-    large as x, so they are not kept between forward and backward), reverse state pass, and the
-    fused chunk backward; parameter gradients are per-chunk partials summed here in fixed order."""
+    """Single device: one segment whose entry state is initial_states. Forward: state pass from a
+    zero entry, output pass with the entry folded in, final = a * initial + S_ext. Backward:
+    recompute the chunk states (as large as x, so not kept), reverse state pass, fused chunk
+    backward; d initial = G + a * d final. Parameter gradients are per-chunk partials summed in
+    fixed order: two identical calls give bitwise identical results."""
 
     @staticmethod
     def forward(ctx, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_softplus, dt_limit):
         k = _Launch(x, B, chunk_size, dt_bias, dt_softplus, dt_limit, D, z, seq_idx)
-        states, final = _state_fwd(x, dt, A, B, dt_bias, seq_idx, initial_states, k)
-        y = _output_fwd(x, dt, A, B, C, D, z, dt_bias, seq_idx, states, k)
+        entry = None if initial_states is None else initial_states.float()
+        states, gamma, S_ext = _state_fwd(x, dt, A, B, dt_bias, seq_idx, k)
+        y = _output_fwd(x, dt, A, B, C, D, z, dt_bias, seq_idx, states, gamma, entry, k)
         ctx.save_for_backward(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx)
         ctx.k = k
-        return y, final
+        return y, _affine_exit(S_ext, gamma[:, -1], entry)
 
     @staticmethod
     def backward(ctx, dy, dfinal):
         x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx = ctx.saved_tensors
         k = ctx.k
-        states, _ = _state_fwd(x, dt, A, B, dt_bias, seq_idx, initial_states, k)
-        dstates, dinit = _state_bwd(dy, z, C, dt, A, dt_bias, seq_idx, dfinal,
-                                    initial_states is not None and ctx.needs_input_grad[9], k)
-        dx, dB, dC, ddt, dz, dA_part, dD_part = _chunk_bwd(
-            x, dt, A, B, C, D, z, dt_bias, seq_idx, states, dstates, dy, k)
-        dA = dA_part.sum(dim=(0, 1)).to(A.dtype)
-        dD = None
-        if D is not None:
-            dD = dD_part.sum(dim=(0, 1))
-            dD = (dD.sum(-1) if D.dim() == 1 else dD).to(D.dtype)
+        entry = None if initial_states is None else initial_states.float()
+        dexit = None if dfinal is None else dfinal.float()
+        states, gamma, _ = _state_fwd(x, dt, A, B, dt_bias, seq_idx, k)
+        dstates, rho, G = _state_bwd(dy, z, C, dt, A, dt_bias, seq_idx, k)
+        dx, dB, dC, ddt, dz, dA, dD = _chunk_bwd(x, dt, A, B, C, D, z, dt_bias, seq_idx, states, gamma, entry,
+                                                 dstates, rho, dexit, dy, k)
+        dinit = None
+        if initial_states is not None:
+            dinit = _affine_exit(G, gamma[:, -1], dexit).to(initial_states.dtype)
         ddt_bias = ddt.sum(dim=(0, 1)).to(dt_bias.dtype) if dt_bias is not None else None
-        dinit = dinit.to(initial_states.dtype) if dinit is not None else None
-        return (dx, ddt.to(dt.dtype), dA, dB, dC, None, dD, dz, ddt_bias, dinit, None, None, None)
+        return (dx, ddt.to(dt.dtype), dA.to(A.dtype), dB, dC, None, None if dD is None else dD.to(D.dtype),
+                dz, ddt_bias, dinit, None, None, None)
 
 
 def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,

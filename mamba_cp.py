@@ -129,13 +129,15 @@ def _seq_ids(seq_ptr, b, start, seqlen, stride_seq_b, stride_seq_l, Q: tl.conste
 
 
 @triton.jit
-def _entry_term(entry_ptr, gamma_ptr, b, c, h, offs_p, offs_n, mask_pn,
-                stride_en_b, stride_en_h, stride_en_p, stride_en_n, stride_ga_b, stride_ga_c, stride_ga_h):
-    """gamma(c) * S_entry[b, h] as a (BP, BN) float32 tile: what the segment's entry state adds
-    to chunk c's entry state (forward), or what the gradient at its exit adds to chunk c's exit
-    gradient (backward, with rho for gamma)."""
+def _entry_term(entry_ptr, gamma_ptr, b, c, h, offs_p, offs_n, mask_pn, chunks_per_seg,
+                stride_en_b, stride_en_s, stride_en_h, stride_en_p, stride_en_n,
+                stride_ga_b, stride_ga_c, stride_ga_h):
+    """gamma(c) * S_entry[b, segment of c, h] as a (BP, BN) float32 tile: what the segment's
+    entry state adds to chunk c's entry state (forward), or, with rho for gamma and dS_exit for
+    S_entry, what the gradient at the segment's exit adds to chunk c's exit gradient."""
     gamma = tl.load(gamma_ptr + b.to(tl.int64) * stride_ga_b + tl.cast(c, tl.int64) * stride_ga_c + h * stride_ga_h)
-    S = tl.load(entry_ptr + b.to(tl.int64) * stride_en_b + h * stride_en_h
+    seg = tl.cast(c // chunks_per_seg, tl.int64)
+    S = tl.load(entry_ptr + b.to(tl.int64) * stride_en_b + seg * stride_en_s + h * stride_en_h
                 + offs_p[:, None] * stride_en_p + offs_n[None, :] * stride_en_n, mask=mask_pn, other=0.0)
     return gamma * S.to(tl.float32)
 
@@ -147,47 +149,55 @@ def _entry_term(entry_ptr, gamma_ptr, b, c, h, offs_p, offs_n, mask_pn,
 
 @triton.jit
 def _state_fwd_kernel(
-    x_ptr, B_ptr, dt_ptr, dt_bias_ptr, A_ptr, seq_ptr, states_ptr, gamma_ptr, ext_ptr,
-    seqlen, nheads, headdim, dstate, nchunks, heads_per_group, dt_min, dt_max,
+    x_ptr, B_ptr, dt_ptr, dt_bias_ptr, A_ptr, seq_ptr, states_ptr, gamma_ptr, a_ptr, ext_ptr,
+    seqlen, nheads, headdim, dstate, nchunks, chunks_per_seg, n_p_tiles, n_n_tiles, heads_per_group,
+    dt_min, dt_max,
     stride_x_b, stride_x_l, stride_x_h, stride_x_p,
     stride_B_b, stride_B_l, stride_B_g, stride_B_n,
     stride_dt_b, stride_dt_l, stride_dt_h,
     stride_seq_b, stride_seq_l,
     stride_st_b, stride_st_c, stride_st_h, stride_st_p, stride_st_n,
     stride_ga_b, stride_ga_c, stride_ga_h,
-    stride_ext_b, stride_ext_h, stride_ext_p, stride_ext_n,
+    stride_a_b, stride_a_s, stride_a_h,
+    stride_ext_b, stride_ext_s, stride_ext_h, stride_ext_p, stride_ext_n,
     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_DT_LIMIT: tl.constexpr,
     HAS_SEQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Walk the chunks of one (batch, head, p-block, n-block) in order from a zero entry state,
-    carrying S: store each chunk's entry state, then S <- exp(cs_last) S + sum_j exp(cs_last-cs_j) dt'_j x_j B_j^T.
-    Also store gamma(c), the decay from the segment's start to chunk c's entry (0 once a document
-    has started in between); gamma(nchunks) is the segment's own decay a. The segment's true
-    chunk entry states are then states(c) + gamma(c) S_entry, whatever S_entry turns out to be."""
-    pid_p = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_bh = tl.program_id(2)
+    """One segment (chunks_per_seg chunks) of one (batch, head, state tile), from a zero entry:
+    walk its chunks in order carrying S, store each chunk's entry state, then
+        S <- exp(cs_last) S + sum_j exp(cs_last - cs_j) dt'_j x_j B_j^T.
+    Also store gamma(c), the decay from the segment's start to chunk c's entry (0 once a
+    document has started in between), and the segment's affine summary: its exit state S_ext
+    and decay a. Segments run in parallel; a scan over their summaries supplies each one's true
+    entry state S_entry, and chunk c's true entry state is states(c) + gamma(c) S_entry."""
+    pid = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    n_tiles = n_p_tiles * n_n_tiles
+    seg = pid // n_tiles
+    pid_p = (pid % n_tiles) // n_n_tiles
+    pid_n = pid % n_n_tiles
     b = pid_bh // nheads
     h = pid_bh % nheads
     g = h // heads_per_group
+    b64 = b.to(tl.int64)
     offs_q = tl.arange(0, Q)
     offs_p = pid_p * BP + tl.arange(0, BP)
     offs_n = pid_n * BN + tl.arange(0, BN)
     mask_pn = (offs_p[:, None] < headdim) & (offs_n[None, :] < dstate)
 
-    x_base = x_ptr + b.to(tl.int64) * stride_x_b + h * stride_x_h + offs_p[None, :] * stride_x_p
-    B_base = B_ptr + b.to(tl.int64) * stride_B_b + g * stride_B_g + offs_n[None, :] * stride_B_n
-    st_base = (states_ptr + b.to(tl.int64) * stride_st_b + h * stride_st_h
+    x_base = x_ptr + b64 * stride_x_b + h * stride_x_h + offs_p[None, :] * stride_x_p
+    B_base = B_ptr + b64 * stride_B_b + g * stride_B_g + offs_n[None, :] * stride_B_n
+    st_base = (states_ptr + b64 * stride_st_b + h * stride_st_h
                + offs_p[:, None] * stride_st_p + offs_n[None, :] * stride_st_n)
-
-    ga_base = gamma_ptr + b.to(tl.int64) * stride_ga_b + h * stride_ga_h
-    first_tile = (pid_p == 0) & (pid_n == 0)          # one program per head writes gamma
+    ga_base = gamma_ptr + b64 * stride_ga_b + h * stride_ga_h
+    first_tile = (pid_p == 0) & (pid_n == 0)          # one program per head writes the decays
 
     S = tl.zeros((BP, BN), dtype=tl.float32)                                      # (BP, BN)
     log_gamma = tl.zeros((), dtype=tl.float64)
     alive = tl.full((), 1.0, tl.float32)              # 0 once a document starts in the segment
-    for c in range(nchunks):
+    c_end = tl.minimum((seg + 1) * chunks_per_seg, nchunks)
+    for c in range(seg * chunks_per_seg, c_end):
         start = c * Q
         tl.store(st_base + tl.cast(c, tl.int64) * stride_st_c, S.to(states_ptr.dtype.element_ty), mask=mask_pn)
         tl.store(ga_base + tl.cast(c, tl.int64) * stride_ga_c, alive * tl.exp(log_gamma.to(tl.float32)),
@@ -214,17 +224,89 @@ def _state_fwd_kernel(
         xw = (x.to(tl.float32) * w[:, None]).to(x.dtype)
         S = decay * S + tl.dot(tl.trans(xw), Bm, input_precision=DOT_PRECISION)  # (BP, BN)
 
-    tl.store(ga_base + tl.cast(nchunks, tl.int64) * stride_ga_c, alive * tl.exp(log_gamma.to(tl.float32)),
-             mask=first_tile)
-    tl.store(ext_ptr + b.to(tl.int64) * stride_ext_b + h * stride_ext_h
+    tl.store(a_ptr + b64 * stride_a_b + tl.cast(seg, tl.int64) * stride_a_s + h * stride_a_h,
+             alive * tl.exp(log_gamma.to(tl.float32)), mask=first_tile)
+    tl.store(ext_ptr + b64 * stride_ext_b + tl.cast(seg, tl.int64) * stride_ext_s + h * stride_ext_h
              + offs_p[:, None] * stride_ext_p + offs_n[None, :] * stride_ext_n, S, mask=mask_pn)
+
+
+@triton.jit
+def _segment_scan_kernel(
+    ext_ptr, a_ptr, e_ptr, init_ptr, entry_ptr, exit_ptr,
+    nseg, nheads, size,
+    stride_ext_b, stride_ext_s, stride_ext_h,
+    stride_a_b, stride_a_s, stride_a_h,
+    stride_e_b, stride_e_s,
+    stride_init_b, stride_init_h,
+    stride_en_b, stride_en_s, stride_en_h,
+    stride_exit_b, stride_exit_h,
+    BLOCK: tl.constexpr, HAS_E: tl.constexpr, HAS_INIT: tl.constexpr,
+):
+    """The exclusive scan over segment summaries, for one (batch, head, slice of the p*n state):
+        S_entry(0) = initial;  S_entry(k+1) = e_{k+1} (a_k S_entry(k) + S_ext(k))
+    where e_k = 0 when segment k starts a new document (only needed when that is not already in
+    a_k). Stores every S_entry(k) and the exit of the last segment. States are contiguous in p*n."""
+    pid = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // nheads).to(tl.int64)
+    h = pid_bh % nheads
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < size
+    if HAS_INIT:
+        S = tl.load(init_ptr + b * stride_init_b + h * stride_init_h + offs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        S = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k in range(nseg):
+        k64 = tl.cast(k, tl.int64)
+        if HAS_E:
+            S *= tl.load(e_ptr + b * stride_e_b + k64 * stride_e_s)
+        tl.store(entry_ptr + b * stride_en_b + k64 * stride_en_s + h * stride_en_h + offs, S, mask=mask)
+        a = tl.load(a_ptr + b * stride_a_b + k64 * stride_a_s + h * stride_a_h)
+        S = a * S + tl.load(ext_ptr + b * stride_ext_b + k64 * stride_ext_s + h * stride_ext_h + offs, mask=mask)
+    tl.store(exit_ptr + b * stride_exit_b + h * stride_exit_h + offs, S, mask=mask)
+
+
+@triton.jit
+def _segment_scan_bwd_kernel(
+    G_ptr, a_ptr, e_ptr, dfinal_ptr, dexit_ptr, dinit_ptr,
+    nseg, nheads, size,
+    stride_G_b, stride_G_s, stride_G_h,
+    stride_a_b, stride_a_s, stride_a_h,
+    stride_e_b, stride_e_s,
+    stride_df_b, stride_df_h,
+    stride_dex_b, stride_dex_s, stride_dex_h,
+    stride_di_b, stride_di_h,
+    BLOCK: tl.constexpr, HAS_E: tl.constexpr, HAS_DFINAL: tl.constexpr,
+):
+    """The reverse exclusive scan: the gradient arriving at each segment's exit,
+        dS_exit(K-1) = d final;  dS_exit(k-1) = e_k (G(k) + a_k dS_exit(k)),
+    G(k) being the pull of segment k's own outputs on its entry state. The gradient of the
+    initial state is G(0) + a_0 dS_exit(0)."""
+    pid = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // nheads).to(tl.int64)
+    h = pid_bh % nheads
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < size
+    if HAS_DFINAL:
+        dS = tl.load(dfinal_ptr + b * stride_df_b + h * stride_df_h + offs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        dS = tl.zeros((BLOCK,), dtype=tl.float32)
+    for i in range(nseg):
+        k64 = tl.cast(nseg - 1 - i, tl.int64)
+        tl.store(dexit_ptr + b * stride_dex_b + k64 * stride_dex_s + h * stride_dex_h + offs, dS, mask=mask)
+        a = tl.load(a_ptr + b * stride_a_b + k64 * stride_a_s + h * stride_a_h)
+        dS = a * dS + tl.load(G_ptr + b * stride_G_b + k64 * stride_G_s + h * stride_G_h + offs, mask=mask)
+        if HAS_E:  # e_0 = 1: the initial state always reaches the first document
+            dS *= tl.load(e_ptr + b * stride_e_b + k64 * stride_e_s)
+    tl.store(dinit_ptr + b * stride_di_b + h * stride_di_h + offs, dS, mask=mask)
 
 
 @triton.jit
 def _output_fwd_kernel(
     x_ptr, B_ptr, C_ptr, dt_ptr, dt_bias_ptr, A_ptr, D_ptr, z_ptr, seq_ptr, states_ptr, y_ptr,
     entry_ptr, gamma_ptr,
-    seqlen, headdim, dstate, heads_per_group, dt_min, dt_max,
+    seqlen, headdim, dstate, heads_per_group, chunks_per_seg, dt_min, dt_max,
     stride_x_b, stride_x_l, stride_x_h, stride_x_p,
     stride_B_b, stride_B_l, stride_B_g, stride_B_n,
     stride_C_b, stride_C_l, stride_C_g, stride_C_n,
@@ -234,7 +316,7 @@ def _output_fwd_kernel(
     stride_seq_b, stride_seq_l,
     stride_st_b, stride_st_c, stride_st_h, stride_st_p, stride_st_n,
     stride_y_b, stride_y_l, stride_y_h, stride_y_p,
-    stride_en_b, stride_en_h, stride_en_p, stride_en_n,
+    stride_en_b, stride_en_s, stride_en_h, stride_en_p, stride_en_n,
     stride_ga_b, stride_ga_c, stride_ga_h,
     ngroups,
     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
@@ -290,8 +372,8 @@ def _output_fwd_kernel(
                        mask=mask_pn, other=0.0)                                    # (BP, BN)
         if HAS_ENTRY:
             S_in = S_in.to(tl.float32) + _entry_term(entry_ptr, gamma_ptr, b, c, h, offs_p, offs_n, mask_pn,
-                                                     stride_en_b, stride_en_h, stride_en_p, stride_en_n,
-                                                     stride_ga_b, stride_ga_c, stride_ga_h)
+                                                     chunks_per_seg, stride_en_b, stride_en_s, stride_en_h,
+                                                     stride_en_p, stride_en_n, stride_ga_b, stride_ga_c, stride_ga_h)
         e = tl.where(entry, tl.exp(hi + lo), 0.0)                                  # (Q,)
         y += e[:, None] * tl.dot(Cm, tl.trans(S_in.to(Cm.dtype)), input_precision=DOT_PRECISION)
 
@@ -313,8 +395,9 @@ def _output_fwd_kernel(
 
 @triton.jit
 def _state_bwd_kernel(
-    dout_ptr, z_ptr, C_ptr, dt_ptr, dt_bias_ptr, A_ptr, seq_ptr, dstates_ptr, rho_ptr, G_ptr,
-    seqlen, nheads, headdim, dstate, nchunks, heads_per_group, dt_min, dt_max,
+    dout_ptr, z_ptr, C_ptr, dt_ptr, dt_bias_ptr, A_ptr, seq_ptr, dstates_ptr, rho_ptr, G_ptr, a_ptr,
+    seqlen, nheads, headdim, dstate, nchunks, chunks_per_seg, n_p_tiles, n_n_tiles, heads_per_group,
+    dt_min, dt_max,
     stride_do_b, stride_do_l, stride_do_h, stride_do_p,
     stride_z_b, stride_z_l, stride_z_h, stride_z_p,
     stride_C_b, stride_C_l, stride_C_g, stride_C_n,
@@ -322,38 +405,45 @@ def _state_bwd_kernel(
     stride_seq_b, stride_seq_l,
     stride_ds_b, stride_ds_c, stride_ds_h, stride_ds_p, stride_ds_n,
     stride_rho_b, stride_rho_c, stride_rho_h,
-    stride_G_b, stride_G_h, stride_G_p, stride_G_n,
+    stride_G_b, stride_G_s, stride_G_h, stride_G_p, stride_G_n,
+    stride_a_b, stride_a_s, stride_a_h,
     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_DT_LIMIT: tl.constexpr,
     HAS_Z: tl.constexpr, HAS_SEQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """The forward state pass run backwards, from a zero gradient at the segment's exit: walk
-    the chunks last to first carrying dS, the gradient arriving at a chunk's exit; store it per
-    chunk, then dS <- exp(cs_last) dS + sum_i exp(cs_i) dy_i C_i^T. What is left at the start is
-    G, the pull of the segment's own outputs on its entry state. Also store rho(c), the decay
-    from chunk c's exit to the segment's exit, so a gradient dS_exit that arrives later adds
-    rho(c) dS_exit to chunk c's exit gradient."""
-    pid_p = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_bh = tl.program_id(2)
+    """The forward state pass run backwards over one segment, from a zero gradient at its exit:
+    walk its chunks last to first carrying dS, the gradient arriving at a chunk's exit; store it
+    per chunk, then dS <- exp(cs_last) dS + sum_i exp(cs_i) dy_i C_i^T. What is left at the
+    segment's start is G, the pull of its own outputs on its entry state. Also store rho(c), the
+    decay from chunk c's exit to the segment's exit: once the reverse scan has found the gradient
+    dS_exit arriving at the segment's exit, chunk c's exit gradient is dstates(c) + rho(c) dS_exit.
+    The segment's decay a (as in the forward pass) comes out too, so G can be scanned at once."""
+    pid = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    n_tiles = n_p_tiles * n_n_tiles
+    seg = pid // n_tiles
+    pid_p = (pid % n_tiles) // n_n_tiles
+    pid_n = pid % n_n_tiles
     b = pid_bh // nheads
     h = pid_bh % nheads
     g = h // heads_per_group
+    b64 = b.to(tl.int64)
     offs_q = tl.arange(0, Q)
     offs_p = pid_p * BP + tl.arange(0, BP)
     offs_n = pid_n * BN + tl.arange(0, BN)
     mask_pn = (offs_p[:, None] < headdim) & (offs_n[None, :] < dstate)
 
-    dS = tl.zeros((BP, BN), dtype=tl.float32)                                     # (BP, BN)
-    ds_base = (dstates_ptr + b.to(tl.int64) * stride_ds_b + h * stride_ds_h
+    ds_base = (dstates_ptr + b64 * stride_ds_b + h * stride_ds_h
                + offs_p[:, None] * stride_ds_p + offs_n[None, :] * stride_ds_n)
-    rho_base = rho_ptr + b.to(tl.int64) * stride_rho_b + h * stride_rho_h
+    rho_base = rho_ptr + b64 * stride_rho_b + h * stride_rho_h
     first_tile = (pid_p == 0) & (pid_n == 0)
+    dS = tl.zeros((BP, BN), dtype=tl.float32)                                     # (BP, BN)
     log_rho = tl.zeros((), dtype=tl.float64)
     alive = tl.full((), 1.0, tl.float32)
-
-    for i in range(nchunks):
-        c = nchunks - 1 - i
+    c_first = seg * chunks_per_seg
+    c_end = tl.minimum(c_first + chunks_per_seg, nchunks)
+    for i in range(c_end - c_first):
+        c = c_end - 1 - i
         start = c * Q
         tl.store(ds_base + tl.cast(c, tl.int64) * stride_ds_c, dS.to(dstates_ptr.dtype.element_ty), mask=mask_pn)
         tl.store(rho_base + tl.cast(c, tl.int64) * stride_rho_c, alive * tl.exp(log_rho.to(tl.float32)),
@@ -375,19 +465,21 @@ def _state_bwd_kernel(
         t64 = t.to(tl.int64)
         valid = t < seqlen
         mask_qp = valid[:, None] & (offs_p[None, :] < headdim)
-        dy = tl.load(dout_ptr + b.to(tl.int64) * stride_do_b + t64[:, None] * stride_do_l + h * stride_do_h
+        dy = tl.load(dout_ptr + b64 * stride_do_b + t64[:, None] * stride_do_l + h * stride_do_h
                      + offs_p[None, :] * stride_do_p, mask=mask_qp, other=0.0).to(tl.float32)
         if HAS_Z:
-            z = tl.load(z_ptr + b.to(tl.int64) * stride_z_b + t64[:, None] * stride_z_l + h * stride_z_h
+            z = tl.load(z_ptr + b64 * stride_z_b + t64[:, None] * stride_z_l + h * stride_z_h
                         + offs_p[None, :] * stride_z_p, mask=mask_qp, other=0.0).to(tl.float32)
             dy *= z * tl.sigmoid(z)
-        Cm = tl.load(C_ptr + b.to(tl.int64) * stride_C_b + t64[:, None] * stride_C_l + g * stride_C_g
+        Cm = tl.load(C_ptr + b64 * stride_C_b + t64[:, None] * stride_C_l + g * stride_C_g
                      + offs_n[None, :] * stride_C_n, mask=valid[:, None] & (offs_n[None, :] < dstate), other=0.0)
         dye = (dy * e[:, None]).to(Cm.dtype)
         dS = decay * dS + tl.dot(tl.trans(dye), Cm, input_precision=DOT_PRECISION)  # (BP, BN)
 
-    tl.store(G_ptr + b.to(tl.int64) * stride_G_b + h * stride_G_h
+    tl.store(G_ptr + b64 * stride_G_b + tl.cast(seg, tl.int64) * stride_G_s + h * stride_G_h
              + offs_p[:, None] * stride_G_p + offs_n[None, :] * stride_G_n, dS, mask=mask_pn)
+    tl.store(a_ptr + b64 * stride_a_b + tl.cast(seg, tl.int64) * stride_a_s + h * stride_a_h,
+             alive * tl.exp(log_rho.to(tl.float32)), mask=first_tile)
 
 
 @triton.jit
@@ -395,7 +487,7 @@ def _chunk_bwd_kernel(
     x_ptr, B_ptr, C_ptr, dt_ptr, dt_bias_ptr, A_ptr, D_ptr, z_ptr, seq_ptr, states_ptr, dstates_ptr,
     entry_ptr, gamma_ptr, dexit_ptr, rho_ptr,
     dout_ptr, dx_ptr, dB_ptr, dC_ptr, ddt_ptr, dz_ptr, dA_part_ptr, dD_part_ptr,
-    seqlen, headdim, dstate, heads_per_group, ngroups, nheads, dt_min, dt_max,
+    seqlen, headdim, dstate, heads_per_group, ngroups, nheads, chunks_per_seg, dt_min, dt_max,
     stride_x_b, stride_x_l, stride_x_h, stride_x_p,
     stride_B_b, stride_B_l, stride_B_g, stride_B_n,
     stride_C_b, stride_C_l, stride_C_g, stride_C_n,
@@ -405,9 +497,9 @@ def _chunk_bwd_kernel(
     stride_seq_b, stride_seq_l,
     stride_st_b, stride_st_c, stride_st_h, stride_st_p, stride_st_n,
     stride_ds_b, stride_ds_c, stride_ds_h, stride_ds_p, stride_ds_n,
-    stride_en_b, stride_en_h, stride_en_p, stride_en_n,
+    stride_en_b, stride_en_s, stride_en_h, stride_en_p, stride_en_n,
     stride_ga_b, stride_ga_c, stride_ga_h,
-    stride_dex_b, stride_dex_h, stride_dex_p, stride_dex_n,
+    stride_dex_b, stride_dex_s, stride_dex_h, stride_dex_p, stride_dex_n,
     stride_rho_b, stride_rho_c, stride_rho_h,
     stride_do_b, stride_do_l, stride_do_h, stride_do_p,
     stride_dx_b, stride_dx_l, stride_dx_h, stride_dx_p,
@@ -499,12 +591,13 @@ def _chunk_bwd_kernel(
                          mask=mask_pn, other=0.0)                                  # (BP, BN)
         if HAS_ENTRY:
             S_in = S_in.to(tl.float32) + _entry_term(entry_ptr, gamma_ptr, b, c, h, offs_p, offs_n, mask_pn,
-                                                     stride_en_b, stride_en_h, stride_en_p, stride_en_n,
-                                                     stride_ga_b, stride_ga_c, stride_ga_h)
+                                                     chunks_per_seg, stride_en_b, stride_en_s, stride_en_h,
+                                                     stride_en_p, stride_en_n, stride_ga_b, stride_ga_c, stride_ga_h)
         if HAS_EXIT:
             dS_out = dS_out.to(tl.float32) + _entry_term(dexit_ptr, rho_ptr, b, c, h, offs_p, offs_n, mask_pn,
-                                                         stride_dex_b, stride_dex_h, stride_dex_p, stride_dex_n,
-                                                         stride_rho_b, stride_rho_c, stride_rho_h)
+                                                         chunks_per_seg, stride_dex_b, stride_dex_s, stride_dex_h,
+                                                         stride_dex_p, stride_dex_n, stride_rho_b, stride_rho_c,
+                                                         stride_rho_h)
         y_entry = e[:, None] * tl.dot(Cm, tl.trans(S_in.to(Cm.dtype)), input_precision=DOT_PRECISION)
         Dv = tl.zeros((BP,), dtype=tl.float32)
         if HAS_D:
@@ -643,43 +736,98 @@ def _strides(t, ndim):
     return tuple(t.stride()) if t is not None else (0,) * ndim
 
 
+# Kernel chunk lengths. The chunked form computes the same recurrence for any chunk length, so
+# the kernels may use a shorter chunk than the caller's chunk_size: the fused backward keeps its
+# group accumulators in registers only up to 64 tokens. Segments of CHUNKS_PER_SEGMENT chunks
+# run the sequential state pass in parallel (section 3 of DESIGN.md, applied within one GPU);
+# the interpreter uses tiny segments so that CPU tests exercise the segment scan.
+MAX_CHUNK_FWD = 128
+MAX_CHUNK_BWD = 64
+CHUNKS_PER_SEGMENT = 2 if INTERPRET else 16
+
+
 class _Launch:
     """Everything the kernels need that is derived once per call: sizes, tile shapes, flags."""
 
-    def __init__(self, x, B, chunk_size, dt_bias, dt_softplus, dt_limit, D, z, seq_idx):
+    def __init__(self, x, B, chunk, dt_bias, dt_softplus, dt_limit, D, z, seq_idx):
         self.batch, self.seqlen, self.nheads, self.headdim = x.shape
         self.ngroups, self.dstate = B.shape[2], B.shape[3]
         self.heads_per_group = self.nheads // self.ngroups
-        self.Q = chunk_size
-        self.nchunks = triton.cdiv(self.seqlen, chunk_size)
+        self.Q = chunk
+        self.nchunks = triton.cdiv(self.seqlen, chunk)
+        self.chunks_per_seg = CHUNKS_PER_SEGMENT
+        self.nseg = triton.cdiv(self.nchunks, self.chunks_per_seg)
         self.BP = _pow2(self.headdim)
         self.BN = _pow2(self.dstate)
-        # the state pass walks chunks sequentially: split p and n across programs for parallelism
-        self.BP_state = min(self.BP, 32 if not INTERPRET else self.BP)
-        self.BN_state = min(self.BN, 64 if not INTERPRET else self.BN)
-        self.has_limit = tuple(dt_limit) != (0.0, float("inf"))
+        # the state pass walks chunks sequentially: split the state tile across programs
+        self.BP_state = self.BP if INTERPRET else min(self.BP, 64)
+        self.BN_state = self.BN if INTERPRET else min(self.BN, 64)
+        self.n_p_tiles = triton.cdiv(self.headdim, self.BP_state)
+        self.n_n_tiles = triton.cdiv(self.dstate, self.BN_state)
         self.dt_min, self.dt_max = float(dt_limit[0]), float(dt_limit[1])
         self.flags = dict(HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus),
-                          HAS_DT_LIMIT=self.has_limit, HAS_SEQ=seq_idx is not None)
+                          HAS_DT_LIMIT=tuple(dt_limit) != (0.0, float("inf")), HAS_SEQ=seq_idx is not None)
         self.precision = "ieee" if x.dtype == torch.float32 else "tf32"
         self.state_dtype = torch.float32 if x.dtype == torch.float32 else x.dtype
         self.warps = 4 if INTERPRET else 8
 
+    def state_grid(self):
+        return (self.nseg * self.n_p_tiles * self.n_n_tiles, self.batch * self.nheads)
+
 
 def _state_fwd(x, dt, A, B, dt_bias, seq_idx, k):
-    """From a zero entry: chunk entry states (b, nchunks, h, p, n), gamma (b, nchunks+1, h) fp32,
-    and the exit state S_ext (b, h, p, n) fp32. The segment's decay a is gamma[:, -1]."""
-    states = torch.empty(k.batch, k.nchunks, k.nheads, k.headdim, k.dstate, device=x.device, dtype=k.state_dtype)
-    gamma = torch.empty(k.batch, k.nchunks + 1, k.nheads, device=x.device, dtype=torch.float32)
-    S_ext = torch.empty(k.batch, k.nheads, k.headdim, k.dstate, device=x.device, dtype=torch.float32)
-    grid = (triton.cdiv(k.headdim, k.BP_state), triton.cdiv(k.dstate, k.BN_state), k.batch * k.nheads)
-    _state_fwd_kernel[grid](
-        x, B, dt, dt_bias, A, seq_idx, states, gamma, S_ext,
-        k.seqlen, k.nheads, k.headdim, k.dstate, k.nchunks, k.heads_per_group, k.dt_min, k.dt_max,
+    """Every segment from a zero entry: chunk entry states (b, nchunks, h, p, n), gamma
+    (b, nchunks, h), and the segments' summaries a (b, nseg, h) and S_ext (b, nseg, h, p, n)."""
+    dev = x.device
+    states = torch.empty(k.batch, k.nchunks, k.nheads, k.headdim, k.dstate, device=dev, dtype=k.state_dtype)
+    gamma = torch.empty(k.batch, k.nchunks, k.nheads, device=dev, dtype=torch.float32)
+    a = torch.empty(k.batch, k.nseg, k.nheads, device=dev, dtype=torch.float32)
+    S_ext = torch.empty(k.batch, k.nseg, k.nheads, k.headdim, k.dstate, device=dev, dtype=torch.float32)
+    _state_fwd_kernel[k.state_grid()](
+        x, B, dt, dt_bias, A, seq_idx, states, gamma, a, S_ext,
+        k.seqlen, k.nheads, k.headdim, k.dstate, k.nchunks, k.chunks_per_seg, k.n_p_tiles, k.n_n_tiles,
+        k.heads_per_group, k.dt_min, k.dt_max,
         *x.stride(), *B.stride(), *dt.stride(), *_strides(seq_idx, 2),
-        *states.stride(), *gamma.stride(), *S_ext.stride(),
+        *states.stride(), *gamma.stride(), *a.stride(), *S_ext.stride(),
         Q=k.Q, BP=k.BP_state, BN=k.BN_state, DOT_PRECISION=k.precision, num_warps=4, **k.flags)
-    return states, gamma, S_ext
+    return states, gamma, a, S_ext
+
+
+def _scan_block(size):
+    return triton.next_power_of_2(size) if INTERPRET else min(1024, triton.next_power_of_2(size))
+
+
+def scan_segments(S_ext, a, initial=None, e=None):
+    """Exclusive scan over segment summaries: the entry state of every segment (b, K, h, p, n)
+    and the exit state of the last (b, h, p, n), all fp32. S_ext (b, K, h, p, n) and a (b, K, h)
+    contiguous; initial (b, h, p, n) or None; e (b, K) fp32 document-continuation flags or None."""
+    b, K, h, p, n = S_ext.shape
+    entry = torch.empty_like(S_ext)
+    exit_ = torch.empty(b, h, p, n, device=S_ext.device, dtype=torch.float32)
+    initial = None if initial is None else initial.float().contiguous()
+    BLOCK = _scan_block(p * n)
+    _segment_scan_kernel[(triton.cdiv(p * n, BLOCK), b * h)](
+        S_ext, a, e, initial, entry, exit_, K, h, p * n,
+        *S_ext.stride()[:3], *a.stride(), *_strides(e, 2), *(initial.stride()[:2] if initial is not None else (0, 0)),
+        *entry.stride()[:3], *exit_.stride()[:2],
+        BLOCK=BLOCK, HAS_E=e is not None, HAS_INIT=initial is not None)
+    return entry, exit_
+
+
+def scan_segments_bwd(G, a, dfinal=None, e=None):
+    """Reverse exclusive scan: the gradient arriving at every segment's exit (b, K, h, p, n) and
+    the gradient of the initial state (b, h, p, n), all fp32."""
+    b, K, h, p, n = G.shape
+    dexit = torch.empty_like(G)
+    dinit = torch.empty(b, h, p, n, device=G.device, dtype=torch.float32)
+    dfinal = None if dfinal is None else dfinal.float().contiguous()
+    BLOCK = _scan_block(p * n)
+    _segment_scan_bwd_kernel[(triton.cdiv(p * n, BLOCK), b * h)](
+        G, a, e, dfinal, dexit, dinit, K, h, p * n,
+        *G.stride()[:3], *a.stride(), *_strides(e, 2), *(dfinal.stride()[:2] if dfinal is not None else (0, 0)),
+        *dexit.stride()[:3], *dinit.stride()[:2],
+        BLOCK=BLOCK, HAS_E=e is not None, HAS_DFINAL=dfinal is not None)
+    return dexit, dinit
 
 
 def _D_view(D):
@@ -690,42 +838,46 @@ def _D_view(D):
 
 
 def _output_fwd(x, dt, A, B, C, D, z, dt_bias, seq_idx, states, gamma, entry, k, y=None):
-    """y (b, l, h, p); entry (b, h, p, n) fp32 is the segment's entry state, or None for zero."""
+    """y (b, l, h, p); entry (b, nseg, h, p, n) fp32: each segment's entry state, or None for zero."""
     if y is None:
         y = torch.empty_like(x, memory_format=torch.contiguous_format)
     D, D_strides = _D_view(D)
     grid = (k.nchunks, k.batch * k.ngroups, triton.cdiv(k.headdim, k.BP))
     _output_fwd_kernel[grid](
         x, B, C, dt, dt_bias, A, D, z, seq_idx, states, y, entry, gamma,
-        k.seqlen, k.headdim, k.dstate, k.heads_per_group, k.dt_min, k.dt_max,
+        k.seqlen, k.headdim, k.dstate, k.heads_per_group, k.chunks_per_seg, k.dt_min, k.dt_max,
         *x.stride(), *B.stride(), *C.stride(), *dt.stride(), *D_strides, *_strides(z, 4),
-        *_strides(seq_idx, 2), *states.stride(), *y.stride(), *_strides(entry, 4), *gamma.stride(),
+        *_strides(seq_idx, 2), *states.stride(), *y.stride(), *_strides(entry, 5), *gamma.stride(),
         k.ngroups, Q=k.Q, BP=k.BP, BN=k.BN, HAS_D=D is not None, HAS_Z=z is not None,
         HAS_ENTRY=entry is not None, DOT_PRECISION=k.precision, num_warps=k.warps, **k.flags)
     return y
 
 
 def _state_bwd(dout, z, C, dt, A, dt_bias, seq_idx, k):
-    """From a zero gradient at the exit: chunk exit gradients (b, nchunks, h, p, n), rho
-    (b, nchunks, h) fp32, and G (b, h, p, n) fp32, the outputs' pull on the entry state."""
-    dstates = torch.empty(k.batch, k.nchunks, k.nheads, k.headdim, k.dstate, device=dout.device, dtype=k.state_dtype)
-    rho = torch.empty(k.batch, k.nchunks, k.nheads, device=dout.device, dtype=torch.float32)
-    G = torch.empty(k.batch, k.nheads, k.headdim, k.dstate, device=dout.device, dtype=torch.float32)
-    grid = (triton.cdiv(k.headdim, k.BP_state), triton.cdiv(k.dstate, k.BN_state), k.batch * k.nheads)
-    _state_bwd_kernel[grid](
-        dout, z, C, dt, dt_bias, A, seq_idx, dstates, rho, G,
-        k.seqlen, k.nheads, k.headdim, k.dstate, k.nchunks, k.heads_per_group, k.dt_min, k.dt_max,
+    """Every segment from a zero gradient at its exit: chunk exit gradients (b, nchunks, h, p, n),
+    rho (b, nchunks, h), G (b, nseg, h, p, n), the outputs' pull on each segment's entry, and
+    each segment's decay a (b, nseg, h)."""
+    dev = dout.device
+    dstates = torch.empty(k.batch, k.nchunks, k.nheads, k.headdim, k.dstate, device=dev, dtype=k.state_dtype)
+    rho = torch.empty(k.batch, k.nchunks, k.nheads, device=dev, dtype=torch.float32)
+    G = torch.empty(k.batch, k.nseg, k.nheads, k.headdim, k.dstate, device=dev, dtype=torch.float32)
+    a = torch.empty(k.batch, k.nseg, k.nheads, device=dev, dtype=torch.float32)
+    _state_bwd_kernel[k.state_grid()](
+        dout, z, C, dt, dt_bias, A, seq_idx, dstates, rho, G, a,
+        k.seqlen, k.nheads, k.headdim, k.dstate, k.nchunks, k.chunks_per_seg, k.n_p_tiles, k.n_n_tiles,
+        k.heads_per_group, k.dt_min, k.dt_max,
         *dout.stride(), *_strides(z, 4), *C.stride(), *dt.stride(), *_strides(seq_idx, 2),
-        *dstates.stride(), *rho.stride(), *G.stride(),
+        *dstates.stride(), *rho.stride(), *G.stride(), *a.stride(),
         Q=k.Q, BP=k.BP_state, BN=k.BN_state, HAS_Z=z is not None, DOT_PRECISION=k.precision,
         num_warps=4, **k.flags)
-    return dstates, rho, G
+    return dstates, rho, G, a
 
 
 def _chunk_bwd(x, dt, A, B, C, D, z, dt_bias, seq_idx, states, gamma, entry, dstates, rho, dexit, dout, k,
                dx=None, dB=None, dC=None):
-    """Every gradient of the chunks, given the segment's entry state and the gradient at its
-    exit (either may be None for zero). dx, dB, dC may be views into one buffer."""
+    """Every gradient of the chunks, given each segment's entry state and the gradient at its
+    exit (b, nseg, h, p, n) fp32 (either may be None for zero). dx, dB, dC may be views into
+    one buffer (the conv backward's input)."""
     dx = torch.empty_like(x, memory_format=torch.contiguous_format) if dx is None else dx
     dB = torch.empty_like(B, memory_format=torch.contiguous_format) if dB is None else dB
     dC = torch.empty_like(C, memory_format=torch.contiguous_format) if dC is None else dC
@@ -739,10 +891,11 @@ def _chunk_bwd(x, dt, A, B, C, D, z, dt_bias, seq_idx, states, gamma, entry, dst
     _chunk_bwd_kernel[grid](
         x, B, C, dt, dt_bias, A, Dv, z, seq_idx, states, dstates, entry, gamma, dexit, rho,
         dout, dx, dB, dC, ddt, dz, dA_part, dD_part,
-        k.seqlen, k.headdim, k.dstate, k.heads_per_group, k.ngroups, k.nheads, k.dt_min, k.dt_max,
+        k.seqlen, k.headdim, k.dstate, k.heads_per_group, k.ngroups, k.nheads, k.chunks_per_seg,
+        k.dt_min, k.dt_max,
         *x.stride(), *B.stride(), *C.stride(), *dt.stride(), *D_strides, *_strides(z, 4),
         *_strides(seq_idx, 2), *states.stride(), *dstates.stride(),
-        *_strides(entry, 4), *gamma.stride(), *_strides(dexit, 4), *rho.stride(), *dout.stride(),
+        *_strides(entry, 5), *gamma.stride(), *_strides(dexit, 5), *rho.stride(), *dout.stride(),
         *dx.stride(), *dB.stride(), *dC.stride(), *ddt.stride(), *_strides(dz, 4),
         *dA_part.stride(), *_strides(dD_part, 4),
         Q=k.Q, BP=k.BP, BN=k.BN, HAS_D=D is not None, HAS_Z=z is not None,
@@ -756,44 +909,93 @@ def _chunk_bwd(x, dt, A, B, C, D, z, dt_bias, seq_idx, states, gamma, entry, dst
     return dx, dB, dC, ddt, dz, dA, dD
 
 
-def _affine_exit(S_ext, a, S_entry):
-    """S_out = a S_in + S_ext, per batch row and head. S_ext (b, h, p, n), a (b, h)."""
-    return S_ext if S_entry is None else S_ext + a[:, :, None, None] * S_entry
+class Summary:
+    """A sequence's (or CP shard's) state pass from a zero entry: what its outputs need besides
+    the entry state, and its affine summary S_out = a * S_entry + S_ext (fp32)."""
+
+    def __init__(self, x, dt, A, B, dt_bias, seq_idx, k):
+        self.states, self.gamma, self.seg_a, self.seg_ext = _state_fwd(x, dt, A, B, dt_bias, seq_idx, k)
+        self.k = k
+        if k.nseg == 1:
+            self.S_ext, self.a = self.seg_ext[:, 0], self.seg_a[:, 0]            # (b, h, p, n), (b, h)
+        else:
+            _, self.S_ext = scan_segments(self.seg_ext, self.seg_a)
+            self.a = self.seg_a.prod(dim=1)
+
+    def segment_entries(self, entry):
+        """Each internal segment's entry state (b, nseg, h, p, n), given the sequence's entry."""
+        if self.k.nseg == 1:
+            return None if entry is None else entry[:, None]
+        return scan_segments(self.seg_ext, self.seg_a, entry)[0]
+
+
+def ssd_output(x, dt, A, B, C, D, z, dt_bias, seq_idx, summary, entry=None, y=None):
+    """The outputs of a summarised sequence entered with state `entry` (b, h, p, n) or zero."""
+    k = summary.k
+    return _output_fwd(x, dt, A, B, C, D, z, dt_bias, seq_idx, summary.states, summary.gamma,
+                       summary.segment_entries(entry), k, y)
+
+
+class GradPass:
+    """A sequence's reverse state pass from a zero gradient at its exit: the chunks' exit
+    gradients, and G (b, h, p, n), the pull of its outputs on its entry state. G is known
+    before the gradient at the exit is (it is what a CP rank all-gathers in backward)."""
+
+    def __init__(self, dy, z, C, dt, A, dt_bias, seq_idx, k):
+        self.dstates, self.rho, self.seg_G, self.seg_a = _state_bwd(dy, z, C, dt, A, dt_bias, seq_idx, k)
+        self.k = k
+        self.G = self.seg_G[:, 0] if k.nseg == 1 else scan_segments_bwd(self.seg_G, self.seg_a)[1]
+
+    def segment_exits(self, dexit):
+        """The gradient arriving at each internal segment's exit, given the sequence's."""
+        if self.k.nseg == 1:
+            return None if dexit is None else dexit[:, None]
+        return scan_segments_bwd(self.seg_G, self.seg_a, dexit)[0]
+
+
+def ssd_grads(x, dt, A, B, C, D, z, dt_bias, seq_idx, summary, grad_pass, dy, entry=None, dexit=None,
+              dx=None, dB=None, dC=None):
+    """Every gradient of a sequence entered with state `entry` whose exit receives gradient
+    `dexit` (either (b, h, p, n) or None). dx, dB, dC may be given as output views.
+    Returns (dx, dB, dC, ddt (fp32, w.r.t. raw dt), dz, dA, dD, d entry)."""
+    grads = _chunk_bwd(x, dt, A, B, C, D, z, dt_bias, seq_idx, summary.states, summary.gamma,
+                       summary.segment_entries(entry), grad_pass.dstates, grad_pass.rho,
+                       grad_pass.segment_exits(dexit), dy, summary.k, dx, dB, dC)
+    dentry = grad_pass.G if dexit is None else grad_pass.G + summary.a[:, :, None, None] * dexit
+    return (*grads, dentry)
 
 
 class _ChunkScanFn(torch.autograd.Function):
-    """Single device: one segment whose entry state is initial_states. Forward: state pass from a
-    zero entry, output pass with the entry folded in, final = a * initial + S_ext. Backward:
-    recompute the chunk states (as large as x, so not kept), reverse state pass, fused chunk
-    backward; d initial = G + a * d final. Parameter gradients are per-chunk partials summed in
-    fixed order: two identical calls give bitwise identical results."""
+    """Single device: the whole sequence is one CP shard whose entry state is initial_states.
+    Backward recomputes the chunk states (they are as large as x, so they are not kept).
+    Parameter gradients are per-chunk partials summed in fixed order: two identical calls give
+    bitwise identical results."""
 
     @staticmethod
     def forward(ctx, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_softplus, dt_limit):
-        k = _Launch(x, B, chunk_size, dt_bias, dt_softplus, dt_limit, D, z, seq_idx)
+        k = _Launch(x, B, min(chunk_size, MAX_CHUNK_FWD), dt_bias, dt_softplus, dt_limit, D, z, seq_idx)
         entry = None if initial_states is None else initial_states.float()
-        states, gamma, S_ext = _state_fwd(x, dt, A, B, dt_bias, seq_idx, k)
-        y = _output_fwd(x, dt, A, B, C, D, z, dt_bias, seq_idx, states, gamma, entry, k)
+        summary = Summary(x, dt, A, B, dt_bias, seq_idx, k)
+        y = ssd_output(x, dt, A, B, C, D, z, dt_bias, seq_idx, summary, entry)
         ctx.save_for_backward(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx)
-        ctx.k = k
-        return y, _affine_exit(S_ext, gamma[:, -1], entry)
+        ctx.args = (chunk_size, dt_softplus, dt_limit)
+        final = summary.S_ext if entry is None else summary.S_ext + summary.a[:, :, None, None] * entry
+        return y, final
 
     @staticmethod
     def backward(ctx, dy, dfinal):
         x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx = ctx.saved_tensors
-        k = ctx.k
+        chunk_size, dt_softplus, dt_limit = ctx.args
+        k = _Launch(x, B, min(chunk_size, MAX_CHUNK_BWD), dt_bias, dt_softplus, dt_limit, D, z, seq_idx)
         entry = None if initial_states is None else initial_states.float()
-        dexit = None if dfinal is None else dfinal.float()
-        states, gamma, _ = _state_fwd(x, dt, A, B, dt_bias, seq_idx, k)
-        dstates, rho, G = _state_bwd(dy, z, C, dt, A, dt_bias, seq_idx, k)
-        dx, dB, dC, ddt, dz, dA, dD = _chunk_bwd(x, dt, A, B, C, D, z, dt_bias, seq_idx, states, gamma, entry,
-                                                 dstates, rho, dexit, dy, k)
-        dinit = None
-        if initial_states is not None:
-            dinit = _affine_exit(G, gamma[:, -1], dexit).to(initial_states.dtype)
+        grad_pass = GradPass(dy, z, C, dt, A, dt_bias, seq_idx, k)
+        summary = Summary(x, dt, A, B, dt_bias, seq_idx, k)
+        dx, dB, dC, ddt, dz, dA, dD, dinit = ssd_grads(x, dt, A, B, C, D, z, dt_bias, seq_idx, summary,
+                                                       grad_pass, dy, entry, dfinal)
         ddt_bias = ddt.sum(dim=(0, 1)).to(dt_bias.dtype) if dt_bias is not None else None
         return (dx, ddt.to(dt.dtype), dA.to(A.dtype), dB, dC, None, None if dD is None else dD.to(D.dtype),
-                dz, ddt_bias, dinit, None, None, None)
+                dz, ddt_bias, None if initial_states is None else dinit.to(initial_states.dtype),
+                None, None, None)
 
 
 def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,

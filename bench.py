@@ -281,6 +281,34 @@ def bench_single_device(args, L):
     return r
 
 
+def profile_kernels(args, L, iters=5):
+    """Per-kernel GPU time of one forward and one forward+backward (torch.profiler, CUDA
+    activity), averaged over iters after a warm-up; returns {phase: [(kernel, calls, ms), ...]}."""
+    from torch.profiler import ProfilerActivity, profile
+
+    inp, grad_y = make_inputs(args, L, "cuda")
+    fwd, fwdbwd = make_fns(inp, grad_y, args.chunk)
+    tables = {}
+    for phase, fn in (("fwd", fwd), ("fwdbwd", fwdbwd)):
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(iters):
+                fn()
+            torch.cuda.synchronize()
+        rows = {}
+        for ev in prof.events():
+            if ev.device_type == torch.autograd.DeviceType.CUDA:
+                calls, us = rows.get(ev.name, (0, 0.0))
+                rows[ev.name] = (calls + 1, us + ev.device_time)
+        tables[phase] = sorted(((name[:60], calls / iters, us / iters / 1e3) for name, (calls, us) in rows.items()),
+                               key=lambda r: -r[2])
+    del inp, grad_y, fwd, fwdbwd
+    gc.collect()
+    torch.cuda.empty_cache()
+    return tables
+
+
 # ---------------------------------------------------------------------------------------------
 # reporting and main
 # ---------------------------------------------------------------------------------------------
@@ -318,6 +346,7 @@ def parse_args(argv=None):
                         help=f"default {GPU_DEFAULTS[name]} on GPU, {CPU_DEFAULTS[name]} on CPU")
     ap.add_argument("--fwd-only", action="store_true", help="skip the backward")
     ap.add_argument("--no-graph", action="store_true", help="skip CUDA-graph replay timings")
+    ap.add_argument("--profile", action="store_true", help="also print per-kernel GPU times per L")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     for k, v in (GPU_DEFAULTS if CUDA else CPU_DEFAULTS).items():
@@ -345,6 +374,13 @@ def main(argv=None):
         r = bench_single_device(args, L)
         print(human_line(r))
         print("RESULT " + json.dumps(r), flush=True)
+        if args.profile and CUDA:
+            for phase, rows in profile_kernels(args, L).items():
+                total = sum(ms for _, _, ms in rows)
+                print(f"  profile L={L} {phase}: {total:.3f} ms of kernels per call")
+                for name, calls, ms in rows:
+                    print(f"    {ms:8.3f} ms  {calls:5.1f}x  {name}")
+                print("RESULT " + json.dumps(dict(bench="profile", L=L, phase=phase, kernels=rows)), flush=True)
 
 
 if __name__ == "__main__":

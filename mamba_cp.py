@@ -900,7 +900,7 @@ def _chunk_bwd(x, dt, A, B, C, D, z, dt_bias, seq_idx, states, gamma, entry, dst
         *dA_part.stride(), *_strides(dD_part, 4),
         Q=k.Q, BP=k.BP, BN=k.BN, HAS_D=D is not None, HAS_Z=z is not None,
         HAS_ENTRY=entry is not None, HAS_EXIT=dexit is not None,
-        DOT_PRECISION=k.precision, num_warps=k.warps, **k.flags)
+        DOT_PRECISION=k.precision, num_warps=k.warps, num_stages=1, **k.flags)  # pipelining overflows smem
     dA = dA_part.sum(dim=(0, 1))                                                    # (h,)
     dD = None
     if D is not None:
@@ -911,29 +911,37 @@ def _chunk_bwd(x, dt, A, B, C, D, z, dt_bias, seq_idx, states, gamma, entry, dst
 
 class Summary:
     """A sequence's (or CP shard's) state pass from a zero entry: what its outputs need besides
-    the entry state, and its affine summary S_out = a * S_entry + S_ext (fp32)."""
+    the entry state. Its affine summary S_out = a * S_entry + S_ext (fp32) is `affine()`."""
 
     def __init__(self, x, dt, A, B, dt_bias, seq_idx, k):
         self.states, self.gamma, self.seg_a, self.seg_ext = _state_fwd(x, dt, A, B, dt_bias, seq_idx, k)
         self.k = k
-        if k.nseg == 1:
-            self.S_ext, self.a = self.seg_ext[:, 0], self.seg_a[:, 0]            # (b, h, p, n), (b, h)
-        else:
-            _, self.S_ext = scan_segments(self.seg_ext, self.seg_a)
-            self.a = self.seg_a.prod(dim=1)
 
-    def segment_entries(self, entry):
-        """Each internal segment's entry state (b, nseg, h, p, n), given the sequence's entry."""
+    def affine(self):
+        """(S_ext (b, h, p, n), a (b, h)): the internal segments composed."""
         if self.k.nseg == 1:
-            return None if entry is None else entry[:, None]
-        return scan_segments(self.seg_ext, self.seg_a, entry)[0]
+            return self.seg_ext[:, 0], self.seg_a[:, 0]
+        return scan_segments(self.seg_ext, self.seg_a)[1], self.seg_a.prod(dim=1)
+
+    def segment_entries(self, entry, need_exit=False):
+        """Each internal segment's entry state (b, nseg, h, p, n), given the sequence's entry
+        (or None for zero), and with need_exit the sequence's exit state (b, h, p, n)."""
+        if self.k.nseg == 1:
+            seg_entry = None if entry is None else entry[:, None]
+            if not need_exit:
+                return seg_entry, None
+            S_ext, a = self.affine()
+            return seg_entry, (S_ext if entry is None else S_ext + a[:, :, None, None] * entry)
+        return scan_segments(self.seg_ext, self.seg_a, entry)  # later segments start where earlier end
 
 
-def ssd_output(x, dt, A, B, C, D, z, dt_bias, seq_idx, summary, entry=None, y=None):
-    """The outputs of a summarised sequence entered with state `entry` (b, h, p, n) or zero."""
-    k = summary.k
-    return _output_fwd(x, dt, A, B, C, D, z, dt_bias, seq_idx, summary.states, summary.gamma,
-                       summary.segment_entries(entry), k, y)
+def ssd_output(x, dt, A, B, C, D, z, dt_bias, seq_idx, summary, entry=None, y=None, need_exit=False):
+    """The outputs of a summarised sequence entered with state `entry` (b, h, p, n) or zero;
+    with need_exit also its exit state (else None)."""
+    seg_entry, exit_ = summary.segment_entries(entry, need_exit)
+    y = _output_fwd(x, dt, A, B, C, D, z, dt_bias, seq_idx, summary.states, summary.gamma, seg_entry,
+                    summary.k, y)
+    return y, exit_
 
 
 class GradPass:
@@ -944,6 +952,7 @@ class GradPass:
     def __init__(self, dy, z, C, dt, A, dt_bias, seq_idx, k):
         self.dstates, self.rho, self.seg_G, self.seg_a = _state_bwd(dy, z, C, dt, A, dt_bias, seq_idx, k)
         self.k = k
+        self.a = self.seg_a.prod(dim=1)                                             # (b, h)
         self.G = self.seg_G[:, 0] if k.nseg == 1 else scan_segments_bwd(self.seg_G, self.seg_a)[1]
 
     def segment_exits(self, dexit):
@@ -959,9 +968,9 @@ def ssd_grads(x, dt, A, B, C, D, z, dt_bias, seq_idx, summary, grad_pass, dy, en
     `dexit` (either (b, h, p, n) or None). dx, dB, dC may be given as output views.
     Returns (dx, dB, dC, ddt (fp32, w.r.t. raw dt), dz, dA, dD, d entry)."""
     grads = _chunk_bwd(x, dt, A, B, C, D, z, dt_bias, seq_idx, summary.states, summary.gamma,
-                       summary.segment_entries(entry), grad_pass.dstates, grad_pass.rho,
+                       summary.segment_entries(entry)[0], grad_pass.dstates, grad_pass.rho,
                        grad_pass.segment_exits(dexit), dy, summary.k, dx, dB, dC)
-    dentry = grad_pass.G if dexit is None else grad_pass.G + summary.a[:, :, None, None] * dexit
+    dentry = grad_pass.G if dexit is None else grad_pass.G + grad_pass.a[:, :, None, None] * dexit
     return (*grads, dentry)
 
 
@@ -972,14 +981,14 @@ class _ChunkScanFn(torch.autograd.Function):
     bitwise identical results."""
 
     @staticmethod
-    def forward(ctx, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_softplus, dt_limit):
+    def forward(ctx, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_softplus, dt_limit,
+                need_final):
         k = _Launch(x, B, min(chunk_size, MAX_CHUNK_FWD), dt_bias, dt_softplus, dt_limit, D, z, seq_idx)
         entry = None if initial_states is None else initial_states.float()
         summary = Summary(x, dt, A, B, dt_bias, seq_idx, k)
-        y = ssd_output(x, dt, A, B, C, D, z, dt_bias, seq_idx, summary, entry)
+        y, final = ssd_output(x, dt, A, B, C, D, z, dt_bias, seq_idx, summary, entry, need_exit=need_final)
         ctx.save_for_backward(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx)
         ctx.args = (chunk_size, dt_softplus, dt_limit)
-        final = summary.S_ext if entry is None else summary.S_ext + summary.a[:, :, None, None] * entry
         return y, final
 
     @staticmethod
@@ -995,7 +1004,7 @@ class _ChunkScanFn(torch.autograd.Function):
         ddt_bias = ddt.sum(dim=(0, 1)).to(dt_bias.dtype) if dt_bias is not None else None
         return (dx, ddt.to(dt.dtype), dA.to(A.dtype), dB, dC, None, None if dD is None else dD.to(D.dtype),
                 dz, ddt_bias, None if initial_states is None else dinit.to(initial_states.dtype),
-                None, None, None)
+                None, None, None, None)
 
 
 def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
@@ -1014,5 +1023,5 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     if seq_idx is not None:
         seq_idx = seq_idx.to(torch.int32)
     y, final = _ChunkScanFn.apply(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
-                                  dt_softplus, tuple(dt_limit))
+                                  dt_softplus, tuple(dt_limit), return_final_states)
     return (y, final) if return_final_states else y

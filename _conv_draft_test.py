@@ -37,7 +37,7 @@ def doc_ids(b, l, d, starts):
 
 def make(b, l, dim, d, *, halo, bias, starts, seed=0, strided=False):
     g = torch.Generator().manual_seed(seed)
-    wide = torch.randn(b, l, dim + 13, generator=g)
+    wide = torch.randn(b, l, dim + 13, generator=g).to(DEVICE)   # slice on the device: .to() would compact it
     xBC = wide[:, :, 5:5 + dim] if strided else wide[:, :, :dim].contiguous()   # (b, l, dim)
     inp = dict(
         xBC=xBC,
@@ -135,6 +135,7 @@ def test_non_contiguous(d):
     inp["halo"] = inp["halo"].transpose(1, 2).contiguous().transpose(1, 2)   # channel-strided halo
     inp["weight"] = inp["weight"].t().contiguous().t()                          # tap-major weight
     dout = dout.transpose(0, 1).contiguous().transpose(0, 1)
+    inp["seq_idx"] = inp["seq_idx"].long()                                      # int64 ids, int32 halo ids
     check(inp, dout)
 
 

@@ -1025,3 +1025,501 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     y, final = _ChunkScanFn.apply(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
                                   dt_softplus, tuple(dt_limit), return_final_states)
     return (y, final) if return_final_states else y
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. Layouts (DESIGN.md section 5): which causal segments of the global sequence a rank holds
+# ---------------------------------------------------------------------------------------------
+
+LAYOUTS = ("none", "virtual", "permute_p2p", "permute_a2a")
+
+
+def _check_layout(load_balancing):
+    _expect(load_balancing in LAYOUTS, "load_balancing", repr(load_balancing), f"one of {LAYOUTS}")
+
+
+def _pieces(rank, world, load_balancing):
+    """Pieces of the sequence a rank holds, in local order, and how many pieces there are: one
+    contiguous piece of W ("none"), or pieces r and 2W-1-r of 2W (the zigzag layouts)."""
+    if load_balancing == "none":
+        return [rank], world
+    return [rank, 2 * world - 1 - rank], 2 * world
+
+
+def shard(x_full, rank, world, load_balancing="none", dim=1):
+    """This rank's local shard of a full-sequence tensor, in the given layout."""
+    _check_layout(load_balancing)
+    held, count = _pieces(rank, world, load_balancing)
+    L = x_full.shape[dim]
+    _expect(L % count == 0, "x_full", f"length {L} along dim {dim}",
+            f"a multiple of {count} (the number of pieces for load_balancing={load_balancing!r}, W={world})")
+    pieces = x_full.chunk(count, dim=dim)
+    return torch.cat([pieces[i] for i in held], dim=dim)
+
+
+def unshard(shards, load_balancing="none", dim=1):
+    """The full-sequence tensor from every rank's shard (a list indexed by rank)."""
+    _check_layout(load_balancing)
+    world = len(shards)
+    count = _pieces(0, world, load_balancing)[1]
+    pieces = [None] * count
+    for rank, local in enumerate(shards):
+        held = _pieces(rank, world, load_balancing)[0]
+        for i, piece in zip(held, local.chunk(len(held), dim=dim)):
+            pieces[i] = piece
+    return torch.cat(pieces, dim=dim)
+
+
+class _Segments:
+    """How the fused function sees a rank's shard: `per_row` causal segments of equal length per
+    batch row, with global segment ids `ids` (in local order) out of `count`. "virtual" runs the
+    zigzag halves as two segments; the permute layouts are first made contiguous ("none")."""
+
+    def __init__(self, rank, world, load_balancing):
+        compute = "virtual" if load_balancing == "virtual" else "none"
+        self.ids, self.count = _pieces(rank, world, compute)
+        self.per_row = len(self.ids)
+        self.rank, self.world = rank, world
+        # where each global segment lives: (rank, local index)
+        self.where = {}
+        for r in range(world):
+            for j, k in enumerate(_pieces(r, world, compute)[0]):
+                self.where[k] = (r, j)
+
+    def to_rows(self, t):
+        """(b, per_row * s, ...) -> (b * per_row, s, ...): one row per segment."""
+        return t.reshape(t.shape[0] * self.per_row, t.shape[1] // self.per_row, *t.shape[2:])
+
+    def from_rows(self, t, batch):
+        return t.reshape(batch, t.shape[0] // batch * t.shape[1], *t.shape[2:])
+
+    def gather_order(self, gathered, batch):
+        """Stack per-rank, per-local-segment tensors (world, batch * per_row, ...) into global
+        segment order (batch, count, ...)."""
+        per_rank = gathered.reshape(self.world, batch, self.per_row, *gathered.shape[2:])
+        order = [self.where[k] for k in range(self.count)]
+        return torch.stack([per_rank[r, :, j] for r, j in order], dim=1)
+
+    def own(self, t_global):
+        """This rank's segments of a (batch, count, ...) tensor, as rows (batch * per_row, ...)."""
+        own = t_global[:, self.ids]
+        return own.reshape(own.shape[0] * own.shape[1], *own.shape[2:])
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. Communication: validation, the summary all-gather, the conv halo, the zigzag permutation
+# ---------------------------------------------------------------------------------------------
+
+import torch.distributed as dist  # noqa: E402
+
+
+def _group_info(cp_group, ref):
+    """(rank, world) in the CP group; a ValueError if the group cannot serve these tensors."""
+    if cp_group is None or not dist.is_available() or not dist.is_initialized():
+        _expect(cp_group is None, "cp_group", "a group", "None when torch.distributed is not initialised")
+        return 0, 1
+    rank = dist.get_rank(cp_group)
+    _expect(rank >= 0, "cp_group", "a group this process is not a member of", "a group containing this rank")
+    world = dist.get_world_size(cp_group)
+    backend = str(dist.get_backend(cp_group)).lower()
+    if "nccl" in backend:
+        _expect(ref.is_cuda, "cp_group", f"an NCCL group with tensors on {ref.device}", "CUDA tensors for NCCL")
+    return rank, world
+
+
+def _agree(signature, names, cp_group, device):
+    """Every rank checks that all ranks called with the same shapes and options: one all-gather
+    of a fixed-size integer signature, so a mismatch cannot hang; every rank then raises the
+    same ValueError naming the first difference."""
+    mine = torch.tensor(signature, dtype=torch.int64, device=device)
+    world = dist.get_world_size(cp_group)
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine, group=cp_group)
+    every = torch.stack(every).cpu()
+    for i, name in enumerate(names):
+        values = every[:, i].tolist()
+        if len(set(values)) > 1:
+            raise ValueError(f"{name}: got {values} across the ranks of cp_group, expected the same on every rank")
+
+
+def _all_gather(t, cp_group, async_op=False):
+    """All-gather of a contiguous tensor into (world, *t.shape); with async_op the Work too."""
+    world = dist.get_world_size(cp_group)
+    out = torch.empty((world, *t.shape), dtype=t.dtype, device=t.device)
+    work = dist.all_gather(list(out.unbind(0)), t.contiguous(), group=cp_group, async_op=async_op)
+    return (out, work) if async_op else out
+
+
+def _pack(*tensors):
+    """One flat fp32 buffer (integer tensors travel bit-for-bit as int32 viewed as fp32)."""
+    flat = [t.to(torch.int32).view(torch.float32).reshape(-1) if not t.is_floating_point()
+            else t.float().reshape(-1) for t in tensors]
+    return torch.cat(flat)
+
+
+def _unpack(buf, shapes_dtypes):
+    """Inverse of _pack along the last dim of buf (..., total)."""
+    out, at = [], 0
+    for shape, dtype in shapes_dtypes:
+        n = 1
+        for s in shape:
+            n *= s
+        part = buf[..., at:at + n]
+        at += n
+        part = part.contiguous().view(torch.int32) if dtype == torch.int32 else part
+        out.append(part.reshape(*buf.shape[:-1], *shape))
+    return out
+
+
+def _exchange_halo(xBC, seq_idx, cfg):
+    """Each segment's conv halo: the last d_conv-1 pre-conv tokens of the segment before it in
+    the global sequence (zeros before segment 0), and their document ids. xBC (rows, s, dim).
+    Returns halo (rows, d-1, dim) and halo_seq (rows, d-1) int32 or None."""
+    d1 = cfg.d_conv - 1
+    tail = xBC[:, xBC.shape[1] - d1:]                                              # (rows, d-1, dim)
+    parts = [tail]
+    if seq_idx is not None:
+        parts.append(seq_idx[:, seq_idx.shape[1] - d1:])
+    buf = _pack(*parts).reshape(xBC.shape[0], -1)                                  # (rows, numel)
+    every = _all_gather(buf, cfg.group) if cfg.world > 1 else buf[None]
+    glob = cfg.segs.gather_order(every, cfg.batch)                                 # (b, K, numel)
+    before = torch.cat([torch.zeros_like(glob[:, :1]), glob[:, :-1]], dim=1)      # segment k gets k-1's tail
+    shapes = [((d1, xBC.shape[2]), torch.float32)] + ([((d1,), torch.int32)] if seq_idx is not None else [])
+    halo, *halo_seq = _unpack(cfg.segs.own(before), shapes)
+    return halo.to(xBC.dtype), (halo_seq[0] if halo_seq else None)
+
+
+def _return_halo_grad(dxBC, dhalo, cfg):
+    """Send each halo's gradient back to the segment it came from, which adds it to the
+    gradient of its last d_conv-1 tokens. dxBC (rows, s, dim) is updated in place."""
+    d1 = cfg.d_conv - 1
+    buf = dhalo.float().reshape(dhalo.shape[0], -1)
+    every = _all_gather(buf, cfg.group) if cfg.world > 1 else buf[None]
+    glob = cfg.segs.gather_order(every, cfg.batch)                                 # (b, K, numel)
+    after = torch.cat([glob[:, 1:], torch.zeros_like(glob[:, :1])], dim=1)        # segment k gets k+1's
+    own = cfg.segs.own(after).reshape(dxBC.shape[0], d1, dxBC.shape[2])
+    dxBC[:, dxBC.shape[1] - d1:] += own.to(dxBC.dtype)
+
+
+def _document_flags(first, last):
+    """e (b, K) fp32: 0 where segment k starts a new document (its first id differs from segment
+    k-1's last), 1 elsewhere and for segment 0 (initial_states reach the first document)."""
+    e = torch.ones(first.shape, device=first.device, dtype=torch.float32)
+    e[:, 1:] = (first[:, 1:] == last[:, :-1]).float()
+    return e
+
+
+def _scan_shards(S_ext, a, seq_idx, initial_states, cfg):
+    """Forward state passing across the CP group: all-gather every segment's summary (S_ext, a
+    and, with documents, its first and last document ids), then the exclusive scan in global
+    order. Returns this rank's segment entry states (rows, h, p, n), the final state of the
+    whole sequence (b, h, p, n), and what backward needs: a and e in global order."""
+    rows, h, p, n = S_ext.shape
+    parts = [S_ext, a]
+    shapes = [((h, p, n), torch.float32), ((h,), torch.float32)]
+    if seq_idx is not None:
+        parts += [seq_idx[:, :1], seq_idx[:, -1:]]
+        shapes += [((1,), torch.int32), ((1,), torch.int32)]
+    buf = _pack(*parts).reshape(rows, -1)
+    every = _all_gather(buf, cfg.group) if cfg.world > 1 else buf[None]
+    S_all, a_all, *ids = _unpack(cfg.segs.gather_order(every, cfg.batch), shapes)  # (b, K, ...)
+    e = _document_flags(ids[0][..., 0], ids[1][..., 0]) if ids else None
+    entries, final = scan_segments(S_all.contiguous(), a_all.contiguous(), initial_states, e)
+    return cfg.segs.own(entries), final, a_all.contiguous(), e
+
+
+def _gather_G(G, dfinal, cfg):
+    """Start the backward all-gather: every segment's G (the pull of its own outputs on its
+    entry state, (rows, h, p, n)) and each rank's gradient of its copy of the final state (the
+    copies' gradients add up). Returns (buffer, work); work is None in a world of one."""
+    if dfinal is None:
+        dfinal = torch.zeros((cfg.batch, *G.shape[1:]), device=G.device)
+    buf = torch.cat([G.reshape(-1), dfinal.float().reshape(-1)])
+    if cfg.world == 1:
+        return buf[None], None
+    return _all_gather(buf, cfg.group, async_op=True)
+
+
+def _scan_shards_bwd(every, a_all, e, cfg):
+    """Finish backward state passing once the gather is done: the reverse exclusive scan.
+    Returns the gradient arriving at this rank's segment exits (rows, h, p, n) and that of
+    initial_states (b, h, p, n)."""
+    rows = cfg.batch * cfg.segs.per_row
+    h, p, n = cfg.state_shape
+    G_part, dfin = every[:, :rows * h * p * n], every[:, rows * h * p * n:]
+    G_all = cfg.segs.gather_order(G_part.reshape(cfg.world, rows, h, p, n), cfg.batch)  # (b, K, h, p, n)
+    dfinal = dfin.reshape(cfg.world, cfg.batch, h, p, n).sum(dim=0)
+    dexit_all, dinit = scan_segments_bwd(G_all.contiguous(), a_all, dfinal, e)
+    return cfg.segs.own(dexit_all), dinit
+
+
+def _zigzag_and_contiguous(world):
+    """For each of the 2W pieces: (rank, slot) in the zigzag layout and in the contiguous one."""
+    zig, con = {}, {}
+    for r in range(world):
+        for slot, piece in enumerate((r, 2 * world - 1 - r)):
+            zig[piece] = (r, slot)
+        for slot, piece in enumerate((2 * r, 2 * r + 1)):
+            con[piece] = (r, slot)
+    return zig, con
+
+
+def _permute(t, cfg, to_contiguous):
+    """Move the two pieces of a (b, 2s, ...) shard between the zigzag and contiguous layouts,
+    with point-to-point sends ("permute_p2p") or one all_to_all_single ("permute_a2a")."""
+    if cfg.world == 1:
+        return t
+    zig, con = _zigzag_and_contiguous(cfg.world)
+    src, dst = (zig, con) if to_contiguous else (con, zig)
+    me = cfg.rank
+    mine = {src_slot: piece for piece, (r, src_slot) in src.items() if r == me}   # slot -> piece
+    wanted = {dst[piece][1]: piece for piece in src if dst[piece][0] == me}       # slot -> piece
+    pieces = t.chunk(2, dim=1)
+    out = torch.empty_like(t, memory_format=torch.contiguous_format)
+    out_pieces = out.chunk(2, dim=1)
+    if cfg.load_balancing == "permute_p2p":
+        ops, landing = [], []
+        for slot, piece in mine.items():
+            to = dst[piece][0]
+            if to == me:
+                out_pieces[dst[piece][1]].copy_(pieces[slot])
+            else:
+                ops.append(dist.P2POp(dist.isend, pieces[slot].contiguous(), dist.get_global_rank(cfg.group, to)
+                                      if cfg.group is not None else to, cfg.group))
+        for slot, piece in wanted.items():
+            frm = src[piece][0]
+            if frm != me:
+                buf = torch.empty_like(pieces[0], memory_format=torch.contiguous_format)
+                ops.append(dist.P2POp(dist.irecv, buf, dist.get_global_rank(cfg.group, frm)
+                                      if cfg.group is not None else frm, cfg.group))
+                landing.append((slot, buf))
+        for work in dist.batch_isend_irecv(ops) if ops else []:
+            work.wait()
+        for slot, buf in landing:
+            out_pieces[slot].copy_(buf)
+        return out
+    # all_to_all_single moves blocks of dim 0: put the sequence first
+    s = t.shape[1] // 2
+    send_order = sorted(mine.items(), key=lambda kv: dst[kv[1]])                  # by (dst rank, dst slot)
+    send = torch.cat([pieces[slot].transpose(0, 1) for slot, _ in send_order]).contiguous()
+    counts_to = [sum(1 for _, piece in send_order if dst[piece][0] == r) for r in range(cfg.world)]
+    recv_order = sorted(wanted.items(), key=lambda kv: (src[kv[1]][0], kv[0]))   # by src rank, then slot
+    counts_from = [sum(1 for _, piece in recv_order if src[piece][0] == r) for r in range(cfg.world)]
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, [c * s for c in counts_from], [c * s for c in counts_to], group=cfg.group)
+    for i, (slot, _) in enumerate(recv_order):
+        out_pieces[slot].copy_(recv[i * s:(i + 1) * s].transpose(0, 1))
+    return out
+
+
+class _PermuteFn(torch.autograd.Function):
+    """Zigzag <-> contiguous, autograd-aware: the gradient travels the inverse permutation."""
+
+    @staticmethod
+    def forward(ctx, t, cfg, to_contiguous):
+        ctx.cfg, ctx.to_contiguous = cfg, to_contiguous
+        return _permute(t, cfg, to_contiguous)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _permute(grad, ctx.cfg, not ctx.to_contiguous), None, None
+
+
+# ---------------------------------------------------------------------------------------------
+# 8. The fused Conv1d + SSD with state-passing CP
+# ---------------------------------------------------------------------------------------------
+
+
+def _split_xBC(u, cfg):
+    """Views of the conv output (rows, s, conv_dim) as x (rows, s, h, p), B and C (rows, s, g, n)."""
+    rows, s, _ = u.shape
+    hp, gn = cfg.nheads * cfg.headdim, cfg.ngroups * cfg.dstate
+    x = u[..., :hp].unflatten(-1, (cfg.nheads, cfg.headdim))
+    B = u[..., hp:hp + gn].unflatten(-1, (cfg.ngroups, cfg.dstate))
+    C = u[..., hp + gn:].unflatten(-1, (cfg.ngroups, cfg.dstate))
+    return x, B, C
+
+
+class _Conv1dSSDCPFn(torch.autograd.Function):
+    """One causal segment per row: xBC (rows, s, conv_dim), dt (rows, s, h), seq_idx (rows, s).
+
+    Forward: halo exchange, conv, the state pass from a zero entry (the segment's summary), the
+    summary all-gather and exclusive scan (true entry states and the global final state), the
+    outputs with the entry state folded in. Saved: the inputs, the halo, and per-segment entry
+    states and decays; nothing that grows with length beyond the inputs.
+
+    Backward: recompute the conv; the reverse state pass from a zero exit gradient gives G; its
+    all-gather runs while the forward state pass is recomputed; the reverse scan gives each
+    segment's exit gradient; one fused chunk backward writes dx, dB, dC straight into the conv
+    backward's input; the halo's gradient goes back to its owner."""
+
+    @staticmethod
+    def forward(ctx, xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, cfg):
+        halo, halo_seq = _exchange_halo(xBC, seq_idx, cfg)
+        u = conv1d_fwd(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq)       # (rows, s, conv_dim)
+        x, B, C = _split_xBC(u, cfg)
+        k = _Launch(x, B, min(cfg.chunk, MAX_CHUNK_FWD), dt_bias, True, cfg.dt_limit, D, None, seq_idx)
+        summary = Summary(x, dt, A, B, dt_bias, seq_idx, k)
+        S_ext, a = summary.affine()                                                 # (rows, h, p, n), (rows, h)
+        entries, final, a_all, e = _scan_shards(S_ext, a, seq_idx, initial_states, cfg)
+        y, _ = ssd_output(x, dt, A, B, C, D, None, dt_bias, seq_idx, summary, entries)
+        ctx.save_for_backward(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx,
+                              halo, halo_seq, entries, a_all, e)
+        ctx.cfg = cfg
+        return y, final
+
+    @staticmethod
+    def backward(ctx, dy, dfinal):
+        (xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx,
+         halo, halo_seq, entries, a_all, e) = ctx.saved_tensors
+        cfg = ctx.cfg
+        u = conv1d_fwd(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq)
+        x, B, C = _split_xBC(u, cfg)
+        k = _Launch(x, B, min(cfg.chunk, MAX_CHUNK_BWD), dt_bias, True, cfg.dt_limit, D, None, seq_idx)
+        grad_pass = GradPass(dy, None, C, dt, A, dt_bias, seq_idx, k)
+        every, work = _gather_G(grad_pass.G, dfinal, cfg)
+        summary = Summary(x, dt, A, B, dt_bias, seq_idx, k)                        # overlaps the gather
+        if work is not None:
+            work.wait()
+        dexit, dinit = _scan_shards_bwd(every, a_all, e, cfg)
+
+        du = torch.empty_like(u)
+        dx, dB, dC = _split_xBC(du, cfg)
+        _, _, _, ddt, _, dA, dD, _ = ssd_grads(x, dt, A, B, C, D, None, dt_bias, seq_idx, summary, grad_pass,
+                                               dy, entries, dexit, dx=dx, dB=dB, dC=dC)
+        dxBC, dhalo, dweight, dbias = conv1d_bwd(du, xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq)
+        _return_halo_grad(dxBC, dhalo, cfg)
+        dinit = dinit if cfg.holds_first else torch.zeros_like(dinit)               # one rank contributes it
+        return (dxBC, ddt.to(dt.dtype), dweight.to(conv_weight.dtype),
+                None if conv_bias is None else dbias.to(conv_bias.dtype),
+                None if dt_bias is None else ddt.sum(dim=(0, 1)).to(dt_bias.dtype), dA.to(A.dtype),
+                None if D is None else dD.to(D.dtype),
+                None if initial_states is None else dinit.to(initial_states.dtype), None, None)
+
+
+class _CPConfig:
+    """What the CP function derives once per call from its arguments and the group."""
+
+    def __init__(self, xBC, dt, conv_weight, chunk_size, headdim, ngroups, cp_group, rank, world,
+                 load_balancing, dt_limit):
+        self.group, self.rank, self.world = cp_group, rank, world
+        self.load_balancing = load_balancing
+        self.segs = _Segments(rank, world, load_balancing)
+        self.holds_first = 0 in self.segs.ids
+        self.batch = xBC.shape[0]
+        self.d_conv = conv_weight.shape[1]
+        self.chunk = chunk_size
+        self.nheads, self.headdim, self.ngroups = dt.shape[2], headdim, ngroups
+        self.dstate = (xBC.shape[2] - self.nheads * headdim) // (2 * ngroups)
+        self.state_shape = (self.nheads, headdim, self.dstate)
+        self.dt_limit = tuple(dt_limit)
+
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64)
+
+
+def _signature(**tensors_and_options):
+    """A fixed-length integer description of every argument (-1 where absent), for _agree."""
+    values, names = [], []
+    for name, v in tensors_and_options.items():
+        if isinstance(v, torch.Tensor) or v is None:
+            shape = list(v.shape) if v is not None else []
+            dims = ([v.dim()] if v is not None else [-1]) + (shape + [-1] * 5)[:5]
+            code = _DTYPES.index(v.dtype) if v is not None and v.dtype in _DTYPES else -1
+            values += dims + [code]
+            names += [f"{name} rank"] + [f"{name}.shape[{i}]" for i in range(5)] + [f"{name} dtype"]
+        else:
+            values.append(int(v))
+            names.append(name)
+    return values, names
+
+
+def _check_cp_inputs(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size, headdim, ngroups,
+                     seq_idx, initial_states, load_balancing, dt_limit, per_row):
+    _check_layout(load_balancing)
+    _expect(isinstance(xBC, torch.Tensor) and xBC.dim() == 3, "xBC",
+            tuple(xBC.shape) if isinstance(xBC, torch.Tensor) else type(xBC).__name__,
+            "a 3-dim tensor (batch, seqlen_local, nheads*headdim + 2*ngroups*dstate)")
+    _check_tensor(xBC, "xBC", (None, None, None), xBC, dtypes=(torch.float32, torch.float16, torch.bfloat16))
+    b, l, conv_dim = xBC.shape
+    _expect(isinstance(dt, torch.Tensor) and dt.dim() == 3, "dt",
+            tuple(dt.shape) if isinstance(dt, torch.Tensor) else type(dt).__name__, f"({b}, {l}, nheads)")
+    h = dt.shape[2]
+    _check_tensor(dt, "dt", (b, l, h), xBC)
+    _expect(isinstance(headdim, int) and headdim >= 1, "headdim", headdim, "a positive int")
+    _expect(isinstance(ngroups, int) and ngroups >= 1 and h % ngroups == 0, "ngroups", ngroups,
+            f"a positive divisor of nheads={h}")
+    rest = conv_dim - h * headdim
+    _expect(rest > 0 and rest % (2 * ngroups) == 0, "xBC", f"{conv_dim} channels",
+            f"nheads*headdim + 2*ngroups*dstate = {h}*{headdim} + 2*{ngroups}*dstate channels")
+    n = rest // (2 * ngroups)
+    _expect(isinstance(conv_weight, torch.Tensor) and conv_weight.dim() == 2, "conv_weight",
+            tuple(conv_weight.shape) if isinstance(conv_weight, torch.Tensor) else type(conv_weight).__name__,
+            f"({conv_dim}, d_conv)")
+    _check_tensor(conv_weight, "conv_weight", (conv_dim, None), xBC)
+    d_conv = conv_weight.shape[1]
+    _expect(2 <= d_conv <= 8, "conv_weight", f"d_conv={d_conv}", "2 <= d_conv <= 8")
+    _check_tensor(conv_bias, "conv_bias", (conv_dim,), xBC)
+    _check_tensor(dt_bias, "dt_bias", (h,), xBC)
+    _check_tensor(A, "A", (h,), xBC, allow_none=False)
+    if D is not None:
+        _check_tensor(D, "D", (h,) if D.dim() == 1 else (h, headdim), xBC)
+    _expect(isinstance(chunk_size, int) and chunk_size >= 16 and chunk_size & (chunk_size - 1) == 0,
+            "chunk_size", chunk_size, "a power of two >= 16")
+    _expect(n <= 256 and headdim <= 256, "xBC", f"headdim {headdim}, dstate {n}", "headdim and dstate <= 256")
+    _check_tensor(initial_states, "initial_states", (b, h, headdim, n), xBC)
+    if seq_idx is not None:
+        _check_tensor(seq_idx, "seq_idx", (b, l), xBC, dtypes=(torch.int32, torch.int64))
+        _expect(bool((seq_idx[:, 1:] >= seq_idx[:, :-1]).all()), "seq_idx",
+                "a decreasing step", "non-decreasing document ids along each row")
+    _expect(l % per_row == 0, "xBC", f"local length {l}",
+            f"a multiple of {per_row} (load_balancing={load_balancing!r} holds {per_row} equal pieces)")
+    seg = l // 2 if load_balancing == "virtual" else l     # the permute layouts compute one segment
+    _expect(seg >= max(1, d_conv - 1), "xBC", f"segments of {seg} tokens",
+            f"at least d_conv - 1 = {d_conv - 1} tokens per segment (the conv halo comes from one neighbour)")
+    _expect(isinstance(dt_limit, (tuple, list)) and len(dt_limit) == 2 and dt_limit[0] <= dt_limit[1],
+            "dt_limit", dt_limit, "a pair (dt_min, dt_max) with dt_min <= dt_max")
+
+
+def mamba_conv1d_ssd_cp(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size, *, headdim, ngroups,
+                        cp_group=None, load_balancing="none", seq_idx=None, initial_states=None,
+                        dt_limit=(0.0, float("inf")), return_final_states=False):
+    """Mamba2's post-projection core, conv1d + SSD, with state-passing context parallelism.
+
+    xBC (b, l_local, nheads*headdim + 2*ngroups*dstate) pre-conv; dt (b, l_local, nheads) raw
+    (dt_bias and softplus are applied inside); conv_weight (conv_dim, d_conv); conv_bias
+    (conv_dim,); dt_bias, A (nheads,); D (nheads,) or (nheads, headdim) or None; seq_idx
+    (b, l_local) global document ids of the local tokens; initial_states (b, h, p, n) of the
+    global sequence. Local tensors are in the layout `load_balancing` (see `shard`).
+    Returns y (b, l_local, nheads, headdim) in the same layout, and with return_final_states
+    the fp32 state after the whole global sequence, identical on every rank.
+    Parameter and initial_states gradients are this rank's contribution (sum them over the
+    group, as over data parallelism); the final state's gradients from every rank add up."""
+    ref = xBC if isinstance(xBC, torch.Tensor) else torch.empty(0)
+    rank, world = _group_info(cp_group, ref)
+    per_row = 2 if load_balancing in LAYOUTS[1:] else 1
+    if world > 1 and not (ref.is_cuda and torch.cuda.is_current_stream_capturing()):
+        values, names = _signature(
+            xBC=xBC if isinstance(xBC, torch.Tensor) else None, dt=dt if isinstance(dt, torch.Tensor) else None,
+            conv_weight=conv_weight, conv_bias=conv_bias, dt_bias=dt_bias, A=A, D=D,
+            seq_idx=seq_idx, initial_states=initial_states, chunk_size=chunk_size, headdim=headdim,
+            ngroups=ngroups, load_balancing=LAYOUTS.index(load_balancing) if load_balancing in LAYOUTS else -1,
+            return_final_states=bool(return_final_states))
+        _agree(values, names, cp_group, ref.device)
+    _check_cp_inputs(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size, headdim, ngroups,
+                     seq_idx, initial_states, load_balancing, dt_limit, per_row)
+    cfg = _CPConfig(xBC, dt, conv_weight, chunk_size, headdim, ngroups, cp_group, rank, world,
+                    load_balancing, dt_limit)
+    if seq_idx is not None:
+        seq_idx = seq_idx.to(torch.int32)
+    permuted = load_balancing.startswith("permute")
+    if permuted:
+        xBC, dt = _PermuteFn.apply(xBC, cfg, True), _PermuteFn.apply(dt, cfg, True)
+        seq_idx = None if seq_idx is None else _permute(seq_idx, cfg, True)
+    rows = cfg.segs.to_rows
+    y, final = _Conv1dSSDCPFn.apply(rows(xBC), rows(dt), conv_weight, conv_bias, dt_bias, A, D, initial_states,
+                                    None if seq_idx is None else rows(seq_idx).contiguous(), cfg)
+    y = cfg.segs.from_rows(y, cfg.batch)
+    if permuted:
+        y = _PermuteFn.apply(y, cfg, False)
+    return (y, final) if return_final_states else y

@@ -143,7 +143,259 @@ def _entry_term(entry_ptr, gamma_ptr, b, c, h, offs_p, offs_n, mask_pn, chunks_p
 
 
 # ---------------------------------------------------------------------------------------------
-# 2. Forward kernels
+# 2. The causal conv1d (DESIGN.md section 4), forward and backward kernels
+#
+# Depthwise causal conv1d + bias + SiLU with a halo, forward and backward (DESIGN.md section 4).
+#
+#     out[b, t, c] = silu(bias[c] + sum_{k<d} weight[c, k] * u[b, t - (d-1) + k, c])
+#
+# u is the shard's pre-conv xBC, preceded by the halo: the last d-1 pre-conv tokens of the
+# previous segment, received from their owner (zeros for the first segment). With seq_idx a tap
+# whose token belongs to another document than token t contributes 0, in the halo too.
+#
+# Backward. g = dout * silu'(pre), with the pre-activation recomputed (it is as large as xBC, so
+# it is not kept). With m_j(s) = 1 when s and s+j are in one document (the forward's tap mask):
+#     du[s, c]        = sum_j weight[c, d-1-j] * m_j(s) g[s+j, c]
+#     dweight[c, d-1-j] = sum_s u[s, c] * m_j(s) g[s+j, c]          dbias[c] = sum_t g[t, c]
+# so one pass over rows s of [halo, xBC] gives all three; du at s < 0 is the halo's gradient,
+# which the caller sends back to the halo's owner. A tile needs g at d-1 rows past its end, and a
+# register tile cannot be shifted by rows: each program computes g for its tile and the d-1
+# rows after it once, parks them in its own scratch slot (fp32, reused tile after tile, so it
+# stays in L2) and reads them back shifted. No atomics: dweight and dbias are per-(batch,
+# token-group) partial sums, summed by torch in a fixed order.
+#
+# Offsets that multiply a batch, token or channel index by a stride are int64: sequences reach
+# 2^20 tokens x 8k channels, and xBC may come in any layout.
+# ---------------------------------------------------------------------------------------------
+
+# (tokens, channels) per program and warps per program. Measured on an H200, bf16, 32k tokens x
+# 8448 channels, d_conv 4, halo and seq_idx: forward 0.59 ms, backward 2.0 ms. The backward
+# runs one warp per program: its per-tile dweight sums over tokens then stay inside a warp
+# (4 warps with (32, 128) tiles: 3.3 ms). The interpreter pays per program: bigger tiles there.
+_FWD_BLOCKS, _FWD_WARPS = (32, 128), 4
+_BWD_BLOCKS, _BWD_WARPS = (16, 64), 1
+_INTERP_BLOCKS = (128, 64)
+# Backward: about as many programs as a GPU keeps resident. Longer sequences fold several token
+# blocks into one program, which bounds the dweight/dbias partials and keeps the scratch slots
+# (one (BT + d-1) x BC fp32 tile per program, about 20 MiB in all) in L2.
+_BWD_PROGRAMS = 4096
+
+
+# ---------------------------------------------------------------------------------------------
+# Conv pieces: document ids, one tap tile, the pre-activation and its gradient
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _doc(s_row0, stride_s_l, hs_row0, stride_hs_l, r0, seqlen,
+         R: tl.constexpr, HALO: tl.constexpr, HAS_HALO_SEQ: tl.constexpr):
+    """Document id (R,) of token rows r0 + [0, R); -1 where there is none (those rows hold zeros)."""
+    rows = r0 + tl.arange(0, R)
+    r = rows.to(tl.int64)
+    doc = tl.load(s_row0 + r * stride_s_l, mask=(rows >= 0) & (rows < seqlen), other=-1)
+    if HAS_HALO_SEQ:
+        in_h = (rows < 0) & (rows >= -HALO)
+        doc = tl.where(in_h, tl.load(hs_row0 + (r + HALO) * stride_hs_l, mask=in_h, other=-1), doc)
+    return doc
+
+
+@triton.jit
+def _tap(x_row0, x_col, stride_x_l, h_row0, h_col, stride_h_l, r0, mask_c, seqlen,
+         R: tl.constexpr, HALO: tl.constexpr, HAS_HALO: tl.constexpr):
+    """u at token rows r0 + [0, R) as an (R, BC) fp32 tile, zero outside [-HALO, seqlen).
+    Rows < 0 come from the halo."""
+    rows = r0 + tl.arange(0, R)
+    r = rows.to(tl.int64)
+    in_x = (rows >= 0) & (rows < seqlen)
+    u = tl.load(x_row0 + r[:, None] * stride_x_l + x_col[None, :],
+                mask=in_x[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
+    if HAS_HALO:   # a second masked load, not a branch: a branch would split the taps' loads apart
+        in_h = (rows < 0) & (rows >= -HALO)
+        u += tl.load(h_row0 + (r + HALO)[:, None] * stride_h_l + h_col[None, :],
+                     mask=in_h[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
+    return u
+
+
+@triton.jit
+def _preact(x_row0, x_col, stride_x_l, h_row0, h_col, stride_h_l, w_col, stride_w_k, bias,
+            s_row0, stride_s_l, hs_row0, stride_hs_l, r0, mask_c, seqlen,
+            R: tl.constexpr, BC: tl.constexpr, D: tl.constexpr,
+            HAS_HALO: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_HALO_SEQ: tl.constexpr):
+    """Pre-activation (R, BC) fp32 of output rows r0 + [0, R): bias + sum_k w_k u[row-(D-1)+k],
+    a tap from another document dropped. (The document test is applied after the load, not in
+    its mask: the tap loads then need not wait for the ids.)"""
+    acc = tl.zeros((R, BC), dtype=tl.float32) + bias[None, :]
+    if HAS_SEQ:
+        doc_t = _doc(s_row0, stride_s_l, hs_row0, stride_hs_l, r0, seqlen, R, D - 1, HAS_HALO_SEQ)
+    for k in tl.static_range(D):
+        src0 = r0 - (D - 1) + k
+        u = _tap(x_row0, x_col, stride_x_l, h_row0, h_col, stride_h_l, src0, mask_c, seqlen,
+                 R, D - 1, HAS_HALO)
+        if HAS_SEQ:
+            same = _doc(s_row0, stride_s_l, hs_row0, stride_hs_l, src0, seqlen, R, D - 1, HAS_HALO_SEQ) == doc_t
+            u = tl.where(same[:, None], u, 0.0)
+        w = tl.load(w_col + k * stride_w_k, mask=mask_c, other=0.0).to(tl.float32)   # (BC,)
+        acc += w[None, :] * u
+    return acc
+
+
+@triton.jit
+def _dpre(do_row0, do_col, stride_do_l,
+          x_row0, x_col, stride_x_l, h_row0, h_col, stride_h_l, w_col, stride_w_k, bias,
+          s_row0, stride_s_l, hs_row0, stride_hs_l, r0, mask_c, seqlen,
+          R: tl.constexpr, BC: tl.constexpr, D: tl.constexpr,
+          HAS_HALO: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_HALO_SEQ: tl.constexpr):
+    """g = dL/dpre (R, BC) fp32 at output rows r0 + [0, R): dout * silu'(pre); 0 off [0, seqlen)."""
+    p = _preact(x_row0, x_col, stride_x_l, h_row0, h_col, stride_h_l, w_col, stride_w_k, bias,
+                s_row0, stride_s_l, hs_row0, stride_hs_l, r0, mask_c, seqlen,
+                R, BC, D, HAS_HALO, HAS_SEQ, HAS_HALO_SEQ)
+    rows = r0 + tl.arange(0, R)
+    valid = (rows >= 0) & (rows < seqlen)
+    do = tl.load(do_row0 + rows.to(tl.int64)[:, None] * stride_do_l + do_col[None, :],
+                 mask=valid[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
+    sig = tl.sigmoid(p)
+    return do * sig * (1.0 + p * (1.0 - sig))      # silu'(p) = sig(p) (1 + p (1 - sig(p)))
+
+
+
+
+@triton.jit
+def _conv_fwd_kernel(
+    x_ptr, w_ptr, bias_ptr, halo_ptr, seq_ptr, hseq_ptr, out_ptr,
+    seqlen, dim,
+    stride_x_b, stride_x_l, stride_x_c,
+    stride_w_c, stride_w_k, stride_bias,
+    stride_h_b, stride_h_l, stride_h_c,
+    stride_s_b, stride_s_l,
+    stride_hs_b, stride_hs_l,
+    stride_o_b, stride_o_l, stride_o_c,
+    D: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_HALO_SEQ: tl.constexpr,
+):
+    """One (BT tokens, BC channels) tile of one batch row: out = silu(pre-activation)."""
+    pid_t = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    bb = tl.program_id(2).to(tl.int64)
+    t0 = pid_t * BT
+    rows = t0 + tl.arange(0, BT)                                                # (BT,)
+    offs_c = (pid_c * BC + tl.arange(0, BC)).to(tl.int64)                       # (BC,)
+    mask_c = offs_c < dim
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_c * stride_bias, mask=mask_c, other=0.0).to(tl.float32)
+    else:
+        bias = tl.zeros((BC,), dtype=tl.float32)
+
+    p = _preact(x_ptr + bb * stride_x_b, offs_c * stride_x_c, stride_x_l,
+                halo_ptr + bb * stride_h_b, offs_c * stride_h_c, stride_h_l,
+                w_ptr + offs_c * stride_w_c, stride_w_k, bias,
+                seq_ptr + bb * stride_s_b, stride_s_l, hseq_ptr + bb * stride_hs_b, stride_hs_l,
+                t0, mask_c, seqlen, BT, BC, D, HAS_HALO, HAS_SEQ, HAS_HALO_SEQ)  # (BT, BC)
+    out = p * tl.sigmoid(p)
+    tl.store(out_ptr + bb * stride_o_b + rows.to(tl.int64)[:, None] * stride_o_l + offs_c[None, :] * stride_o_c,
+             out.to(out_ptr.dtype.element_ty), mask=(rows < seqlen)[:, None] & mask_c[None, :])
+
+
+@triton.jit
+def _conv_bwd_kernel(
+    dout_ptr, x_ptr, w_ptr, bias_ptr, halo_ptr, seq_ptr, hseq_ptr,
+    dx_ptr, dhalo_ptr, dw_part_ptr, db_part_ptr, scratch_ptr,
+    seqlen, dim, n_inner,
+    stride_do_b, stride_do_l, stride_do_c,
+    stride_x_b, stride_x_l, stride_x_c,
+    stride_w_c, stride_w_k, stride_bias,
+    stride_h_b, stride_h_l, stride_h_c,
+    stride_s_b, stride_s_l,
+    stride_hs_b, stride_hs_l,
+    stride_dx_b, stride_dx_l, stride_dx_c,
+    stride_dh_b, stride_dh_l, stride_dh_c,
+    stride_dw_b, stride_dw_g, stride_dw_k, stride_dw_c,
+    stride_db_b, stride_db_g, stride_db_c,
+    D: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HB: tl.constexpr, DP: tl.constexpr,
+    SHIFT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_HALO_SEQ: tl.constexpr,
+    NEED_DHALO: tl.constexpr,
+):
+    """n_inner consecutive (BT, BC) tiles of rows s of [halo, xBC] (starting at s = -SHIFT; SHIFT
+    is D-1 with a halo) in one batch row: du per tile (into dx, or dhalo for s < 0), and
+    dweight, dbias summed over the tiles into this program's own partial slot."""
+    pid_g = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    bb = tl.program_id(2).to(tl.int64)
+    offs_c = (pid_c * BC + tl.arange(0, BC)).to(tl.int64)                       # (BC,)
+    mask_c = offs_c < dim
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_c * stride_bias, mask=mask_c, other=0.0).to(tl.float32)
+    else:
+        bias = tl.zeros((BC,), dtype=tl.float32)
+
+    do_row0 = dout_ptr + bb * stride_do_b
+    do_col = offs_c * stride_do_c
+    x_row0 = x_ptr + bb * stride_x_b
+    x_col = offs_c * stride_x_c
+    h_row0 = halo_ptr + bb * stride_h_b
+    h_col = offs_c * stride_h_c
+    w_col = w_ptr + offs_c * stride_w_c
+    s_row0 = seq_ptr + bb * stride_s_b
+    hs_row0 = hseq_ptr + bb * stride_hs_b
+
+    # this program's scratch slot: g of its tile (rows 0..BT-1) and of the HB rows after it
+    prog = (bb * tl.num_programs(0) + pid_g) * tl.num_programs(1) + pid_c
+    slot = scratch_ptr + prog * ((BT + HB) * BC)
+    sl_r = tl.arange(0, BT)
+    sl_c = tl.arange(0, BC)
+
+    kk = tl.arange(0, DP)                                                       # tap index, padded
+    dw_acc = tl.zeros((DP, BC), dtype=tl.float32)
+    db_acc = tl.zeros((BC,), dtype=tl.float32)
+    for i in range(n_inner):
+        s0 = (pid_g * n_inner + i) * BT - SHIFT
+        g = _dpre(do_row0, do_col, stride_do_l, x_row0, x_col, stride_x_l, h_row0, h_col, stride_h_l,
+                  w_col, stride_w_k, bias, s_row0, stride_s_l, hs_row0, stride_hs_l, s0, mask_c, seqlen,
+                  BT, BC, D, HAS_HALO, HAS_SEQ, HAS_HALO_SEQ)                   # (BT, BC)
+        g_next = _dpre(do_row0, do_col, stride_do_l, x_row0, x_col, stride_x_l, h_row0, h_col, stride_h_l,
+                       w_col, stride_w_k, bias, s_row0, stride_s_l, hs_row0, stride_hs_l, s0 + BT, mask_c,
+                       seqlen, HB, BC, D, HAS_HALO, HAS_SEQ, HAS_HALO_SEQ)      # (HB, BC): outputs past the tile
+        db_acc += tl.sum(g, axis=0)
+        tl.debug_barrier()       # every thread is done reading the previous tile's g
+        tl.store(slot + sl_r[:, None] * BC + sl_c[None, :], g)
+        tl.store(slot + (BT + tl.arange(0, HB))[:, None] * BC + sl_c[None, :], g_next)
+        tl.debug_barrier()       # ... and this tile's g is visible to all of them
+
+        if HAS_SEQ:
+            doc_s = _doc(s_row0, stride_s_l, hs_row0, stride_hs_l, s0, seqlen, BT, D - 1, HAS_HALO_SEQ)
+        u = _tap(x_row0, x_col, stride_x_l, h_row0, h_col, stride_h_l, s0, mask_c, seqlen,
+                 BT, D - 1, HAS_HALO)                                           # (BT, BC)
+        w = tl.load(w_col + (D - 1) * stride_w_k, mask=mask_c, other=0.0).to(tl.float32)
+        du = w[None, :] * g                                                     # j = 0: the row itself
+        dw_acc += tl.where(kk[:, None] == D - 1, tl.sum(u * g, axis=0)[None, :], 0.0)
+        for j in tl.static_range(1, D):
+            gj = tl.load(slot + (sl_r + j)[:, None] * BC + sl_c[None, :])       # g[s + j]
+            if HAS_SEQ:   # mirrors the forward: output s+j reads row s only within one document
+                same = _doc(s_row0, stride_s_l, hs_row0, stride_hs_l, s0 + j, seqlen, BT, D - 1, HAS_HALO_SEQ) == doc_s
+                gj = tl.where(same[:, None], gj, 0.0)
+            w = tl.load(w_col + (D - 1 - j) * stride_w_k, mask=mask_c, other=0.0).to(tl.float32)
+            du += w[None, :] * gj
+            dw_acc += tl.where(kk[:, None] == D - 1 - j, tl.sum(u * gj, axis=0)[None, :], 0.0)
+
+        rows = s0 + sl_r
+        r64 = rows.to(tl.int64)
+        tl.store(dx_ptr + bb * stride_dx_b + r64[:, None] * stride_dx_l + offs_c[None, :] * stride_dx_c,
+                 du.to(dx_ptr.dtype.element_ty), mask=((rows >= 0) & (rows < seqlen))[:, None] & mask_c[None, :])
+        if NEED_DHALO:
+            if s0 < 0:
+                tl.store(dhalo_ptr + bb * stride_dh_b + (r64 + (D - 1))[:, None] * stride_dh_l
+                         + offs_c[None, :] * stride_dh_c, du, mask=(rows < 0)[:, None] & mask_c[None, :])
+
+    part = bb * stride_dw_b + pid_g.to(tl.int64) * stride_dw_g
+    tl.store(dw_part_ptr + part + kk.to(tl.int64)[:, None] * stride_dw_k + offs_c[None, :] * stride_dw_c,
+             dw_acc, mask=(kk < D)[:, None] & mask_c[None, :])
+    if HAS_BIAS:
+        tl.store(db_part_ptr + bb * stride_db_b + pid_g.to(tl.int64) * stride_db_g + offs_c * stride_db_c,
+                 db_acc, mask=mask_c)
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. SSD forward kernels
 # ---------------------------------------------------------------------------------------------
 
 
@@ -389,7 +641,7 @@ def _output_fwd_kernel(
 
 
 # ---------------------------------------------------------------------------------------------
-# 3. Backward kernels
+# 4. SSD backward kernels
 # ---------------------------------------------------------------------------------------------
 
 
@@ -662,7 +914,7 @@ def _chunk_bwd_kernel(
 
 
 # ---------------------------------------------------------------------------------------------
-# 4. Input checks: every bad input gets a ValueError naming the argument, what was seen, and
+# 5. Input checks: every bad input gets a ValueError naming the argument, what was seen, and
 #    what was expected, before any kernel (or, for CP, any collective) runs.
 # ---------------------------------------------------------------------------------------------
 
@@ -723,7 +975,7 @@ def _check_ssd_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states,
 
 
 # ---------------------------------------------------------------------------------------------
-# 5. Launch wrappers and the single-device autograd function
+# 6. Launch wrappers and the single-device autograd function
 # ---------------------------------------------------------------------------------------------
 
 
@@ -734,6 +986,110 @@ def _pow2(v, lo=16):
 def _strides(t, ndim):
     """Strides of an optional tensor (zeros when absent), so one kernel serves every option."""
     return tuple(t.stride()) if t is not None else (0,) * ndim
+
+
+# The conv's launch wrappers.
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_INTS = (torch.int32, torch.int64)
+
+
+def _check_conv_inputs(xBC, weight, bias, halo, seq_idx, halo_seq):
+    _expect(isinstance(xBC, torch.Tensor) and xBC.dim() == 3, "xBC",
+            tuple(xBC.shape) if isinstance(xBC, torch.Tensor) else type(xBC).__name__,
+            "a 3-dim tensor (batch, seqlen, dim)")
+    _check_tensor(xBC, "xBC", (None, None, None), xBC, dtypes=_FLOATS)
+    b, l, dim = xBC.shape
+    _expect(l >= 1 and dim >= 1 and b >= 1, "xBC", f"shape {tuple(xBC.shape)}", "no empty dimension")
+    _check_tensor(weight, "weight", (dim, None), xBC, dtypes=_FLOATS, allow_none=False)
+    d = weight.shape[1]
+    _expect(2 <= d <= 8, "weight", f"d_conv {d}", "2 <= d_conv <= 8")
+    _check_tensor(bias, "bias", (dim,), xBC, dtypes=_FLOATS)
+    _check_tensor(halo, "halo", (b, d - 1, dim), xBC, dtypes=_FLOATS)
+    _check_tensor(seq_idx, "seq_idx", (b, l), xBC, dtypes=_INTS)
+    _check_tensor(halo_seq, "halo_seq", (b, d - 1), xBC, dtypes=_INTS)
+    _expect(halo_seq is None or seq_idx is not None, "halo_seq", "a tensor with seq_idx=None",
+            "None when seq_idx is None")
+    _expect(halo is None or seq_idx is None or halo_seq is not None, "halo_seq", "None",
+            "the halo's document ids (b, d_conv-1) when both halo and seq_idx are given")
+    return b, l, dim, d
+
+
+def _conv_blocks(l, dim, gpu_blocks):
+    BT, BC = _INTERP_BLOCKS if INTERPRET else gpu_blocks
+    return min(BT, max(16, triton.next_power_of_2(l))), min(BC, max(16, triton.next_power_of_2(dim)))
+
+
+def _or(t, placeholder):
+    """A placeholder for an absent tensor: the kernels form its pointers but never dereference them."""
+    return placeholder if t is None else t
+
+
+def _conv_flags(bias, halo, seq_idx):
+    has_seq = seq_idx is not None
+    return dict(HAS_BIAS=bias is not None, HAS_HALO=halo is not None, HAS_SEQ=has_seq,
+                HAS_HALO_SEQ=has_seq and halo is not None)   # without a halo its ids don't matter
+
+
+def conv1d_fwd(xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=None):
+    """silu(causal depthwise conv(xBC) + bias), (b, l, dim) contiguous in xBC's dtype.
+
+    xBC (b, l, dim) any strides; weight (dim, d_conv); bias (dim,); halo (b, d_conv-1, dim): the
+    d_conv-1 pre-conv tokens before the shard, None for zeros; seq_idx (b, l) and halo_seq
+    (b, d_conv-1) integer document ids (halo_seq needed when both halo and seq_idx are given).
+    """
+    b, l, dim, d = _check_conv_inputs(xBC, weight, bias, halo, seq_idx, halo_seq)
+    flags = _conv_flags(bias, halo, seq_idx)
+    halo_seq = halo_seq.to(seq_idx.dtype) if flags["HAS_HALO_SEQ"] else None   # one id type in the kernel
+    out = torch.empty((b, l, dim), device=xBC.device, dtype=xBC.dtype)
+    BT, BC = _conv_blocks(l, dim, _FWD_BLOCKS)
+    grid = (triton.cdiv(l, BT), triton.cdiv(dim, BC), b)
+    _conv_fwd_kernel[grid](
+        xBC, weight, _or(bias, xBC), _or(halo, xBC), _or(seq_idx, xBC), _or(halo_seq, xBC), out, l, dim,
+        *xBC.stride(), *weight.stride(), *_strides(bias, 1), *_strides(halo, 3),
+        *_strides(seq_idx, 2), *_strides(halo_seq, 2), *out.stride(),
+        D=d, BT=BT, BC=BC, num_warps=_FWD_WARPS, **flags)
+    return out
+
+
+def conv1d_bwd(dout, xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=None, need_dhalo=True):
+    """Gradients of conv1d_fwd: (dxBC, dhalo, dweight, dbias).
+
+    dxBC (b, l, dim) in xBC's dtype; dhalo (b, d_conv-1, dim) fp32, None without a halo or with
+    need_dhalo=False; dweight (dim, d_conv) fp32; dbias (dim,) fp32, None without bias.
+    Deterministic: no atomics, partial sums are reduced by torch in a fixed order.
+    """
+    b, l, dim, d = _check_conv_inputs(xBC, weight, bias, halo, seq_idx, halo_seq)
+    _check_tensor(dout, "dout", (b, l, dim), xBC, dtypes=_FLOATS, allow_none=False)
+    flags = _conv_flags(bias, halo, seq_idx)
+    halo_seq = halo_seq.to(seq_idx.dtype) if flags["HAS_HALO_SEQ"] else None   # one id type in the kernel
+    need_dhalo = bool(need_dhalo) and halo is not None
+    shift = d - 1 if halo is not None else 0    # tiles start at the halo: its rows feed dweight
+    BT, BC = _conv_blocks(shift + l, dim, _BWD_BLOCKS)
+    HB = max(2, triton.next_power_of_2(d - 1))  # rows of g past a tile that the tile needs
+    n_tb, n_cb = triton.cdiv(shift + l, BT), triton.cdiv(dim, BC)
+    n_inner = min(n_tb, max(1, triton.cdiv(n_tb * n_cb * b, _BWD_PROGRAMS)))   # token blocks per program
+    n_groups = triton.cdiv(n_tb, n_inner)
+
+    dx = torch.empty((b, l, dim), device=xBC.device, dtype=xBC.dtype)
+    dhalo = torch.empty((b, d - 1, dim), device=xBC.device, dtype=torch.float32) if need_dhalo else None
+    dw_part = torch.empty((b, n_groups, d, dim), device=xBC.device, dtype=torch.float32)
+    db_part = torch.empty((b, n_groups, dim), device=xBC.device, dtype=torch.float32) \
+        if bias is not None else None
+    scratch = torch.empty((b, n_groups, n_cb, BT + HB, BC), device=xBC.device, dtype=torch.float32)
+    grid = (n_groups, n_cb, b)
+    _conv_bwd_kernel[grid](
+        dout, xBC, weight, _or(bias, xBC), _or(halo, xBC), _or(seq_idx, xBC), _or(halo_seq, xBC),
+        dx, _or(dhalo, dw_part), dw_part, _or(db_part, dw_part), scratch,
+        l, dim, n_inner,
+        *dout.stride(), *xBC.stride(), *weight.stride(), *_strides(bias, 1), *_strides(halo, 3),
+        *_strides(seq_idx, 2), *_strides(halo_seq, 2), *dx.stride(), *_strides(dhalo, 3),
+        *dw_part.stride(), *_strides(db_part, 3),
+        D=d, BT=BT, BC=BC, HB=HB, DP=triton.next_power_of_2(d), SHIFT=shift,
+        NEED_DHALO=need_dhalo, num_warps=_BWD_WARPS, **flags)
+    dweight = dw_part.sum(dim=(0, 1)).t().contiguous()                          # (dim, d)
+    dbias = db_part.sum(dim=(0, 1)) if bias is not None else None               # (dim,)
+    return dx, dhalo, dweight, dbias
 
 
 # Kernel chunk lengths. The chunked form computes the same recurrence for any chunk length, so
@@ -1028,7 +1384,7 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
 
 
 # ---------------------------------------------------------------------------------------------
-# 6. Layouts (DESIGN.md section 5): which causal segments of the global sequence a rank holds
+# 7. Layouts (DESIGN.md section 5): which causal segments of the global sequence a rank holds
 # ---------------------------------------------------------------------------------------------
 
 LAYOUTS = ("none", "virtual", "permute_p2p", "permute_a2a")
@@ -1107,7 +1463,7 @@ class _Segments:
 
 
 # ---------------------------------------------------------------------------------------------
-# 7. Communication: validation, the summary all-gather, the conv halo, the zigzag permutation
+# 8. Communication: validation, the summary all-gather, the conv halo, the zigzag permutation
 # ---------------------------------------------------------------------------------------------
 
 import torch.distributed as dist  # noqa: E402
@@ -1150,11 +1506,12 @@ def _all_gather(t, cp_group, async_op=False):
     return (out, work) if async_op else out
 
 
-def _pack(*tensors):
-    """One flat fp32 buffer (integer tensors travel bit-for-bit as int32 viewed as fp32)."""
-    flat = [t.to(torch.int32).view(torch.float32).reshape(-1) if not t.is_floating_point()
-            else t.float().reshape(-1) for t in tensors]
-    return torch.cat(flat)
+def _pack(rows, *tensors):
+    """One (rows, total) fp32 buffer from tensors that share their leading dim (integer tensors
+    travel bit-for-bit, as int32 viewed as fp32)."""
+    flat = [t.to(torch.int32).view(torch.float32).reshape(rows, -1) if not t.is_floating_point()
+            else t.float().reshape(rows, -1) for t in tensors]
+    return torch.cat(flat, dim=1)
 
 
 def _unpack(buf, shapes_dtypes):
@@ -1180,7 +1537,7 @@ def _exchange_halo(xBC, seq_idx, cfg):
     parts = [tail]
     if seq_idx is not None:
         parts.append(seq_idx[:, seq_idx.shape[1] - d1:])
-    buf = _pack(*parts).reshape(xBC.shape[0], -1)                                  # (rows, numel)
+    buf = _pack(xBC.shape[0], *parts)                                              # (rows, numel)
     every = _all_gather(buf, cfg.group) if cfg.world > 1 else buf[None]
     glob = cfg.segs.gather_order(every, cfg.batch)                                 # (b, K, numel)
     before = torch.cat([torch.zeros_like(glob[:, :1]), glob[:, :-1]], dim=1)      # segment k gets k-1's tail
@@ -1220,7 +1577,7 @@ def _scan_shards(S_ext, a, seq_idx, initial_states, cfg):
     if seq_idx is not None:
         parts += [seq_idx[:, :1], seq_idx[:, -1:]]
         shapes += [((1,), torch.int32), ((1,), torch.int32)]
-    buf = _pack(*parts).reshape(rows, -1)
+    buf = _pack(rows, *parts)
     every = _all_gather(buf, cfg.group) if cfg.world > 1 else buf[None]
     S_all, a_all, *ids = _unpack(cfg.segs.gather_order(every, cfg.batch), shapes)  # (b, K, ...)
     e = _document_flags(ids[0][..., 0], ids[1][..., 0]) if ids else None
@@ -1326,7 +1683,7 @@ class _PermuteFn(torch.autograd.Function):
 
 
 # ---------------------------------------------------------------------------------------------
-# 8. The fused Conv1d + SSD with state-passing CP
+# 9. The fused Conv1d + SSD with state-passing CP
 # ---------------------------------------------------------------------------------------------
 
 
@@ -1523,3 +1880,137 @@ def mamba_conv1d_ssd_cp(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_si
     if permuted:
         y = _PermuteFn.apply(y, cfg, False)
     return (y, final) if return_final_states else y
+
+
+# ---------------------------------------------------------------------------------------------
+# 10. The baseline it replaces: head-parallel all-to-all CP
+# ---------------------------------------------------------------------------------------------
+
+
+class _AllToAllFn(torch.autograd.Function):
+    """Equal-block all_to_all_single along dim 0 (W blocks); its gradient is the same exchange."""
+
+    @staticmethod
+    def forward(ctx, t, group):
+        ctx.group = group
+        out = torch.empty_like(t, memory_format=torch.contiguous_format)
+        dist.all_to_all_single(out, t.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = torch.empty_like(grad, memory_format=torch.contiguous_format)
+        dist.all_to_all_single(out, grad.contiguous(), group=ctx.group)
+        return out, None
+
+
+class _GatherHeadsFn(torch.autograd.Function):
+    """All-gather of per-rank head blocks into the replicated (b, h, p, n) final state; every
+    rank's copy receives gradient, so backward sums them and keeps this rank's block."""
+
+    @staticmethod
+    def forward(ctx, block, group, rank):
+        ctx.group, ctx.rank = group, rank
+        every = _all_gather(block, group)                                          # (W, b, hW, p, n)
+        return torch.cat(list(every.unbind(0)), dim=1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad.chunk(dist.get_world_size(ctx.group), dim=1)[ctx.rank], None, None
+
+
+def _a2a_heads(nheads, ngroups, world, rank):
+    """Heads of `rank` and, per local head, the group it reads. Groups are split across ranks
+    when W divides ngroups; when W splits a group, the rank's heads share one replicated group;
+    otherwise each local head gets its own copy of its group (uniform blocks on every rank)."""
+    hw = nheads // world
+    hpg = nheads // ngroups
+    heads = list(range(rank * hw, (rank + 1) * hw))
+    if ngroups % world == 0:
+        groups = list(range(rank * ngroups // world, (rank + 1) * ngroups // world))
+    elif hpg % hw == 0:
+        groups = [heads[0] // hpg]
+    else:
+        groups = [hh // hpg for hh in heads]
+    return heads, groups
+
+
+def _a2a_channels(cfg, heads, groups):
+    """Indices into the conv_dim channels [x | B | C] for these heads and (replicated) groups."""
+    p, n = cfg.headdim, cfg.dstate
+    hp, gn = cfg.nheads * p, cfg.ngroups * n
+    x = [hh * p + i for hh in heads for i in range(p)]
+    Bc = [hp + g * n + i for g in groups for i in range(n)]
+    Cc = [hp + gn + g * n + i for g in groups for i in range(n)]
+    return x + Bc + Cc
+
+
+def _to_global_order(blocks, cfg):
+    """blocks (W, b, l_local, ...): every rank's local tokens -> (b, L, ...) in sequence order."""
+    layout = "none" if cfg.load_balancing == "none" else "virtual"                # input layouts
+    return unshard(list(blocks.unbind(0)), layout, dim=1)
+
+
+def _to_local_order(full, cfg):
+    """(b, L, ...) -> (W, b, l_local, ...): each rank's local tokens, in its layout."""
+    layout = "none" if cfg.load_balancing == "none" else "virtual"
+    return torch.stack([shard(full, r, cfg.world, layout, dim=1) for r in range(cfg.world)])
+
+
+def mamba_conv1d_ssd_a2a(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size, *, headdim, ngroups,
+                         cp_group=None, load_balancing="none", seq_idx=None, initial_states=None,
+                         dt_limit=(0.0, float("inf")), return_final_states=False):
+    """The same arguments and results as mamba_conv1d_ssd_cp, computed the usual way: an
+    all-to-all gives every rank the whole sequence for nheads/W heads, it runs the single-device
+    conv + SSD, and a second all-to-all returns the outputs to their tokens. Exists to be
+    compared against. Requires nheads divisible by W."""
+    ref = xBC if isinstance(xBC, torch.Tensor) else torch.empty(0)
+    rank, world = _group_info(cp_group, ref)
+    per_row = 1 if load_balancing == "none" else 2
+    if world > 1 and not (ref.is_cuda and torch.cuda.is_current_stream_capturing()):
+        values, names = _signature(
+            xBC=xBC if isinstance(xBC, torch.Tensor) else None, dt=dt if isinstance(dt, torch.Tensor) else None,
+            conv_weight=conv_weight, conv_bias=conv_bias, dt_bias=dt_bias, A=A, D=D,
+            seq_idx=seq_idx, initial_states=initial_states, chunk_size=chunk_size, headdim=headdim,
+            ngroups=ngroups, load_balancing=LAYOUTS.index(load_balancing) if load_balancing in LAYOUTS else -1,
+            return_final_states=bool(return_final_states))
+        _agree(values, names, cp_group, ref.device)
+    _check_cp_inputs(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size, headdim, ngroups,
+                     seq_idx, initial_states, load_balancing, dt_limit, per_row)
+    nheads = dt.shape[2]
+    _expect(nheads % world == 0, "dt", f"nheads={nheads} with W={world}",
+            "nheads divisible by the CP world size (the all-to-all baseline splits heads)")
+    cfg = _CPConfig(xBC, dt, conv_weight, chunk_size, headdim, ngroups, cp_group, rank, world,
+                    load_balancing, dt_limit)
+    if world == 1:
+        return mamba_conv1d_ssd_cp(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size, headdim=headdim,
+                                   ngroups=ngroups, seq_idx=seq_idx, initial_states=initial_states,
+                                   dt_limit=dt_limit, return_final_states=return_final_states)
+
+    # forward all-to-all: block j of what this rank sends holds rank j's channels of its tokens
+    plan = [_a2a_heads(nheads, ngroups, world, r) for r in range(world)]
+    chan = [torch.tensor(_a2a_channels(cfg, *plan[r]), device=xBC.device) for r in range(world)]
+    send_x = torch.stack([xBC.index_select(2, chan[r]) for r in range(world)])     # (W, b, l, c_loc)
+    send_dt = torch.stack([dt[..., plan[r][0][0]:plan[r][0][-1] + 1] for r in range(world)])
+    xBC_mine = _to_global_order(_AllToAllFn.apply(send_x, cp_group), cfg)        # (b, L, c_loc)
+    dt_mine = _to_global_order(_AllToAllFn.apply(send_dt, cp_group), cfg)        # (b, L, hW)
+    seq_full = None if seq_idx is None else _to_global_order(_all_gather(seq_idx.to(torch.int32), cp_group), cfg)
+
+    heads, groups = plan[rank]
+    h0, h1 = heads[0], heads[-1] + 1
+    D_mine = None if D is None else D[h0:h1]
+    init_mine = None if initial_states is None else initial_states[:, h0:h1]
+    y_mine, final_mine = mamba_conv1d_ssd_cp(
+        xBC_mine, dt_mine, conv_weight.index_select(0, chan[rank]),
+        None if conv_bias is None else conv_bias.index_select(0, chan[rank]),
+        None if dt_bias is None else dt_bias[h0:h1], A[h0:h1], D_mine, chunk_size, headdim=headdim,
+        ngroups=len(groups), seq_idx=seq_full, initial_states=init_mine, dt_limit=dt_limit, return_final_states=True)
+
+    # backward all-to-all: block j of what this rank sends holds rank j's tokens of its heads
+    y = _AllToAllFn.apply(_to_local_order(y_mine, cfg), cp_group)                # (W, b, l, hW, p)
+    y = torch.cat(list(y.unbind(0)), dim=2)                                        # (b, l, h, p)
+    if not return_final_states:
+        return y
+    return y, _GatherHeadsFn.apply(final_mine.contiguous(), cp_group, rank)

@@ -8,10 +8,17 @@ Criterion (DESIGN.md section 7): relative RMS error rms(got - want) / rms(want),
 for the output, the final state and every gradient.
 """
 
+import datetime
 import math
+import queue as queue_module
+import socket
+import time
+import traceback
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import mamba_cp
@@ -454,6 +461,410 @@ def test_oracle_conv1d_ssd():
     assert rel_rms(y3, y) < 1e-10 and rel_rms(S3, S) < 1e-10
     with pytest.raises(ValueError):
         conv1d_ssd_reference(xBC[..., :-1], dt, w[:-1], cb[:-1], dtb, A, D, **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# The causal conv1d with its halo, against causal_conv1d_reference. The reference has no halo:
+# it runs on [halo, xBC] (ids [halo_seq, seq_idx]) and its first d-1 outputs are dropped; the
+# halo's gradient is the gradient w.r.t. those first d-1 rows.
+# ---------------------------------------------------------------------------------------------
+
+def doc_ids(b, l, d, starts):
+    """Ids (b, d-1+l) of [halo, shard]: row i gets a new document at each shard position in
+    starts[i] (negative = inside the halo)."""
+    full = torch.zeros(b, d - 1 + l, dtype=torch.int32)
+    for i, pos in enumerate(starts):
+        for p in pos:
+            if -(d - 1) < p < l:   # a start at the first halo token changes nothing
+                full[i, p + d - 1:] += 1
+    return full
+
+
+def conv_inputs(b, l, dim, d, *, halo, bias, starts, seed=0, strided=False):
+    g = torch.Generator().manual_seed(seed)
+    wide = torch.randn(b, l, dim + 13, generator=g).to(DEVICE)   # slice on the device: .to() would compact it
+    xBC = wide[:, :, 5:5 + dim] if strided else wide[:, :, :dim].contiguous()   # (b, l, dim)
+    inp = dict(
+        xBC=xBC,
+        weight=torch.randn(dim, d, generator=g) * 0.5,
+        bias=torch.randn(dim, generator=g) if bias else None,
+        halo=torch.randn(b, d - 1, dim, generator=g) if halo else None,
+        seq_idx=None, halo_seq=None)
+    if starts is not None:
+        ids = doc_ids(b, l, d, starts)
+        inp["seq_idx"] = ids[:, d - 1:].contiguous()
+        if halo:
+            inp["halo_seq"] = ids[:, :d - 1].contiguous()
+    dout = torch.randn(b, l, dim, generator=g)
+    return {k: (v.to(DEVICE) if v is not None else None) for k, v in inp.items()}, dout.to(DEVICE)
+
+
+def conv_reference(inp, dout):
+    """float64 output and gradients (dxBC, dhalo, dweight, dbias) of sum(out * dout)."""
+    d = inp["weight"].shape[1]
+    x = inp["xBC"].detach().double().requires_grad_()
+    w = inp["weight"].detach().double().requires_grad_()
+    bias = inp["bias"].detach().double().requires_grad_() if inp["bias"] is not None else None
+    seq = inp["seq_idx"]
+    if inp["halo"] is not None:
+        h = inp["halo"].detach().double().requires_grad_()
+        full = torch.cat([h, x], dim=1)                                   # (b, d-1+l, dim)
+        seq_full = torch.cat([inp["halo_seq"], seq], dim=1) if seq is not None else None
+        out = causal_conv1d_reference(full, w, bias, seq_full)[:, d - 1:]
+    else:
+        h = None
+        out = causal_conv1d_reference(x, w, bias, seq)
+    leaves = [t for t in (x, h, w, bias) if t is not None]
+    grads = iter(torch.autograd.grad((out * dout.double()).sum(), leaves))
+    return out, tuple(next(grads) if t is not None else None for t in (x, h, w, bias))
+
+
+def conv_check(inp, dout):
+    out = mamba_cp.conv1d_fwd(**inp)
+    got = mamba_cp.conv1d_bwd(dout, **inp)
+    want_out, want = conv_reference(inp, dout)
+    assert out.dtype == inp["xBC"].dtype and out.is_contiguous()
+    errs = {"out": rel_rms(out, want_out)}
+    for name, g, w in zip(("dxBC", "dhalo", "dweight", "dbias"), got, want):
+        assert (g is None) == (w is None), name
+        if w is not None:
+            assert g.shape == w.shape, name
+            errs[name] = rel_rms(g, w)
+    assert got[0].dtype == inp["xBC"].dtype
+    assert all(e < FP32_BOUND for e in errs.values()), errs
+    return out, got
+
+
+# Document starts per batch row, in shard positions (negative: inside the halo; starts past the
+# shard's end are dropped). "mixed": a start inside the halo, a one-token document at 4, and a
+# start at 1 so that taps straddle it; "mixed2": a start exactly at 0, and starts at 2 and 3 (a
+# one-token document at 2); "one-doc": ids given, a single document everywhere.
+CONV_STARTS = {
+    "none": None,
+    "one-doc": [[], []],
+    "mixed": [[-1, 4, 5], [1]],
+    "mixed2": [[0], [2, 3]],
+}
+
+
+@pytest.mark.parametrize("d", [2, 3, 4])
+@pytest.mark.parametrize("halo", [False, True])
+@pytest.mark.parametrize("l,starts", [(1, "mixed"), (3, "mixed"), (3, "mixed2"), (50, "mixed"),
+                                      (50, "mixed2"), (77, "mixed"), (77, "mixed2")])
+def test_conv_matches_reference(d, l, halo, starts):
+    bias = (d + l + halo + len(starts)) % 2 == 1   # half the cases with bias, spread over the grid
+    inp, dout = conv_inputs(2, l, 40, d, halo=halo, bias=bias, starts=CONV_STARTS[starts], seed=d * 100 + l)
+    conv_check(inp, dout)
+
+
+@pytest.mark.parametrize("d", [2, 3, 4])
+@pytest.mark.parametrize("halo", [False, True])
+def test_conv_without_documents(d, halo):
+    bias = (d + halo) % 2 == 1      # each of halo / no halo seen with and without bias
+    inp, dout = conv_inputs(2, 77, 40, d, halo=halo, bias=bias, starts=None, seed=d)
+    conv_check(inp, dout)
+
+
+@pytest.mark.parametrize("starts", [[[-2], [-1]], [[0], [0]], [[1], [2]], [[3, 4], [1, 2]], [[], []]],
+                         ids=["in-halo", "at-0", "at-1-2", "one-token", "one-doc"])
+def test_conv_document_boundaries(starts):
+    """Each kind of boundary alone, d=4 with a halo: the halo's own ids matter."""
+    inp, dout = conv_inputs(2, 50, 40, 4, halo=True, bias=True, starts=starts, seed=5)
+    conv_check(inp, dout)
+
+
+@pytest.mark.parametrize("d", [2, 4, 8])
+def test_conv_non_contiguous(d):
+    inp, dout = conv_inputs(2, 77, 40, d, halo=True, bias=True, starts=CONV_STARTS["mixed"], strided=True)
+    assert not inp["xBC"].is_contiguous()
+    inp["halo"] = inp["halo"].transpose(1, 2).contiguous().transpose(1, 2)   # channel-strided halo
+    inp["weight"] = inp["weight"].t().contiguous().t()                          # tap-major weight
+    dout = dout.transpose(0, 1).contiguous().transpose(0, 1)
+    inp["seq_idx"] = inp["seq_idx"].long()                                      # int64 ids, int32 halo ids
+    conv_check(inp, dout)
+
+
+def test_conv_small_tiles_many_programs(monkeypatch):
+    """Tiles smaller than the sequence and the channels, several token blocks per backward program:
+    taps cross tile edges, channel masks, partial sums folded across blocks."""
+    monkeypatch.setattr(mamba_cp, "_INTERP_BLOCKS", (32, 32))
+    monkeypatch.setattr(mamba_cp, "_FWD_BLOCKS", (32, 32))
+    monkeypatch.setattr(mamba_cp, "_BWD_BLOCKS", (32, 32))
+    monkeypatch.setattr(mamba_cp, "_BWD_PROGRAMS", 7)   # 3 token x 2 channel blocks x 2 rows -> 2 blocks each
+    inp, dout = conv_inputs(2, 77, 40, 4, halo=True, bias=True, starts=CONV_STARTS["mixed"], seed=3)
+    conv_check(inp, dout)
+
+
+def test_conv_deterministic(monkeypatch):
+    monkeypatch.setattr(mamba_cp, "_BWD_PROGRAMS", 1)   # every token block of a row in one program
+    inp, dout = conv_inputs(2, 77, 40, 4, halo=True, bias=True, starts=CONV_STARTS["mixed"], seed=11)
+    a, b = mamba_cp.conv1d_bwd(dout, **inp), mamba_cp.conv1d_bwd(dout, **inp)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+    assert torch.equal(mamba_cp.conv1d_fwd(**inp), mamba_cp.conv1d_fwd(**inp))
+
+
+def test_conv_need_dhalo_false():
+    inp, dout = conv_inputs(2, 50, 40, 4, halo=True, bias=False, starts=None)
+    dx, dhalo, dw, db = mamba_cp.conv1d_bwd(dout, **inp, need_dhalo=False)
+    assert dhalo is None and db is None
+    _, want = conv_reference(inp, dout)
+    assert rel_rms(dx, want[0]) < FP32_BOUND and rel_rms(dw, want[2]) < FP32_BOUND
+
+
+def test_conv_bad_inputs():
+    inp, dout = conv_inputs(2, 10, 40, 4, halo=True, bias=True, starts=CONV_STARTS["mixed"])
+    bad = [
+        dict(weight=inp["weight"][:, :1]),                        # d_conv 1
+        dict(weight=inp["weight"][:30]),                          # wrong dim
+        dict(halo=inp["halo"][:, :2]),                            # halo not d-1 rows
+        dict(halo_seq=None),                                      # halo + seq_idx need halo_seq
+        dict(seq_idx=inp["seq_idx"].float()),                     # ids must be integers
+        dict(seq_idx=None),                                       # halo_seq without seq_idx
+        dict(xBC=inp["xBC"][0]),                                  # 2 dims
+        dict(bias=inp["bias"][:5]),
+    ]
+    for change in bad:
+        with pytest.raises(ValueError, match=r"^\w+: got .*, expected "):
+            mamba_cp.conv1d_fwd(**{**inp, **change})
+    with pytest.raises(ValueError, match="dout: got"):
+        mamba_cp.conv1d_bwd(dout[:, :5], **inp)
+
+
+# ---------------------------------------------------------------------------------------------
+# Context parallelism, rank by rank against the oracle on the full sequence
+#
+# Every rank builds the full inputs from one seeded generator, runs the float64 oracle on the
+# whole sequence, and compares its local output shard, its local input gradients, and the
+# parameter gradients summed over the group. All errors are evaluated first, then one
+# all_reduce(MAX) gives every rank the same verdict. The same checks run under pytest (gloo
+# processes spawned here, each world with a timeout) and under torchrun (see the bottom).
+# ---------------------------------------------------------------------------------------------
+
+CP_SMALL = dict(batch=2, nheads=4, headdim=8, ngroups=2, dstate=8, d_conv=4, chunk=16, piece=37)
+
+
+def cp_inputs(seed, world, *, batch, nheads, headdim, ngroups, dstate, d_conv, chunk, piece, D="hp",
+              init=True, seq=None, dt_limit=(0.0, float("inf")), dtype=torch.float32, device="cpu", **_):
+    """Full-sequence inputs of the fused core (L = 2 * W * piece tokens), the same on every rank.
+    seq: None or a list of document start positions in the global sequence."""
+    g = torch.Generator().manual_seed(seed)
+    L = 2 * world * piece
+    conv_dim = nheads * headdim + 2 * ngroups * dstate
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(device)
+
+    full = dict(
+        xBC=rnd(batch, L, conv_dim).to(dtype),
+        dt=rnd(batch, L, nheads, scale=0.5) - 1.0,
+        conv_weight=rnd(conv_dim, d_conv, scale=0.5),
+        conv_bias=rnd(conv_dim, scale=0.2),
+        dt_bias=rnd(nheads, scale=0.3),
+        A=-torch.exp(torch.rand(nheads, generator=g) * 1.5 - 1.0).to(device),
+        D=None if D is None else (rnd(nheads) if D == "h" else rnd(nheads, headdim)),
+        initial_states=rnd(batch, nheads, headdim, dstate) if init else None,
+        seq_idx=None,
+    )
+    if seq is not None:
+        ids = torch.zeros(batch, L, dtype=torch.int32)
+        for start in seq:
+            ids[:, start:] += 1
+        full["seq_idx"] = ids.to(device)
+    opts = dict(chunk_size=chunk, headdim=headdim, ngroups=ngroups, dt_limit=dt_limit)
+    return full, opts
+
+
+CP_PARAMS = ("conv_weight", "conv_bias", "dt_bias", "A", "D", "initial_states")
+CP_ACTIVATIONS = ("xBC", "dt")
+
+
+def cp_case_errors(case, rank, world, group, device):
+    """Relative RMS errors of one CP case on this rank, against the oracle on the full sequence."""
+    full, opts = cp_inputs(case.get("seed", 0), world, device=device, **{k: v for k, v in case.items() if k != "seed"})
+    layout, path = case["layout"], case.get("path", "cp")
+    fn = mamba_cp.mamba_conv1d_ssd_cp if path == "cp" else mamba_cp.mamba_conv1d_ssd_a2a
+    wg = torch.Generator().manual_seed(99)
+    b, L = full["xBC"].shape[:2]
+    h, p, n = case["nheads"], case["headdim"], case["dstate"]
+    wy_full = torch.randn(b, L, h, p, generator=wg).to(device)
+    wf_all = torch.randn(world, b, h, p, n, generator=wg).to(device)               # one per rank's copy
+
+    # the oracle, float64, on the full sequence
+    leaves = {k: v.detach().clone().requires_grad_(True) for k, v in full.items()
+              if v is not None and v.is_floating_point()}
+    ref_kw = {k: leaves.get(k, full[k]) for k in full}
+    y_ref, f_ref = ref.conv1d_ssd_reference(
+        ref_kw["xBC"], ref_kw["dt"], ref_kw["conv_weight"], ref_kw["conv_bias"], ref_kw["dt_bias"],
+        ref_kw["A"], ref_kw["D"], headdim=opts["headdim"], ngroups=opts["ngroups"], seq_idx=full["seq_idx"],
+        initial_states=ref_kw["initial_states"], dt_limit=opts["dt_limit"])
+    loss = (y_ref * wy_full.double()).sum() + (f_ref * wf_all.sum(0).double()).sum()
+    g_ref = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
+
+    # this rank
+    local = {k: (mamba_cp.shard(v, rank, world, layout) if k in CP_ACTIVATIONS + ("seq_idx",) and v is not None
+                 else v) for k, v in full.items()}
+    mine = {k: v.detach().clone().requires_grad_(True) for k, v in local.items()
+            if v is not None and v.is_floating_point()}
+    kw = {k: mine.get(k, local[k]) for k in local}
+    y, f = fn(kw["xBC"], kw["dt"], kw["conv_weight"], kw["conv_bias"], kw["dt_bias"], kw["A"], kw["D"],
+              opts["chunk_size"], headdim=opts["headdim"], ngroups=opts["ngroups"], cp_group=group,
+              load_balancing=layout, seq_idx=kw["seq_idx"], initial_states=kw["initial_states"],
+              dt_limit=opts["dt_limit"], return_final_states=True)
+    wy = mamba_cp.shard(wy_full, rank, world, layout)
+    grads = dict(zip(mine, torch.autograd.grad((y.float() * wy).sum() + (f * wf_all[rank]).sum(),
+                                               list(mine.values()))))
+    errs = {"y": rel_rms(y, mamba_cp.shard(y_ref.detach(), rank, world, layout)),
+            "final_states": rel_rms(f, f_ref.detach())}
+    for k, gk in grads.items():
+        if k in CP_ACTIVATIONS:
+            errs["d" + k] = rel_rms(gk, mamba_cp.shard(g_ref[k], rank, world, layout))
+        else:  # parameters: this rank's contribution, summed over the group
+            total = gk.detach().clone().float()
+            if world > 1:
+                dist.all_reduce(total, group=group)
+            errs["d" + k] = rel_rms(total, g_ref[k])
+    return errs
+
+
+def cp_round_trip_errors(rank, world, group, device):
+    """zigzag -> contiguous -> zigzag must be bitwise exact, forward and backward, both backends."""
+    errs = {}
+    for backend in ("permute_p2p", "permute_a2a"):
+        cfg = mamba_cp._CPConfig(torch.empty(2, 2 * 6, 9), torch.empty(2, 12, 1), torch.empty(9, 4), 16, 1, 1,
+                                 group, rank, world, backend, (0.0, float("inf")))
+        full = torch.randn(2, 2 * world * 6, 3, generator=torch.Generator().manual_seed(5)).to(device)
+        x = mamba_cp.shard(full, rank, world, "virtual").requires_grad_(True)
+        contiguous = mamba_cp._PermuteFn.apply(x, cfg, True)
+        want = mamba_cp.shard(full, rank, world, "none")
+        back = mamba_cp._PermuteFn.apply(contiguous, cfg, False)
+        g = torch.autograd.grad((back * full[:1, :x.shape[1]]).sum(), x)[0]
+        errs[f"{backend} to contiguous"] = 0.0 if torch.equal(contiguous, want) else float("inf")
+        errs[f"{backend} round trip"] = 0.0 if torch.equal(back, x) else float("inf")
+        errs[f"{backend} backward"] = 0.0 if torch.equal(g, full[:1, :x.shape[1]].expand_as(g)) else float("inf")
+    return errs
+
+
+def cp_cases(world, gpu=False):
+    """The CP checks for a world of W ranks: every layout with every option (documents that
+    cross rank boundaries, initial and final states, dt_limit, ragged lengths), plain runs, and
+    the all-to-all baseline."""
+    base = dict(CP_SMALL) if not gpu else dict(batch=1, nheads=64, headdim=64, ngroups=8, dstate=128, d_conv=4,
+                                               chunk=128, piece=1000, dtype=torch.bfloat16)
+    piece = base["piece"]
+    # document starts: exactly at a segment boundary (piece), many short documents inside the
+    # first piece, one document spanning three pieces (from piece + 5 to past 3 * piece)
+    docs = [3, 9, 10, piece, piece + 5, 4 * piece + 7] if world > 1 else [3, 9, 10, piece, piece + 5]
+    cases = []
+    for layout in mamba_cp.LAYOUTS:
+        cases.append(dict(base, name=f"{layout} plain", layout=layout, D="h", init=False))
+        cases.append(dict(base, name=f"{layout} all options", layout=layout, seq=docs,
+                          dt_limit=(0.05, 2.0), seed=1))
+        if base["nheads"] % world == 0:
+            cases.append(dict(base, name=f"a2a {layout}", layout=layout, path="a2a", seq=docs, seed=2))
+    return cases
+
+
+def cp_world_check(rank, world, group, device, gpu=False, report=None):
+    """Run every CP case on this rank; returns {case: {tensor: error}} with errors already
+    reduced (MAX) over the group, so every rank reaches the same verdict."""
+    results = {}
+    for case in cp_cases(world, gpu):
+        try:
+            errs = cp_case_errors(case, rank, world, group, device)
+        except Exception as e:  # noqa: BLE001 - a failure on one rank must still reach the reduction
+            errs = {"exception: " + repr(e)[:200]: float("inf")}
+        results[case["name"]] = errs
+    results["zigzag round trip"] = cp_round_trip_errors(rank, world, group, device)
+    names = sorted((c, t) for c, errs in results.items() for t in errs)
+    vec = torch.tensor([results[c][t] for c, t in names], dtype=torch.float64, device=device)
+    if world > 1:
+        # exceptions differ across ranks: agree on the number of entries first
+        count = torch.tensor([len(names)], device=device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+        if count.item() == len(names):
+            dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
+    for (c, t), v in zip(names, vec.tolist()):
+        results[c][t] = v
+    return results
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _world_entry(rank, world, port, fn_name, args, queue):
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=120))
+        result = globals()[fn_name](rank, world, dist.group.WORLD, "cpu", *args)
+        queue.put((rank, "ok", result))
+    except BaseException:  # noqa: BLE001 - report anything, including a hang's timeout error
+        queue.put((rank, "error", traceback.format_exc()[-3000:]))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn_world(world, fn_name, *args, timeout=600):
+    """Run globals()[fn_name](rank, world, group, 'cpu', *args) on W gloo processes; returns
+    the results by rank. A world that does not finish within `timeout` seconds fails."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_world_entry, args=(r, world, port, fn_name, args, queue), daemon=True)
+             for r in range(world)]
+    for proc in procs:
+        proc.start()
+    results, deadline = {}, time.monotonic() + timeout
+    try:
+        while len(results) < world:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"world of {world} timed out after {timeout} s; ranks done: {sorted(results)}")
+            try:
+                rank, status, value = queue.get(timeout=min(left, 5.0))
+            except queue_module.Empty:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead and len(results) < world and all(p.exitcode is not None for p in procs):
+                    raise AssertionError(f"ranks exited without a result: {[p.exitcode for p in procs]}")
+                continue
+            results[rank] = (status, value)
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+    return [results[r] for r in range(world)]
+
+
+def _cp_verdict(results, bound):
+    failures = {}
+    for case, errs in results.items():
+        for tensor, err in errs.items():
+            if not err <= bound:
+                failures.setdefault(case, {})[tensor] = err
+    return failures
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_cp_against_oracle(world):
+    """Every layout, the baseline, documents across rank boundaries, initial and final states,
+    ragged lengths, and the zigzag round trip, for W ranks on gloo."""
+    per_rank = spawn_world(world, "cp_world_check")
+    errors = [v for status, v in per_rank if status != "ok"]
+    assert not errors, errors[0]
+    verdicts = [r for _, r in per_rank]
+    assert all(v == verdicts[0] for v in verdicts), "ranks reached different verdicts"
+    worst = {}
+    for case, errs in verdicts[0].items():
+        for tensor, err in errs.items():
+            worst[tensor] = max(worst.get(tensor, 0.0), err)
+    failures = _cp_verdict(verdicts[0], FP32_BOUND)
+    assert not failures, f"relative RMS above {FP32_BOUND:g}: {failures}"
+    print(f"W={world}: largest relative RMS per tensor: {worst}")
 
 
 # ---------------------------------------------------------------------------------------------

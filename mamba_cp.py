@@ -1474,6 +1474,8 @@ def _group_info(cp_group, ref):
     if cp_group is None or not dist.is_available() or not dist.is_initialized():
         _expect(cp_group is None, "cp_group", "a group", "None when torch.distributed is not initialised")
         return 0, 1
+    _expect(isinstance(cp_group, dist.ProcessGroup), "cp_group", type(cp_group).__name__,
+            "a torch.distributed ProcessGroup, or None for a single device")
     rank = dist.get_rank(cp_group)
     _expect(rank >= 0, "cp_group", "a group this process is not a member of", "a group containing this rank")
     world = dist.get_world_size(cp_group)
@@ -1483,11 +1485,12 @@ def _group_info(cp_group, ref):
     return rank, world
 
 
-def _agree(signature, names, cp_group, device):
-    """Every rank checks that all ranks called with the same shapes and options: one all-gather
-    of a fixed-size integer signature, so a mismatch cannot hang; every rank then raises the
-    same ValueError naming the first difference."""
-    mine = torch.tensor(signature, dtype=torch.int64, device=device)
+def _agree(signature, names, local_error, cp_group, device):
+    """Every rank checks that all ranks called with the same shapes and options, and that none
+    rejected its own inputs: one all-gather of a fixed-size integer signature, so a mismatch
+    cannot hang. A difference raises the same ValueError on every rank; a rank that rejected
+    its inputs raises its own error and the others say which rank stopped them."""
+    mine = torch.tensor(signature + [local_error is not None], dtype=torch.int64, device=device)
     world = dist.get_world_size(cp_group)
     every = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(every, mine, group=cp_group)
@@ -1496,6 +1499,27 @@ def _agree(signature, names, cp_group, device):
         values = every[:, i].tolist()
         if len(set(values)) > 1:
             raise ValueError(f"{name}: got {values} across the ranks of cp_group, expected the same on every rank")
+    rejected = [r for r, flag in enumerate(every[:, -1].tolist()) if flag]
+    if local_error is not None:
+        raise local_error
+    if rejected:
+        raise ValueError(f"inputs: got a ValueError on rank(s) {rejected} of cp_group, expected valid inputs "
+                         "on every rank (all ranks stop before any collective that could hang)")
+
+
+def _validate_everywhere(check, cp_group, world, ref, **signature_args):
+    """Run the local checks, then (in a world of several, outside CUDA-graph capture) agree
+    with the other ranks before anything else is sent."""
+    try:
+        check()
+        local_error = None
+    except ValueError as e:
+        local_error = e
+    if world > 1 and not (ref.is_cuda and torch.cuda.is_current_stream_capturing()):
+        values, names = _signature(**signature_args)
+        _agree(values, names, local_error, cp_group, ref.device)
+    elif local_error is not None:
+        raise local_error
 
 
 def _all_gather(t, cp_group, async_op=False):
@@ -1791,9 +1815,25 @@ def _signature(**tensors_and_options):
     return values, names
 
 
+def _call_signature(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size, headdim, ngroups, seq_idx,
+                    initial_states, load_balancing, return_final_states):
+    def t(v):
+        return v if isinstance(v, torch.Tensor) else None
+
+    def i(v):
+        return v if isinstance(v, int) else -1
+
+    return dict(xBC=t(xBC), dt=t(dt), conv_weight=t(conv_weight), conv_bias=t(conv_bias), dt_bias=t(dt_bias),
+                A=t(A), D=t(D), seq_idx=t(seq_idx), initial_states=t(initial_states), chunk_size=i(chunk_size),
+                headdim=i(headdim), ngroups=i(ngroups),
+                load_balancing=LAYOUTS.index(load_balancing) if load_balancing in LAYOUTS else -1,
+                return_final_states=bool(return_final_states))
+
+
 def _check_cp_inputs(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size, headdim, ngroups,
-                     seq_idx, initial_states, load_balancing, dt_limit, per_row):
+                     seq_idx, initial_states, load_balancing, dt_limit):
     _check_layout(load_balancing)
+    per_row = 1 if load_balancing == "none" else 2
     _expect(isinstance(xBC, torch.Tensor) and xBC.dim() == 3, "xBC",
             tuple(xBC.shape) if isinstance(xBC, torch.Tensor) else type(xBC).__name__,
             "a 3-dim tensor (batch, seqlen_local, nheads*headdim + 2*ngroups*dstate)")
@@ -1854,17 +1894,11 @@ def mamba_conv1d_ssd_cp(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_si
     group, as over data parallelism); the final state's gradients from every rank add up."""
     ref = xBC if isinstance(xBC, torch.Tensor) else torch.empty(0)
     rank, world = _group_info(cp_group, ref)
-    per_row = 2 if load_balancing in LAYOUTS[1:] else 1
-    if world > 1 and not (ref.is_cuda and torch.cuda.is_current_stream_capturing()):
-        values, names = _signature(
-            xBC=xBC if isinstance(xBC, torch.Tensor) else None, dt=dt if isinstance(dt, torch.Tensor) else None,
-            conv_weight=conv_weight, conv_bias=conv_bias, dt_bias=dt_bias, A=A, D=D,
-            seq_idx=seq_idx, initial_states=initial_states, chunk_size=chunk_size, headdim=headdim,
-            ngroups=ngroups, load_balancing=LAYOUTS.index(load_balancing) if load_balancing in LAYOUTS else -1,
-            return_final_states=bool(return_final_states))
-        _agree(values, names, cp_group, ref.device)
-    _check_cp_inputs(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size, headdim, ngroups,
-                     seq_idx, initial_states, load_balancing, dt_limit, per_row)
+    _validate_everywhere(
+        lambda: _check_cp_inputs(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size, headdim, ngroups,
+                                 seq_idx, initial_states, load_balancing, dt_limit),
+        cp_group, world, ref, **_call_signature(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size, headdim,
+                                                ngroups, seq_idx, initial_states, load_balancing, return_final_states))
     cfg = _CPConfig(xBC, dt, conv_weight, chunk_size, headdim, ngroups, cp_group, rank, world,
                     load_balancing, dt_limit)
     if seq_idx is not None:
@@ -1968,20 +2002,17 @@ def mamba_conv1d_ssd_a2a(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_s
     compared against. Requires nheads divisible by W."""
     ref = xBC if isinstance(xBC, torch.Tensor) else torch.empty(0)
     rank, world = _group_info(cp_group, ref)
-    per_row = 1 if load_balancing == "none" else 2
-    if world > 1 and not (ref.is_cuda and torch.cuda.is_current_stream_capturing()):
-        values, names = _signature(
-            xBC=xBC if isinstance(xBC, torch.Tensor) else None, dt=dt if isinstance(dt, torch.Tensor) else None,
-            conv_weight=conv_weight, conv_bias=conv_bias, dt_bias=dt_bias, A=A, D=D,
-            seq_idx=seq_idx, initial_states=initial_states, chunk_size=chunk_size, headdim=headdim,
-            ngroups=ngroups, load_balancing=LAYOUTS.index(load_balancing) if load_balancing in LAYOUTS else -1,
-            return_final_states=bool(return_final_states))
-        _agree(values, names, cp_group, ref.device)
-    _check_cp_inputs(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size, headdim, ngroups,
-                     seq_idx, initial_states, load_balancing, dt_limit, per_row)
+
+    def check():
+        _check_cp_inputs(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size, headdim, ngroups,
+                         seq_idx, initial_states, load_balancing, dt_limit)
+        _expect(dt.shape[2] % world == 0, "dt", f"nheads={dt.shape[2]} with W={world}",
+                "nheads divisible by the CP world size (the all-to-all baseline splits heads)")
+
+    _validate_everywhere(check, cp_group, world, ref, **_call_signature(
+        xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size, headdim, ngroups, seq_idx, initial_states,
+        load_balancing, return_final_states))
     nheads = dt.shape[2]
-    _expect(nheads % world == 0, "dt", f"nheads={nheads} with W={world}",
-            "nheads divisible by the CP world size (the all-to-all baseline splits heads)")
     cfg = _CPConfig(xBC, dt, conv_weight, chunk_size, headdim, ngroups, cp_group, rank, world,
                     load_balancing, dt_limit)
     if world == 1:

@@ -10,6 +10,8 @@ for the output, the final state and every gradient.
 
 import datetime
 import math
+import os
+import sys
 import queue as queue_module
 import socket
 import time
@@ -697,7 +699,8 @@ def cp_case_errors(case, rank, world, group, device):
     y_ref, f_ref = ref.conv1d_ssd_reference(
         ref_kw["xBC"], ref_kw["dt"], ref_kw["conv_weight"], ref_kw["conv_bias"], ref_kw["dt_bias"],
         ref_kw["A"], ref_kw["D"], headdim=opts["headdim"], ngroups=opts["ngroups"], seq_idx=full["seq_idx"],
-        initial_states=ref_kw["initial_states"], dt_limit=opts["dt_limit"])
+        initial_states=ref_kw["initial_states"], dt_limit=opts["dt_limit"],
+        chunked=device != "cpu", chunk_size=64)                  # the loop is too slow at GPU shapes
     loss = (y_ref * wy_full.double()).sum() + (f_ref * wf_all.sum(0).double()).sum()
     g_ref = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
 
@@ -757,7 +760,8 @@ def cp_cases(world, gpu=False):
     docs = [3, 9, 10, piece, piece + 5, 4 * piece + 7] if world > 1 else [3, 9, 10, piece, piece + 5]
     cases = []
     for layout in mamba_cp.LAYOUTS:
-        cases.append(dict(base, name=f"{layout} plain", layout=layout, D="h", init=False))
+        if not gpu:  # on GPUs every case compiles its own kernel variants: keep to the full ones
+            cases.append(dict(base, name=f"{layout} plain", layout=layout, D="h", init=False))
         cases.append(dict(base, name=f"{layout} all options", layout=layout, seq=docs,
                           dt_limit=(0.05, 2.0), seed=1))
         if base["nheads"] % world == 0:
@@ -867,6 +871,61 @@ def test_cp_against_oracle(world):
     print(f"W={world}: largest relative RMS per tensor: {worst}")
 
 
+def cp_bad_input_messages(rank, world, group, device):
+    """Each bad call must raise a ValueError on every rank, before any collective that could hang.
+    Returns {case: message or 'no error'} for this rank."""
+    full, opts = cp_inputs(0, world, **dict(CP_SMALL, piece=6))
+    local = {k: (mamba_cp.shard(v, rank, world, "none") if k in CP_ACTIVATIONS + ("seq_idx",) and v is not None
+                 else v) for k, v in full.items()}
+
+    def call(fn=mamba_cp.mamba_conv1d_ssd_cp, layout="none", **change):
+        kw = dict(local, **change)
+        return fn(kw["xBC"], kw["dt"], kw["conv_weight"], kw["conv_bias"], kw["dt_bias"], kw["A"], kw["D"],
+                  opts["chunk_size"], headdim=opts["headdim"], ngroups=opts["ngroups"],
+                  cp_group=kw.get("cp_group", group), load_balancing=layout, seq_idx=kw["seq_idx"],
+                  initial_states=kw["initial_states"])
+
+    xBC = local["xBC"]
+    cases = {
+        # rank 0 holds one token more than the others
+        "shapes differ across ranks": lambda: call(xBC=xBC if rank else torch.cat([xBC, xBC[:, :1]], 1),
+                                                   dt=local["dt"] if rank else torch.cat([local["dt"],
+                                                                                          local["dt"][:, :1]], 1)),
+        "segment shorter than d_conv - 1": lambda: call(xBC=xBC[:, :2], dt=local["dt"][:, :2]),
+        "virtual segment shorter than d_conv - 1": lambda: call(layout="virtual", xBC=xBC[:, :4],
+                                                                dt=local["dt"][:, :4]),
+        "unknown load_balancing": lambda: call(layout="zigzag"),
+        "cp_group is not a process group": lambda: call(cp_group="world"),
+        "a2a: nheads not divisible by W": lambda: call(fn=mamba_cp.mamba_conv1d_ssd_a2a),
+        "seq_idx decreasing on one rank": lambda: call(seq_idx=torch.zeros_like(xBC[..., 0], dtype=torch.int32)
+                                                       if rank else -torch.arange(xBC.shape[1]).expand(2, -1)),
+    }
+    out = {}
+    for name, fn in cases.items():
+        try:
+            fn()
+            out[name] = "no error"
+        except ValueError as e:
+            out[name] = "ValueError: " + str(e)
+        except Exception as e:  # noqa: BLE001
+            out[name] = f"{type(e).__name__}: {e}"[:300]
+    return out
+
+
+def test_cp_bad_input_raises_on_every_rank():
+    """W = 3 (nheads 4 is not divisible by 3 for the baseline): every bad call raises the same
+    ValueError on every rank, and promptly (a hang would trip the spawn's timeout)."""
+    per_rank = spawn_world(3, "cp_bad_input_messages", timeout=240)
+    errors = [v for status, v in per_rank if status != "ok"]
+    assert not errors, errors[0]
+    messages = [r for _, r in per_rank]
+    for case in messages[0]:
+        seen = [m[case] for m in messages]
+        assert all(m.startswith("ValueError: ") for m in seen), f"{case}: {seen}"
+        if case != "seq_idx decreasing on one rank":  # a local property: the other ranks pass it
+            assert len(set(seen)) == 1, f"{case}: ranks disagree: {seen}"
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU only: bf16 at the record shape, and 2^20 tokens in one call
 # ---------------------------------------------------------------------------------------------
@@ -918,3 +977,50 @@ def test_two_to_the_twenty_tokens():
         assert torch.isfinite(a).all() and torch.isfinite(b).all(), f"{k} has NaN or inf"
     print({k: rel_rms(a, b) for k, (a, b) in pairs.items()})
     assert_close(pairs, BF16_BOUND)
+
+
+# ---------------------------------------------------------------------------------------------
+# torchrun --nproc_per_node=N test_mamba_cp.py: the CP checks in place, NCCL on GPUs (bf16 at the
+# record shape, against the chunked oracle fed the same bf16 values), gloo on CPUs; then the
+# same checks in a world of one on each rank's device. One line per rank and check, and a
+# closing "N passed, N failed" line.
+# ---------------------------------------------------------------------------------------------
+
+
+def _report(rank, label, results, bound):
+    passed = failed = 0
+    for case, errs in results.items():
+        worst_tensor = max(errs, key=errs.get)
+        ok = all(e <= bound for e in errs.values())
+        passed, failed = passed + ok, failed + (not ok)
+        print(f"[rank {rank}] {'PASS' if ok else 'FAIL'} {label} {case}: largest relative RMS "
+              f"{errs[worst_tensor]:.2e} ({worst_tensor})", flush=True)
+    return passed, failed
+
+
+def main():
+    backend = "nccl" if CUDA else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=600))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = "cpu"
+    if CUDA:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        device = f"cuda:{torch.cuda.current_device()}"
+    bound = BF16_BOUND if CUDA else FP32_BOUND
+    passed, failed = _report(rank, f"W={world}", cp_world_check(rank, world, dist.group.WORLD, device, gpu=CUDA),
+                             bound)
+    if world > 1:
+        singles = [dist.new_group([r]) for r in range(world)]
+        p, f = _report(rank, "W=1", cp_world_check(0, 1, singles[rank], device, gpu=CUDA), bound)
+        passed, failed = passed + p, failed + f
+    totals = torch.tensor([passed, failed], device=device)
+    dist.all_reduce(totals, group=dist.group.WORLD)
+    dist.barrier()
+    if rank == 0:
+        print(f"{totals[0].item()} passed, {totals[1].item()} failed", flush=True)
+    dist.destroy_process_group()
+    sys.exit(1 if totals[1].item() else 0)
+
+
+if __name__ == "__main__":
+    main()

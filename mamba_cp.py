@@ -1031,8 +1031,9 @@ def _conv_flags(bias, halo, seq_idx):
                 HAS_HALO_SEQ=has_seq and halo is not None)   # without a halo its ids don't matter
 
 
-def conv1d_fwd(xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=None):
-    """silu(causal depthwise conv(xBC) + bias), (b, l, dim) contiguous in xBC's dtype.
+def conv1d_fwd(xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=None, out=None):
+    """silu(causal depthwise conv(xBC) + bias), (b, l, dim) in xBC's dtype (contiguous, or
+    written into `out`, any strides: a channel slice of a larger buffer, say).
 
     xBC (b, l, dim) any strides; weight (dim, d_conv); bias (dim,); halo (b, d_conv-1, dim): the
     d_conv-1 pre-conv tokens before the shard, None for zeros; seq_idx (b, l) and halo_seq
@@ -1041,7 +1042,9 @@ def conv1d_fwd(xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=None):
     b, l, dim, d = _check_conv_inputs(xBC, weight, bias, halo, seq_idx, halo_seq)
     flags = _conv_flags(bias, halo, seq_idx)
     halo_seq = halo_seq.to(seq_idx.dtype) if flags["HAS_HALO_SEQ"] else None   # one id type in the kernel
-    out = torch.empty((b, l, dim), device=xBC.device, dtype=xBC.dtype)
+    if out is None:
+        out = torch.empty((b, l, dim), device=xBC.device, dtype=xBC.dtype)
+    _check_tensor(out, "out", (b, l, dim), xBC, dtypes=(xBC.dtype,))
     BT, BC = _conv_blocks(l, dim, _FWD_BLOCKS)
     grid = (triton.cdiv(l, BT), triton.cdiv(dim, BC), b)
     _conv_fwd_kernel[grid](
@@ -1590,19 +1593,24 @@ def _document_flags(first, last):
     return e
 
 
-def _scan_shards(S_ext, a, seq_idx, initial_states, cfg):
-    """Forward state passing across the CP group: all-gather every segment's summary (S_ext, a
-    and, with documents, its first and last document ids), then the exclusive scan in global
-    order. Returns this rank's segment entry states (rows, h, p, n), the final state of the
-    whole sequence (b, h, p, n), and what backward needs: a and e in global order."""
-    rows, h, p, n = S_ext.shape
-    parts = [S_ext, a]
+def _gather_summaries(S_ext, a, seq_idx, cfg):
+    """Start the forward all-gather of every segment's summary: S_ext (rows, h, p, n), a
+    (rows, h) and, with documents, its first and last document ids, packed in one fp32 buffer.
+    Returns (buffer, work); work is None in a world of one."""
+    parts = [S_ext, a] + ([seq_idx[:, :1], seq_idx[:, -1:]] if seq_idx is not None else [])
+    buf = _pack(S_ext.shape[0], *parts)
+    if cfg.world == 1:
+        return buf[None], None
+    return _all_gather(buf, cfg.group, async_op=True)
+
+
+def _scan_shards(every, initial_states, has_seq, cfg):
+    """Finish forward state passing once the gather is done: the exclusive scan in global
+    segment order. Returns this rank's segment entry states (rows, h, p, n), the final state of
+    the whole sequence (b, h, p, n), and what backward needs: a and e in global order."""
+    h, p, n = cfg.state_shape
     shapes = [((h, p, n), torch.float32), ((h,), torch.float32)]
-    if seq_idx is not None:
-        parts += [seq_idx[:, :1], seq_idx[:, -1:]]
-        shapes += [((1,), torch.int32), ((1,), torch.int32)]
-    buf = _pack(rows, *parts)
-    every = _all_gather(buf, cfg.group) if cfg.world > 1 else buf[None]
+    shapes += [((1,), torch.int32), ((1,), torch.int32)] if has_seq else []
     S_all, a_all, *ids = _unpack(cfg.segs.gather_order(every, cfg.batch), shapes)  # (b, K, ...)
     e = _document_flags(ids[0][..., 0], ids[1][..., 0]) if ids else None
     entries, final = scan_segments(S_all.contiguous(), a_all.contiguous(), initial_states, e)
@@ -1711,6 +1719,12 @@ class _PermuteFn(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------
 
 
+def _conv_channels(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, u, ch):
+    """The conv of channels `ch` (a slice), written into the same channels of u."""
+    conv1d_fwd(xBC[..., ch], conv_weight[ch], None if conv_bias is None else conv_bias[ch],
+               None if halo is None else halo[..., ch], seq_idx, halo_seq, out=u[..., ch])
+
+
 def _split_xBC(u, cfg):
     """Views of the conv output (rows, s, conv_dim) as x (rows, s, h, p), B and C (rows, s, g, n)."""
     rows, s, _ = u.shape
@@ -1724,9 +1738,10 @@ def _split_xBC(u, cfg):
 class _Conv1dSSDCPFn(torch.autograd.Function):
     """One causal segment per row: xBC (rows, s, conv_dim), dt (rows, s, h), seq_idx (rows, s).
 
-    Forward: halo exchange, conv, the state pass from a zero entry (the segment's summary), the
-    summary all-gather and exclusive scan (true entry states and the global final state), the
-    outputs with the entry state folded in. Saved: the inputs, the halo, and per-segment entry
+    Forward: halo exchange, conv of the x and B channels, the state pass from a zero entry (the
+    segment's summary), the summary all-gather (overlapped with the conv of the C channels, which
+    the summary does not need) and exclusive scan (true entry states and the global final
+    state), the outputs with the entry state folded in. Saved: the inputs, the halo, and per-segment entry
     states and decays; nothing that grows with length beyond the inputs.
 
     Backward: recompute the conv; the reverse state pass from a zero exit gradient gives G; its
@@ -1737,12 +1752,19 @@ class _Conv1dSSDCPFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, cfg):
         halo, halo_seq = _exchange_halo(xBC, seq_idx, cfg)
-        u = conv1d_fwd(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq)       # (rows, s, conv_dim)
+        u = torch.empty(xBC.shape, device=xBC.device, dtype=xBC.dtype)               # (rows, s, conv_dim)
+        xB = cfg.nheads * cfg.headdim + cfg.ngroups * cfg.dstate                      # x and B channels
+        _conv_channels(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, u, slice(0, xB))
         x, B, C = _split_xBC(u, cfg)
         k = _Launch(x, B, min(cfg.chunk, MAX_CHUNK_FWD), dt_bias, True, cfg.dt_limit, D, None, seq_idx)
         summary = Summary(x, dt, A, B, dt_bias, seq_idx, k)
         S_ext, a = summary.affine()                                                 # (rows, h, p, n), (rows, h)
-        entries, final, a_all, e = _scan_shards(S_ext, a, seq_idx, initial_states, cfg)
+        every, work = _gather_summaries(S_ext, a, seq_idx, cfg)
+        # the summaries need x and B only: C's conv runs while they travel
+        _conv_channels(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, u, slice(xB, xBC.shape[2]))
+        if work is not None:
+            work.wait()
+        entries, final, a_all, e = _scan_shards(every, initial_states, seq_idx is not None, cfg)
         y, _ = ssd_output(x, dt, A, B, C, D, None, dt_bias, seq_idx, summary, entries)
         ctx.save_for_backward(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx,
                               halo, halo_seq, entries, a_all, e)

@@ -129,6 +129,18 @@ def _seq_ids(seq_ptr, b, start, seqlen, stride_seq_b, stride_seq_l, Q: tl.conste
 
 
 @triton.jit
+def _state_program(nheads, heads_per_group, n_p_tiles, n_n_tiles):
+    """Which (segment, state tile, batch, head, group) a state-pass program serves: axis 0
+    enumerates segments x p-tiles x n-tiles, axis 1 batch x heads."""
+    pid = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    n_tiles = n_p_tiles * n_n_tiles
+    h = pid_bh % nheads
+    return (pid // n_tiles, (pid % n_tiles) // n_n_tiles, pid % n_n_tiles, pid_bh // nheads, h,
+            h // heads_per_group)
+
+
+@triton.jit
 def _entry_term(entry_ptr, gamma_ptr, b, c, h, offs_p, offs_n, mask_pn, chunks_per_seg,
                 stride_en_b, stride_en_s, stride_en_h, stride_en_p, stride_en_n,
                 stride_ga_b, stride_ga_c, stride_ga_h):
@@ -423,15 +435,7 @@ def _state_fwd_kernel(
     document has started in between), and the segment's affine summary: its exit state S_ext
     and decay a. Segments run in parallel; a scan over their summaries supplies each one's true
     entry state S_entry, and chunk c's true entry state is states(c) + gamma(c) S_entry."""
-    pid = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    n_tiles = n_p_tiles * n_n_tiles
-    seg = pid // n_tiles
-    pid_p = (pid % n_tiles) // n_n_tiles
-    pid_n = pid % n_n_tiles
-    b = pid_bh // nheads
-    h = pid_bh % nheads
-    g = h // heads_per_group
+    seg, pid_p, pid_n, b, h, g = _state_program(nheads, heads_per_group, n_p_tiles, n_n_tiles)
     b64 = b.to(tl.int64)
     offs_q = tl.arange(0, Q)
     offs_p = pid_p * BP + tl.arange(0, BP)
@@ -670,15 +674,7 @@ def _state_bwd_kernel(
     decay from chunk c's exit to the segment's exit: once the reverse scan has found the gradient
     dS_exit arriving at the segment's exit, chunk c's exit gradient is dstates(c) + rho(c) dS_exit.
     The segment's decay a (as in the forward pass) comes out too, so G can be scanned at once."""
-    pid = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    n_tiles = n_p_tiles * n_n_tiles
-    seg = pid // n_tiles
-    pid_p = (pid % n_tiles) // n_n_tiles
-    pid_n = pid % n_n_tiles
-    b = pid_bh // nheads
-    h = pid_bh % nheads
-    g = h // heads_per_group
+    seg, pid_p, pid_n, b, h, g = _state_program(nheads, heads_per_group, n_p_tiles, n_n_tiles)
     b64 = b.to(tl.int64)
     offs_q = tl.arange(0, Q)
     offs_p = pid_p * BP + tl.arange(0, BP)

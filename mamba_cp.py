@@ -63,40 +63,24 @@ def _chunk_dt(dt_ptr, dt_bias_ptr, A_ptr, b, h, start, seqlen,
               stride_dt_b, stride_dt_l, stride_dt_h,
               Q: tl.constexpr, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
               HAS_DT_LIMIT: tl.constexpr, dt_min, dt_max):
-    """dt' and dt'*A of one chunk of one head, (Q,) float32 each; zero past the sequence end."""
+    """dt', dt'*A and d dt'/d dt_raw (the softplus slope, zero where dt_limit clamps) of one
+    chunk of one head, (Q,) float32 each; zero past the sequence end. Kernels that do not use
+    the slope do not pay for it (dead code is removed)."""
     t = start + tl.arange(0, Q)
     valid = t < seqlen
     dt = tl.load(dt_ptr + b.to(tl.int64) * stride_dt_b + t.to(tl.int64) * stride_dt_l + h * stride_dt_h,
                  mask=valid, other=0.0).to(tl.float32)
     if HAS_DT_BIAS:
         dt += tl.load(dt_bias_ptr + h).to(tl.float32)
-    if DT_SOFTPLUS:
-        dt = _softplus(dt)
-    if HAS_DT_LIMIT:
-        dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
-    dt = tl.where(valid, dt, 0.0)
-    return dt, dt * tl.load(A_ptr + h).to(tl.float32)
-
-
-@triton.jit
-def _chunk_dt_grad_factor(dt_ptr, dt_bias_ptr, b, h, start, seqlen,
-                          stride_dt_b, stride_dt_l, stride_dt_h,
-                          Q: tl.constexpr, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
-                          HAS_DT_LIMIT: tl.constexpr, dt_min, dt_max):
-    """d dt' / d dt_raw of one chunk, (Q,): the softplus slope, zero where dt_limit clamps."""
-    t = start + tl.arange(0, Q)
-    valid = t < seqlen
-    v = tl.load(dt_ptr + b.to(tl.int64) * stride_dt_b + t.to(tl.int64) * stride_dt_l + h * stride_dt_h,
-                mask=valid, other=0.0).to(tl.float32)
-    if HAS_DT_BIAS:
-        v += tl.load(dt_bias_ptr + h).to(tl.float32)
     slope = tl.full((Q,), 1.0, tl.float32)
     if DT_SOFTPLUS:
-        slope = tl.where(v > 20.0, 1.0, 1.0 / (1.0 + tl.exp(-v)))
-        v = _softplus(v)
+        slope = tl.where(dt > 20.0, 1.0, 1.0 / (1.0 + tl.exp(-dt)))
+        dt = _softplus(dt)
     if HAS_DT_LIMIT:
-        slope = tl.where((v >= dt_min) & (v <= dt_max), slope, 0.0)
-    return tl.where(valid, slope, 0.0)
+        slope = tl.where((dt >= dt_min) & (dt <= dt_max), slope, 0.0)
+        dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
+    dt = tl.where(valid, dt, 0.0)
+    return dt, dt * tl.load(A_ptr + h).to(tl.float32), tl.where(valid, slope, 0.0)
 
 
 @triton.jit
@@ -458,7 +442,7 @@ def _state_fwd_kernel(
         tl.store(st_base + tl.cast(c, tl.int64) * stride_st_c, S.to(states_ptr.dtype.element_ty), mask=mask_pn)
         tl.store(ga_base + tl.cast(c, tl.int64) * stride_ga_c, alive * tl.exp(log_gamma.to(tl.float32)),
                  mask=first_tile)
-        dt, dA = _chunk_dt(dt_ptr, dt_bias_ptr, A_ptr, b, h, start, seqlen,
+        dt, dA, slope = _chunk_dt(dt_ptr, dt_bias_ptr, A_ptr, b, h, start, seqlen,
                            stride_dt_b, stride_dt_l, stride_dt_h,
                            Q, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT, dt_min, dt_max)
         cs = tl.cumsum(dA.to(tl.float64), axis=0)                                 # (Q,) float64
@@ -488,74 +472,46 @@ def _state_fwd_kernel(
 
 @triton.jit
 def _segment_scan_kernel(
-    ext_ptr, a_ptr, e_ptr, init_ptr, entry_ptr, exit_ptr,
+    src_ptr, a_ptr, e_ptr, start_ptr, out_ptr, end_ptr,
     nseg, nheads, size,
-    stride_ext_b, stride_ext_s, stride_ext_h,
+    stride_src_b, stride_src_s, stride_src_h,
     stride_a_b, stride_a_s, stride_a_h,
     stride_e_b, stride_e_s,
-    stride_init_b, stride_init_h,
-    stride_en_b, stride_en_s, stride_en_h,
-    stride_exit_b, stride_exit_h,
-    BLOCK: tl.constexpr, HAS_E: tl.constexpr, HAS_INIT: tl.constexpr,
+    stride_start_b, stride_start_h,
+    stride_out_b, stride_out_s, stride_out_h,
+    stride_end_b, stride_end_h,
+    BLOCK: tl.constexpr, HAS_E: tl.constexpr, HAS_START: tl.constexpr, REVERSE: tl.constexpr,
 ):
-    """The exclusive scan over segment summaries, for one (batch, head, slice of the p*n state):
-        S_entry(0) = initial;  S_entry(k+1) = e_{k+1} (a_k S_entry(k) + S_ext(k))
-    where e_k = 0 when segment k starts a new document (only needed when that is not already in
-    a_k). Stores every S_entry(k) and the exit of the last segment. States are contiguous in p*n."""
+    """The exclusive scan over segment summaries, for one (batch, head, slice of the p*n state).
+    Forward (src = S_ext), from S_entry(0) = initial:
+        S_entry(k+1) = e_{k+1} (a_k S_entry(k) + S_ext(k))
+    Reverse (src = G, the pull of each segment's own outputs on its entry), from the final
+    state's gradient, the gradient arriving at each segment's exit:
+        dS_exit(k-1) = e_k (G(k) + a_k dS_exit(k))
+    e_k = 0 where segment k starts a new document (e_0 = 1). Stores every S_entry(k) (dS_exit(k))
+    and what is left at the end: the exit of the last segment (the initial state's gradient).
+    States are contiguous in p*n."""
     pid = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // nheads).to(tl.int64)
     h = pid_bh % nheads
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < size
-    if HAS_INIT:
-        S = tl.load(init_ptr + b * stride_init_b + h * stride_init_h + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_START:
+        S = tl.load(start_ptr + b * stride_start_b + h * stride_start_h + offs, mask=mask, other=0.0).to(tl.float32)
     else:
         S = tl.zeros((BLOCK,), dtype=tl.float32)
-    for k in range(nseg):
-        k64 = tl.cast(k, tl.int64)
-        if HAS_E:
-            S *= tl.load(e_ptr + b * stride_e_b + k64 * stride_e_s)
-        tl.store(entry_ptr + b * stride_en_b + k64 * stride_en_s + h * stride_en_h + offs, S, mask=mask)
-        a = tl.load(a_ptr + b * stride_a_b + k64 * stride_a_s + h * stride_a_h)
-        S = a * S + tl.load(ext_ptr + b * stride_ext_b + k64 * stride_ext_s + h * stride_ext_h + offs, mask=mask)
-    tl.store(exit_ptr + b * stride_exit_b + h * stride_exit_h + offs, S, mask=mask)
-
-
-@triton.jit
-def _segment_scan_bwd_kernel(
-    G_ptr, a_ptr, e_ptr, dfinal_ptr, dexit_ptr, dinit_ptr,
-    nseg, nheads, size,
-    stride_G_b, stride_G_s, stride_G_h,
-    stride_a_b, stride_a_s, stride_a_h,
-    stride_e_b, stride_e_s,
-    stride_df_b, stride_df_h,
-    stride_dex_b, stride_dex_s, stride_dex_h,
-    stride_di_b, stride_di_h,
-    BLOCK: tl.constexpr, HAS_E: tl.constexpr, HAS_DFINAL: tl.constexpr,
-):
-    """The reverse exclusive scan: the gradient arriving at each segment's exit,
-        dS_exit(K-1) = d final;  dS_exit(k-1) = e_k (G(k) + a_k dS_exit(k)),
-    G(k) being the pull of segment k's own outputs on its entry state. The gradient of the
-    initial state is G(0) + a_0 dS_exit(0)."""
-    pid = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // nheads).to(tl.int64)
-    h = pid_bh % nheads
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < size
-    if HAS_DFINAL:
-        dS = tl.load(dfinal_ptr + b * stride_df_b + h * stride_df_h + offs, mask=mask, other=0.0).to(tl.float32)
-    else:
-        dS = tl.zeros((BLOCK,), dtype=tl.float32)
     for i in range(nseg):
-        k64 = tl.cast(nseg - 1 - i, tl.int64)
-        tl.store(dexit_ptr + b * stride_dex_b + k64 * stride_dex_s + h * stride_dex_h + offs, dS, mask=mask)
+        k = nseg - 1 - i if REVERSE else i
+        k64 = tl.cast(k, tl.int64)
+        if HAS_E and not REVERSE:
+            S *= tl.load(e_ptr + b * stride_e_b + k64 * stride_e_s)
+        tl.store(out_ptr + b * stride_out_b + k64 * stride_out_s + h * stride_out_h + offs, S, mask=mask)
         a = tl.load(a_ptr + b * stride_a_b + k64 * stride_a_s + h * stride_a_h)
-        dS = a * dS + tl.load(G_ptr + b * stride_G_b + k64 * stride_G_s + h * stride_G_h + offs, mask=mask)
-        if HAS_E:  # e_0 = 1: the initial state always reaches the first document
-            dS *= tl.load(e_ptr + b * stride_e_b + k64 * stride_e_s)
-    tl.store(dinit_ptr + b * stride_di_b + h * stride_di_h + offs, dS, mask=mask)
+        S = a * S + tl.load(src_ptr + b * stride_src_b + k64 * stride_src_s + h * stride_src_h + offs, mask=mask)
+        if HAS_E and REVERSE:
+            S *= tl.load(e_ptr + b * stride_e_b + k64 * stride_e_s)
+    tl.store(end_ptr + b * stride_end_b + h * stride_end_h + offs, S, mask=mask)
 
 
 @triton.jit
@@ -613,7 +569,7 @@ def _output_fwd_kernel(
 
     for hh in range(heads_per_group):
         h = g * heads_per_group + hh
-        dt, dA = _chunk_dt(dt_ptr, dt_bias_ptr, A_ptr, b, h, start, seqlen,
+        dt, dA, slope = _chunk_dt(dt_ptr, dt_bias_ptr, A_ptr, b, h, start, seqlen,
                            stride_dt_b, stride_dt_l, stride_dt_h,
                            Q, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT, dt_min, dt_max)
         hi, lo = _cumsum_hi_lo(dA)
@@ -696,7 +652,7 @@ def _state_bwd_kernel(
         tl.store(ds_base + tl.cast(c, tl.int64) * stride_ds_c, dS.to(dstates_ptr.dtype.element_ty), mask=mask_pn)
         tl.store(rho_base + tl.cast(c, tl.int64) * stride_rho_c, alive * tl.exp(log_rho.to(tl.float32)),
                  mask=first_tile)
-        dt, dA = _chunk_dt(dt_ptr, dt_bias_ptr, A_ptr, b, h, start, seqlen,
+        dt, dA, slope = _chunk_dt(dt_ptr, dt_bias_ptr, A_ptr, b, h, start, seqlen,
                            stride_dt_b, stride_dt_l, stride_dt_h,
                            Q, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT, dt_min, dt_max)
         hi, lo = _cumsum_hi_lo(dA)
@@ -813,7 +769,7 @@ def _chunk_bwd_kernel(
     dC = tl.zeros((Q, BN), dtype=tl.float32)
     for hh in range(heads_per_group):
         h = g * heads_per_group + hh
-        dt, dA = _chunk_dt(dt_ptr, dt_bias_ptr, A_ptr, b, h, start, seqlen,
+        dt, dA, slope = _chunk_dt(dt_ptr, dt_bias_ptr, A_ptr, b, h, start, seqlen,
                            stride_dt_b, stride_dt_l, stride_dt_h,
                            Q, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT, dt_min, dt_max)
         hi, lo = _cumsum_hi_lo(dA)
@@ -890,9 +846,6 @@ def _chunk_bwd_kernel(
         A_h = tl.load(A_ptr + h).to(tl.float32)
         ddt += ddA * A_h
         tl.store(dA_part_ptr + b64 * stride_dAp_b + c64 * stride_dAp_c + h * stride_dAp_h, tl.sum(ddA * dt, axis=0))
-        slope = _chunk_dt_grad_factor(dt_ptr, dt_bias_ptr, b, h, start, seqlen,
-                                      stride_dt_b, stride_dt_l, stride_dt_h,
-                                      Q, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT, dt_min, dt_max)
         tl.store(ddt_ptr + b64 * stride_ddt_b + t64 * stride_ddt_l + h * stride_ddt_h, ddt * slope, mask=valid)
 
         # this head's pull on C.B, B and C, summed over the group
@@ -1152,37 +1105,31 @@ def _scan_block(size):
     return triton.next_power_of_2(size) if INTERPRET else min(1024, triton.next_power_of_2(size))
 
 
+def _scan(src, a, start, e, reverse):
+    b, K, h, p, n = src.shape
+    out = torch.empty_like(src)
+    end = torch.empty(b, h, p, n, device=src.device, dtype=torch.float32)
+    start = None if start is None else start.float().contiguous()
+    BLOCK = _scan_block(p * n)
+    _segment_scan_kernel[(triton.cdiv(p * n, BLOCK), b * h)](
+        src, a, e, start, out, end, K, h, p * n,
+        *src.stride()[:3], *a.stride(), *_strides(e, 2), *(start.stride()[:2] if start is not None else (0, 0)),
+        *out.stride()[:3], *end.stride()[:2],
+        BLOCK=BLOCK, HAS_E=e is not None, HAS_START=start is not None, REVERSE=reverse)
+    return out, end
+
+
 def scan_segments(S_ext, a, initial=None, e=None):
     """Exclusive scan over segment summaries: the entry state of every segment (b, K, h, p, n)
     and the exit state of the last (b, h, p, n), all fp32. S_ext (b, K, h, p, n) and a (b, K, h)
     contiguous; initial (b, h, p, n) or None; e (b, K) fp32 document-continuation flags or None."""
-    b, K, h, p, n = S_ext.shape
-    entry = torch.empty_like(S_ext)
-    exit_ = torch.empty(b, h, p, n, device=S_ext.device, dtype=torch.float32)
-    initial = None if initial is None else initial.float().contiguous()
-    BLOCK = _scan_block(p * n)
-    _segment_scan_kernel[(triton.cdiv(p * n, BLOCK), b * h)](
-        S_ext, a, e, initial, entry, exit_, K, h, p * n,
-        *S_ext.stride()[:3], *a.stride(), *_strides(e, 2), *(initial.stride()[:2] if initial is not None else (0, 0)),
-        *entry.stride()[:3], *exit_.stride()[:2],
-        BLOCK=BLOCK, HAS_E=e is not None, HAS_INIT=initial is not None)
-    return entry, exit_
+    return _scan(S_ext, a, initial, e, reverse=False)
 
 
 def scan_segments_bwd(G, a, dfinal=None, e=None):
     """Reverse exclusive scan: the gradient arriving at every segment's exit (b, K, h, p, n) and
     the gradient of the initial state (b, h, p, n), all fp32."""
-    b, K, h, p, n = G.shape
-    dexit = torch.empty_like(G)
-    dinit = torch.empty(b, h, p, n, device=G.device, dtype=torch.float32)
-    dfinal = None if dfinal is None else dfinal.float().contiguous()
-    BLOCK = _scan_block(p * n)
-    _segment_scan_bwd_kernel[(triton.cdiv(p * n, BLOCK), b * h)](
-        G, a, e, dfinal, dexit, dinit, K, h, p * n,
-        *G.stride()[:3], *a.stride(), *_strides(e, 2), *(dfinal.stride()[:2] if dfinal is not None else (0, 0)),
-        *dexit.stride()[:3], *dinit.stride()[:2],
-        BLOCK=BLOCK, HAS_E=e is not None, HAS_DFINAL=dfinal is not None)
-    return dexit, dinit
+    return _scan(G, a, dfinal, e, reverse=True)
 
 
 def _D_view(D):

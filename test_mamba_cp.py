@@ -935,6 +935,84 @@ def test_cp_bad_input_raises_on_every_rank():
 
 
 # ---------------------------------------------------------------------------------------------
+# Vendoring, run: a tiny Mamba2 mixer built around the fused CP core trains a few steps with
+# W = 2 and with W = 1 from the same seed and data; the losses must agree step by step (the
+# loss-parity check a training user runs before trusting CP).
+# ---------------------------------------------------------------------------------------------
+
+
+class TinyMamba2Mixer(torch.nn.Module):
+    """Input projection -> fused conv1d + SSD (state-passing CP) -> gated RMSNorm -> output
+    projection, as in a Mamba2 block. Everything but the core is per token, so it needs no CP."""
+
+    def __init__(self, d_model=16, nheads=4, headdim=8, ngroups=2, dstate=8, d_conv=4, chunk=16):
+        super().__init__()
+        self.nheads, self.headdim, self.ngroups, self.chunk = nheads, headdim, ngroups, chunk
+        d_inner, conv_dim = nheads * headdim, nheads * headdim + 2 * ngroups * dstate
+        self.in_proj = torch.nn.Linear(d_model, d_inner + conv_dim + nheads, bias=False)   # [z | xBC | dt]
+        self.conv_weight = torch.nn.Parameter(torch.randn(conv_dim, d_conv) * 0.3)
+        self.conv_bias = torch.nn.Parameter(torch.zeros(conv_dim))
+        self.dt_bias = torch.nn.Parameter(torch.log(torch.expm1(torch.rand(nheads) * 0.1 + 0.01)))
+        self.A_log = torch.nn.Parameter(torch.log(torch.rand(nheads) * 3 + 1))
+        self.D = torch.nn.Parameter(torch.ones(nheads))
+        self.norm_weight = torch.nn.Parameter(torch.ones(d_inner))
+        self.out_proj = torch.nn.Linear(d_inner, d_model, bias=False)
+
+    def forward(self, u, cp_group=None, load_balancing="none"):
+        d_inner = self.nheads * self.headdim
+        z, xBC, dt = self.in_proj(u).split([d_inner, self.conv_weight.shape[0], self.nheads], dim=-1)
+        y = mamba_cp.mamba_conv1d_ssd_cp(xBC, dt, self.conv_weight, self.conv_bias, self.dt_bias,
+                                         -torch.exp(self.A_log), self.D, self.chunk, headdim=self.headdim,
+                                         ngroups=self.ngroups, cp_group=cp_group, load_balancing=load_balancing)
+        y = y.flatten(-2) * torch.nn.functional.silu(z)                            # gated RMSNorm
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-5) * self.norm_weight
+        return self.out_proj(y)
+
+
+def train_losses(rank, world, group, layout, steps=3, piece=12):
+    """Mean squared error per step of a few AdamW steps on one fixed batch; with a group the
+    sequence is sharded and the parameter gradients are summed over it, as a trainer does."""
+    torch.manual_seed(0)
+    model = TinyMamba2Mixer()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    L = 2 * 2 * piece                                                               # same data for W = 1 and 2
+    u, target = torch.randn(2, L, 16, generator=g), torch.randn(2, L, 16, generator=g)
+    if group is not None:
+        u, target = (mamba_cp.shard(t, rank, world, layout) for t in (u, target))
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        local = (model(u, group, layout) - target).pow(2).sum() / (2 * L * 16)      # this rank's share
+        local.backward()
+        loss = local.detach().clone()
+        if group is not None:
+            dist.all_reduce(loss, group=group)
+            for p in model.parameters():
+                dist.all_reduce(p.grad, group=group)
+        losses.append(loss.item())
+        opt.step()
+    return losses
+
+
+def mixer_parity_losses(rank, world, group, device):
+    """Per layout, the losses of W ranks and of one process on the whole sequence."""
+    single = train_losses(0, 1, None, "none")
+    return {layout: (train_losses(rank, world, group, layout), single) for layout in ("none", "virtual")}
+
+
+def test_mixer_loss_parity():
+    per_rank = spawn_world(2, "mixer_parity_losses", timeout=600)
+    errors = [v for status, v in per_rank if status != "ok"]
+    assert not errors, errors[0]
+    for layout, (cp, single) in per_rank[0][1].items():
+        assert len(cp) == len(single) == 3
+        assert cp[-1] < cp[0], f"{layout}: the loss must fall while training ({cp})"
+        for step, (a, b) in enumerate(zip(cp, single)):
+            assert abs(a - b) <= 1e-5 * abs(b), f"{layout} step {step}: W=2 loss {a!r}, W=1 loss {b!r}"
+
+
+# ---------------------------------------------------------------------------------------------
 # GPU only: bf16 at the record shape, and 2^20 tokens in one call
 # ---------------------------------------------------------------------------------------------
 

@@ -1,68 +1,151 @@
-"""Benchmark of mamba_cp's single-device chunked SSD (DESIGN.md section 8).
+"""Benchmark of mamba_cp (DESIGN.md section 8): the single-device SSD, the context-parallel
+paths side by side, and the bytes each path communicates.
 
-What is timed: `mamba_cp.mamba_chunk_scan_combined(x, dt, A, B, C, chunk, D=D, dt_bias=dt_bias,
-dt_softplus=True)` at batch 1 (flag --batch) for each sequence length L in --lengths:
+Three measurements, dispatched by main():
 
-  fwd       the forward alone (under torch.no_grad: no autograd record).
-  fwdbwd    forward, then torch.autograd.grad of y with a fixed random grad_y into every input
-            (x, dt, A, B, C, D, dt_bias).
+1. `python bench.py` (one device, no torchrun): the single-device chunked SSD.
+   What is timed: `mamba_cp.mamba_chunk_scan_combined(x, dt, A, B, C, chunk, D=D, dt_bias=dt_bias,
+   dt_softplus=True)` at batch 1 (flag --batch) for each sequence length L in --lengths:
 
-Each is timed two ways, side by side:
+     fwd       the forward alone (under torch.no_grad: no autograd record).
+     fwdbwd    forward, then torch.autograd.grad of y with a fixed random grad_y into every input
+               (x, dt, A, B, C, D, dt_bias).
 
-  eager     what a user's training step sees, host (Python, launch) overhead included: per
-            iteration, torch.cuda.synchronize() outside the timed region, then CUDA events
-            around the call. --warmup untimed calls first; the p50 over --iters is reported.
-  graph     the GPU alone: the same call captured once into a CUDA graph (warm-up on a side
-            stream, then torch.cuda.graph capture, inputs being static tensors the graph reads
-            in place), and CUDA events around each g.replay(); p50 again. At short lengths the
-            two differ by several times. A capture failure is reported in "graph_error"; a
-            failing eager fwd+bwd in "error" (the forward numbers are still reported).
+   Each is timed two ways, side by side:
 
-Copy floor: the p50 time of one device-to-device copy (dst.copy_(src), uint8) of as many bytes
-as the forward must move at the least: x, B, C, dt read plus y written. Copies are run
-back-to-back between two events and the time divided by their number, so launch gaps do not
-count. A copy reads and writes every byte, so the true memory floor of the forward is half the
-copy floor; fwd_over_floor = fwd_ms / copy_floor_ms.
+     eager     what a user's training step sees, host (Python, launch) overhead included: per
+               iteration, torch.cuda.synchronize() outside the timed region, then CUDA events
+               around the call. --warmup untimed calls first; the p50 over --iters is reported.
+     graph     the GPU alone: the same call captured once into a CUDA graph (warm-up on a side
+               stream, then torch.cuda.graph capture, inputs being static tensors the graph reads
+               in place), and CUDA events around each g.replay(); p50 again. At short lengths the
+               two differ by several times. A capture failure is reported in "graph_error"; a
+               failing eager fwd+bwd in "error" (the forward numbers are still reported).
 
-Peak memory: torch.cuda.max_memory_allocated() over one eager fwd+bwd (fwd with --fwd-only),
-after reset_peak_memory_stats; it includes the inputs and grad_y (reported also as base_mib).
+   Copy floor: the p50 time of one device-to-device copy (dst.copy_(src), uint8) of as many bytes
+   as the forward must move at the least: x, B, C, dt read plus y written. Copies are run
+   back-to-back between two events and the time divided by their number, so launch gaps do not
+   count. A copy reads and writes every byte, so the true memory floor of the forward is half the
+   copy floor; fwd_over_floor = fwd_ms / copy_floor_ms.
 
-Output: a human-readable line per L, and one `RESULT {json}` line per L; progress on stderr.
+   Peak memory: torch.cuda.max_memory_allocated() over one eager fwd+bwd (fwd with --fwd-only),
+   after reset_peak_memory_stats; it includes the inputs and grad_y (reported also as base_mib).
+
+   Then, still on one device:
+   (a) CP compute in a world of one ("bench": "cp_local_vs_ssd"): `mamba_conv1d_ssd_cp` with
+       cp_group=None at --local-length tokens (what one rank computes when each holds that many),
+       eager forward+backward, against the conv-free `mamba_chunk_scan_combined` at the same
+       length and shape. The CP side INCLUDES the causal conv1d (forward, recompute and backward);
+       the SSD side has no conv. The SSD time is taken from the sweep above when --local-length is
+       one of --lengths (the same call, the same timer), else measured here. On CPU the CP call
+       gets no warm-up unless --warmup is given (the interpreter compiles nothing; this keeps the
+       CPU default under a minute).
+   (b) Communication volume ("bench": "comm_bytes"): bytes each path moves per rank per layer,
+       forward and backward, computed from the shapes by comm_bytes() (its docstring states every
+       term), for W in 2..64 and global L in 8192..1048576, at this run's shape (--comm-shape
+       record: the record shape). Nothing is run; also on CPU.
+
+2. `torchrun --nproc_per_node=N bench.py` (WORLD_SIZE > 1, or --cp): every CP path of the fused
+   core (conv1d + SSD + the exchanges), forward+backward, side by side at each global length L
+   in --lengths (each rank holds L/W tokens; L must be divisible by 2W):
+
+     a2a          mamba_conv1d_ssd_a2a, the head-parallel all-to-all baseline, fed the zigzag
+                  shard (load_balancing="virtual"), the layout a Megatron trainer hands the mixer
+     none         mamba_conv1d_ssd_cp on a contiguous shard (state passing, one segment per rank)
+     permute_p2p  zigzag shard, made contiguous by point-to-point sends, and back
+     permute_a2a  zigzag shard, made contiguous by one all_to_all_single, and back
+     virtual      zigzag shard, its two halves run as two causal segments (no activation moves)
+
+   Inputs: the full sequence is drawn on every rank's device from one seeded generator (the same
+   on every rank, never zeros) and cut with mamba_cp.shard; the full tensors are freed before
+   timing. Per iteration: dist.barrier() (and torch.cuda.synchronize()) outside the timed region;
+   CUDA events around forward+backward (wall clock on CPU); then one all_reduce(MAX) of the time,
+   so each iteration counts at its slowest rank. The timed call includes everything a training
+   step pays, the library's per-call cross-rank input check (a small all-gather read back on the
+   host) included. Reported: p50 over --iters after --warmup, peak
+   allocated memory over the path's iterations (max over ranks, inputs included), speedup =
+   a2a_p50 / path_p50, and the path's computed communication bytes. One `RESULT {json}` line
+   per path and L ("bench": "cp_paths"), printed by rank 0, and a table. A path that raises is
+   reported in its RESULT line ("error") and the others still run: input errors (mamba_cp
+   validates on every rank before any collective, e.g. a2a with nheads not divisible by W) and
+   errors every rank hits. A failure on some ranks only (an OOM on one GPU) leaves the others
+   inside a collective; the run then ends at the process-group timeout (--timeout).
+
+3. --plot FILE.png (needs matplotlib, optional): left, time vs L per path (the CP paths under
+   torchrun, the single-device kernel times otherwise); right, communicated bytes per rank vs L
+   per path at W = --plot-world; log-log.
+
+Progress goes to stderr; results to stdout.
 
 Without CUDA the kernels run in the Triton interpreter (mamba_cp sets TRITON_INTERPRET=1):
 a small float32 shape, wall-clock timing (time.perf_counter), no graphs, no copy floor and no
-peak memory (null). Those times say nothing about a GPU; the run only checks the script.
+peak memory (null); ranks are processes on gloo. Those times say nothing about a GPU; the run
+only checks the script.
 """
 
 import argparse
+import datetime
 import gc
 import json
+import os
+import socket
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 import mamba_cp  # before anything triton-related: it picks the interpreter when CUDA is absent
 
 CUDA = torch.cuda.is_available()
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 COPY_REPS = 10  # back-to-back copies per timed sample of the copy floor
 MIB = 2 ** 20
+PATHS = ("a2a", "none", "permute_p2p", "permute_a2a", "virtual")   # "a2a" first: the speedup baseline
 
 # shape of record on a GPU; a small shape for the CPU interpreter
 GPU_DEFAULTS = dict(lengths="4096,16384,65536", iters=20, warmup=5, dtype="bf16",
-                    nheads=64, headdim=64, ngroups=8, dstate=128, chunk=128)
+                    nheads=64, headdim=64, ngroups=8, dstate=128, d_conv=4, chunk=128, local_length=16384)
 CPU_DEFAULTS = dict(lengths="128,256", iters=2, warmup=1, dtype="fp32",
-                    nheads=4, headdim=16, ngroups=2, dstate=16, chunk=16)
+                    nheads=4, headdim=16, ngroups=2, dstate=16, d_conv=4, chunk=16, local_length=256)
+CP_LENGTHS = dict(gpu="8192,32768,131072", cpu="256")   # global lengths of the CP paths under torchrun
+
+# the communication table: world sizes and global lengths
+COMM_WORLDS = (2, 4, 8, 16, 32, 64)
+COMM_LENGTHS = (8192, 32768, 131072, 1048576)
 
 
 def log(msg):
     print(msg, file=sys.stderr, flush=True)
 
 
+@dataclass(frozen=True)
+class Shape:
+    """The mixer core's shape (DESIGN.md section 8); conv_dim = channels of xBC = [x | B | C]."""
+    nheads: int
+    headdim: int
+    ngroups: int
+    dstate: int
+    d_conv: int
+
+    @property
+    def conv_dim(self):
+        return self.nheads * self.headdim + 2 * self.ngroups * self.dstate
+
+
+RECORD_SHAPE = Shape(nheads=64, headdim=64, ngroups=8, dstate=128, d_conv=4)
+RECORD_DTYPE = "bf16"
+
+
+def shape_of(args):
+    return Shape(args.nheads, args.headdim, args.ngroups, args.dstate, args.d_conv)
+
+
 # ---------------------------------------------------------------------------------------------
-# inputs and the call under test
+# single-device SSD: inputs and the call under test
 # ---------------------------------------------------------------------------------------------
 
 
@@ -310,6 +393,554 @@ def profile_kernels(args, L, iters=5):
 
 
 # ---------------------------------------------------------------------------------------------
+# the fused CP core: inputs and the call under test
+# ---------------------------------------------------------------------------------------------
+
+
+def make_cp_full(args, L, device):
+    """Full-sequence inputs of the fused conv1d + SSD core, drawn on `device` from one generator
+    seeded with --seed: the same on every rank (never zeros). xBC and grad_y in --dtype; dt (raw,
+    pre-softplus), conv weight and bias, dt_bias, A, D in fp32 (as in test_mamba_cp.py)."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(args.seed)
+    dtype = DTYPES[args.dtype]
+    s = shape_of(args)
+    b, h, p = args.batch, s.nheads, s.headdim
+
+    def randn(*size, dt=torch.float32):
+        return torch.randn(size, generator=gen, device=device, dtype=dt)
+
+    def rand(*size):
+        return torch.rand(size, generator=gen, device=device)
+
+    seq = dict(xBC=randn(b, L, s.conv_dim, dt=dtype),
+               dt=randn(b, L, h) * 0.5,
+               grad_y=randn(b, L, h, p, dt=dtype))
+    params = dict(conv_weight=randn(s.conv_dim, s.d_conv) * s.d_conv ** -0.5,
+                  conv_bias=0.1 * randn(s.conv_dim),
+                  dt_bias=torch.log(torch.expm1(1e-3 + (1e-1 - 1e-3) * rand(h))),    # softplus^-1
+                  A=-torch.exp(2.7 * rand(h)),                                         # in (-15, -1)
+                  D=1.0 + 0.1 * randn(h))
+    return seq, params
+
+
+def make_cp_local(args, L, rank, world, layout, device):
+    """This rank's inputs in `layout` ("none": contiguous, else the zigzag shard); the full
+    sequence is freed before returning. Returns (leaves dict, grad_y shard)."""
+    seq, params = make_cp_full(args, L, device)
+    local = {k: mamba_cp.shard(v, rank, world, layout).contiguous() for k, v in seq.items()}
+    del seq
+    grad_y = local.pop("grad_y")
+    leaves = dict(xBC=local["xBC"], dt=local["dt"], **params)
+    for t in leaves.values():
+        t.requires_grad_(True)
+    return leaves, grad_y
+
+
+def input_layout(path):
+    """The load_balancing of the shard a path is fed: contiguous for "none", zigzag otherwise."""
+    return "none" if path == "none" else "virtual"
+
+
+def cp_call(path, t, args, group):
+    """One call of the fused core by `path`; a2a is fed the zigzag shard (load_balancing="virtual")."""
+    fn = mamba_cp.mamba_conv1d_ssd_a2a if path == "a2a" else mamba_cp.mamba_conv1d_ssd_cp
+    return fn(t["xBC"], t["dt"], t["conv_weight"], t["conv_bias"], t["dt_bias"], t["A"], t["D"], args.chunk,
+              headdim=args.headdim, ngroups=args.ngroups, cp_group=group,
+              load_balancing="virtual" if path == "a2a" else path)
+
+
+def make_cp_step(path, leaves, grad_y, args, group):
+    """The timed step as an argument-free closure: forward+backward (autograd.grad into every
+    leaf), or the forward alone under no_grad with --fwd-only."""
+    inputs = list(leaves.values())
+
+    def step():
+        if args.fwd_only:
+            with torch.no_grad():
+                return cp_call(path, leaves, args, group)
+        y = cp_call(path, leaves, args, group)
+        return torch.autograd.grad(y, inputs, grad_y)
+
+    return step
+
+
+# ---------------------------------------------------------------------------------------------
+# communication volume, from the shapes
+# ---------------------------------------------------------------------------------------------
+
+VALIDATION_INTS = 9 * 7 + 5 + 1   # mamba_cp._agree: 9 tensor args x (ndim + 5 dims + dtype), 5 options, verdict
+
+
+def permuted_pieces(W):
+    """Pieces of L/(2W) tokens that the busiest rank moves in one zigzag <-> contiguous
+    permutation: rank r holds pieces {r, 2W-1-r} zigzag and {2r, 2r+1} contiguous; the pieces in
+    both sets stay. It sends as many as it receives. 1 for W=2, 2 for W>=3 (rank 1 moves both)."""
+    return max(2 - len({r, 2 * W - 1 - r} & {2 * r, 2 * r + 1}) for r in range(W))
+
+
+def comm_bytes(path, W, L, batch, shape, dtype_bytes, documents=False):
+    """Bytes one rank receives from the other ranks, per layer call, forward and backward, as
+    mamba_cp moves them (for every exchange here a rank sends as much as it receives; where
+    ranks differ, the busiest rank). Returns dict(fwd=, bwd=, terms={name: bytes}), or None
+    when the path cannot run (a2a with nheads not divisible by W; L not divisible by 2W).
+
+    Notation: b batch, h nheads, p headdim, n dstate, g ngroups, d1 = d_conv - 1, conv_dim =
+    h*p + 2*g*n, e = dtype_bytes (xBC, y and their gradients), dt and its gradient fp32 (4 bytes),
+    l = L/W tokens per rank, s = L/(2W) tokens per zigzag piece. An all-gather of a block of B
+    bytes per rank makes each rank receive (W-1) * B. `documents` adds the seq_idx terms
+    (int32), which the benchmark itself does not use.
+
+    Every path, forward: the input check's all-gather ("validation"), VALIDATION_INTS int64
+    per rank: (W-1) * 69 * 8.
+
+    State passing, "none" (k = 1 segment per rank) and "virtual" (k = 2), rows = b*k:
+      fwd  conv halo all-gather: (W-1) * rows * d1 * conv_dim * 4 (the halo travels packed as
+           fp32, mamba_cp._pack, whatever the input dtype) [+ (W-1) * rows * d1 * 4 ids]
+      fwd  summary all-gather, fp32: (W-1) * rows * (h*p*n + h [+ 2 ids]) * 4
+      bwd  G all-gather, fp32: (W-1) * (rows * h*p*n + b*h*p*n) * 4 (G of every segment plus the
+           rank's final-state gradient, sent even when zero)
+      bwd  halo-gradient all-gather, fp32: (W-1) * rows * d1 * conv_dim * 4
+
+    "permute_p2p" / "permute_a2a": the state passing of "none" plus the zigzag <-> contiguous
+    moves of the activations, P = permuted_pieces(W) pieces per direction (both variants move
+    the same bytes; pieces a rank keeps do not count):
+      fwd  xBC and dt to contiguous: P * b * s * (conv_dim*e + h*4) [+ P * b * s * 4 ids]
+      fwd  y back to zigzag: P * b * s * h*p*e
+      bwd  dy to contiguous: P * b * s * h*p*e
+      bwd  dxBC and ddt back to zigzag: P * b * s * (conv_dim*e + h*4)
+
+    "a2a" (head-parallel; needs h % W == 0; hw = h/W heads per rank; gr = groups of B and C a
+    rank needs: g/W when W divides g, else 1 when its heads share one group, else one copy per
+    head, hw; as mamba_cp._a2a_heads): every rank sends each other rank that rank's channels of
+    its l local tokens (its own block stays):
+      fwd  xBC all-to-all: (W-1) * b * l * (hw*p + 2*gr*n) * e
+      fwd  dt all-to-all: (W-1) * b * l * hw * 4
+      fwd  y all-to-all back: (W-1) * b * l * hw*p * e
+           [+ seq_idx all-gather (W-1) * b * l * 4]
+      bwd  the same three all-to-alls for dy, dxBC, ddt: the same bytes (not the seq_idx term).
+    The final-state gather (return_final_states) is not counted: the benchmark does not ask."""
+    h, p, n, g, d1, cd = shape.nheads, shape.headdim, shape.dstate, shape.ngroups, shape.d_conv - 1, shape.conv_dim
+    e, f4 = dtype_bytes, 4
+    if L % (2 * W) or (path == "a2a" and h % W):
+        return None
+    o = W - 1
+    fwd, bwd = {"validation all-gather": o * VALIDATION_INTS * 8}, {}
+    if path == "a2a":
+        hw = h // W
+        gr = len(mamba_cp._a2a_heads(h, g, W, 0)[1])
+        l = L // W
+        fwd["xBC all-to-all"] = o * batch * l * (hw * p + 2 * gr * n) * e
+        fwd["dt all-to-all"] = o * batch * l * hw * f4
+        fwd["y all-to-all"] = o * batch * l * hw * p * e
+        if documents:
+            fwd["seq_idx all-gather"] = o * batch * l * 4
+        bwd["dy all-to-all"] = fwd["y all-to-all"]
+        bwd["dxBC all-to-all"] = fwd["xBC all-to-all"]
+        bwd["ddt all-to-all"] = fwd["dt all-to-all"]
+    else:
+        rows = batch * (2 if path == "virtual" else 1)
+        fwd["halo all-gather"] = o * rows * d1 * (cd + (1 if documents else 0)) * f4
+        fwd["summary all-gather"] = o * rows * (h * p * n + h + (2 if documents else 0)) * f4
+        bwd["G all-gather"] = o * (rows + batch) * h * p * n * f4
+        bwd["halo-gradient all-gather"] = o * rows * d1 * cd * f4
+        if path.startswith("permute"):
+            P, s = permuted_pieces(W), L // (2 * W)
+            fwd["xBC, dt to contiguous"] = P * batch * s * (cd * e + h * f4 + (4 if documents else 0))
+            fwd["y to zigzag"] = P * batch * s * h * p * e
+            bwd["dy to contiguous"] = P * batch * s * h * p * e
+            bwd["dxBC, ddt to zigzag"] = P * batch * s * (cd * e + h * f4)
+    terms = {f"fwd: {k}": v for k, v in fwd.items()}
+    terms.update({f"bwd: {k}": v for k, v in bwd.items()})
+    return dict(fwd=sum(fwd.values()), bwd=sum(bwd.values()), terms=terms)
+
+
+def fmt_bytes(nbytes):
+    if nbytes is None:
+        return "n/a"
+    for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if nbytes >= size:
+            v = nbytes / size
+            return f"{v:.{2 if v < 10 else 1 if v < 100 else 0}f} {unit}"
+    return f"{nbytes} B"
+
+
+def comm_shape(args):
+    """(shape, dtype name, batch) of the communication table: the run's, or the record shape."""
+    if args.comm_shape == "record":
+        return RECORD_SHAPE, RECORD_DTYPE, 1
+    return shape_of(args), args.dtype, args.batch
+
+
+def report_comm_table(args):
+    """Print the bytes-per-rank table (one block per W) and one RESULT line per (path, W, L)."""
+    shape, dtype, batch = comm_shape(args)
+    paths = args.paths
+    print(f"\n# Bytes each rank receives per layer call, forward / backward (busiest rank; computed from "
+          f"the shapes by comm_bytes(), not measured): nheads={shape.nheads} headdim={shape.headdim} "
+          f"ngroups={shape.ngroups} dstate={shape.dstate} d_conv={shape.d_conv} batch={batch} {dtype} "
+          f"activations, no seq_idx. a2a: all-to-all of xBC, dt, y; none/virtual: fp32 summaries and "
+          f"halos; permute_*: none's exchanges plus the zigzag pieces that change rank.")
+    width = 23
+    for W in COMM_WORLDS:
+        print(f"W={W:<4} L{'':<8}" + "".join(f"{p:>{width}}" for p in paths))
+        for L in COMM_LENGTHS:
+            cells = []
+            for path in paths:
+                c = comm_bytes(path, W, L, batch, shape, DTYPE_BYTES[dtype])
+                cells.append("n/a" if c is None else f"{fmt_bytes(c['fwd'])} / {fmt_bytes(c['bwd'])}")
+            print(f"{'':<6} {L:<9}" + "".join(f"{cell:>{width}}" for cell in cells))
+    for W in COMM_WORLDS:
+        for L in COMM_LENGTHS:
+            for path in paths:
+                c = comm_bytes(path, W, L, batch, shape, DTYPE_BYTES[dtype])
+                r = dict(bench="comm_bytes", path=path, W=W, L=L, batch=batch, dtype=dtype,
+                         nheads=shape.nheads, headdim=shape.headdim, ngroups=shape.ngroups,
+                         dstate=shape.dstate, d_conv=shape.d_conv,
+                         fwd_bytes=None if c is None else c["fwd"], bwd_bytes=None if c is None else c["bwd"],
+                         terms=None if c is None else c["terms"],
+                         error=None if c is not None else "not runnable (nheads % W or L % 2W)")
+                print("RESULT " + json.dumps(r))
+    sys.stdout.flush()
+
+
+# ---------------------------------------------------------------------------------------------
+# single device: the CP path's per-rank compute in a world of one, against the plain SSD
+# ---------------------------------------------------------------------------------------------
+
+
+def bench_cp_local(args, sweep):
+    """`mamba_conv1d_ssd_cp` (cp_group=None, conv included) against `mamba_chunk_scan_combined`
+    (no conv) at --local-length tokens, eager, fwd+bwd (fwd with --fwd-only), the same shape.
+    `sweep`: the single-device RESULT dicts already measured; the SSD time is reused from there
+    when the length matches. Returns the RESULT dict."""
+    L = args.local_length
+    device = "cuda" if CUDA else "cpu"
+    timer = time_cuda if CUDA else time_wall
+    phase = "fwd" if args.fwd_only else "fwdbwd"
+    # the interpreter compiles nothing: on CPU the CP call's warm-up is skipped unless --warmup was given
+    warmup = args.warmup if CUDA or args.warmup_given else 0
+    r = dict(bench="cp_local_vs_ssd", L_local=L, batch=args.batch, dtype=args.dtype, nheads=args.nheads,
+             headdim=args.headdim, ngroups=args.ngroups, dstate=args.dstate, d_conv=args.d_conv,
+             chunk=args.chunk, iters=args.iters, cp_warmup=warmup, ssd_warmup=args.warmup, phase=phase,
+             timing="cuda_events_p50_eager" if CUDA else "wall_clock_p50_interpreter",
+             cp_ms=None, ssd_ms=None, cp_over_ssd=None, cp_peak_mib=None, ssd_peak_mib=None,
+             cp_includes_conv=True, ssd_includes_conv=False, ssd_source=None, error=None,
+             device=torch.cuda.get_device_name() if CUDA else "cpu (triton interpreter)")
+    try:
+        log(f"[cp vs ssd] mamba_conv1d_ssd_cp (world of one) L_local={L}: {phase}, "
+            f"{warmup} warm-up + {args.iters} timed ...")
+        leaves, grad_y = make_cp_local(args, L, 0, 1, "none", device)
+        step = make_cp_step("none", leaves, grad_y, args, None)
+        r["cp_ms"] = timer(step, args.iters, warmup)
+        if CUDA:
+            r["cp_peak_mib"] = measure_peak_mib(step)[0]
+        del leaves, grad_y, step
+    except Exception as e:  # noqa: BLE001 - report, keep going
+        r["error"] = "cp: " + short_error(e)
+        log(f"[cp vs ssd] CP call failed: {r['error']}")
+    gc.collect()
+
+    key = f"{phase}_ms"
+    same = [s for s in sweep if s["L"] == L and s.get(key) is not None]
+    if same:
+        r["ssd_ms"], r["ssd_peak_mib"], r["ssd_source"] = same[0][key], same[0]["peak_mib"], "single-device sweep above"
+    else:
+        try:
+            log(f"[cp vs ssd] mamba_chunk_scan_combined L={L}: {phase} ...")
+            inp, grad = make_inputs(args, L, device)
+            fwd, fwdbwd = make_fns(inp, grad, args.chunk)
+            fn = fwd if args.fwd_only else fwdbwd
+            r["ssd_ms"], r["ssd_source"] = timer(fn, args.iters, args.warmup), "measured here"
+            if CUDA:
+                r["ssd_peak_mib"] = measure_peak_mib(fn)[0]
+            del inp, grad, fwd, fwdbwd, fn
+        except Exception as e:  # noqa: BLE001
+            r["error"] = ((r["error"] + "; ") if r["error"] else "") + "ssd: " + short_error(e)
+        gc.collect()
+    r["cp_over_ssd"] = ratio(r["cp_ms"], r["ssd_ms"])
+    if CUDA:
+        torch.cuda.empty_cache()
+    return r
+
+
+def human_cp_local(r):
+    line = (f"CP per-rank compute, world of one, L_local={r['L_local']} batch={r['batch']} {r['dtype']}, "
+            f"{r['phase']} eager, p50 of {r['iters']} iters: "
+            f"mamba_conv1d_ssd_cp (conv1d INCLUDED; {r['cp_warmup']} warm-up) {fmt(r['cp_ms'], unit=' ms')}, "
+            f"mamba_chunk_scan_combined (no conv) {fmt(r['ssd_ms'], unit=' ms')} [{r['ssd_source']}], "
+            f"ratio {fmt(r['cp_over_ssd'], '.2f', 'x')}; peak {fmt(r['cp_peak_mib'], '.0f', ' MiB')} vs "
+            f"{fmt(r['ssd_peak_mib'], '.0f', ' MiB')}")
+    if r["error"]:
+        line += f"  [error: {r['error']}]"
+    return line
+
+
+# ---------------------------------------------------------------------------------------------
+# torchrun: every CP path side by side
+# ---------------------------------------------------------------------------------------------
+
+
+def sync_barrier(device):
+    """All ranks line up, outside any timed region."""
+    if CUDA:
+        torch.cuda.synchronize()
+        dist.barrier(device_ids=[torch.cuda.current_device()])
+        torch.cuda.synchronize()
+    else:
+        dist.barrier()
+
+
+def collect_errors(error, failed):
+    """When any rank `failed` (the agreed flag), every rank gathers every rank's message; returns
+    one string naming the ranks, or None. Every rank must call it at the same point."""
+    if not failed:
+        return None
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, error)
+    ranks_of = {}
+    for r, m in enumerate(every):
+        if m:
+            ranks_of.setdefault(m, []).append(str(r))
+    return "; ".join(f"rank{'s' if len(rs) > 1 else ''} {','.join(rs)}: {m}" for m, rs in ranks_of.items()) \
+        or "failed on another rank"
+
+
+def any_rank(flag, device):
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item() > 0
+
+
+def time_distributed(step, args, device, label, rank):
+    """Warm-up then timed iterations of `step`. Per iteration: barrier (and CUDA synchronize)
+    outside the timed region, CUDA events (wall clock on CPU) around the call, then one
+    all_reduce(MAX) of [ms, failed]: the rank-maximum time, and a stop on every rank at once
+    when any rank raised. Returns (per-iteration rank-max ms over the timed iterations, error)."""
+    times, error = [], None
+    for i in range(args.warmup + args.iters):
+        if rank == 0 and i == 0 and args.warmup:
+            log(f"[rank 0] {label}: warm-up ({args.warmup}) ...")
+        if rank == 0 and i == args.warmup:
+            log(f"[rank 0] {label}: timing {args.iters} iters ...")
+        sync_barrier(device)
+        if CUDA:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.perf_counter()
+        try:
+            out = step()
+            del out
+        except Exception as e:  # noqa: BLE001 - agreed on below, reported in RESULT
+            error = short_error(e)
+        if CUDA:
+            end.record()
+            end.synchronize()
+            ms = start.elapsed_time(end) if error is None else 0.0
+        else:
+            ms = (time.perf_counter() - t0) * 1e3
+        agreed = torch.tensor([ms, 1.0 if error else 0.0], dtype=torch.float64, device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        if agreed[1].item() > 0:
+            return times, collect_errors(error, True)
+        if i >= args.warmup:
+            times.append(agreed[0].item())
+    return times, None
+
+
+def bench_cp_path(args, path, L, rank, world, device):
+    """One path at global length L on every rank of the WORLD group; returns the RESULT dict
+    (identical on every rank but for local fields)."""
+    group = dist.group.WORLD
+    s = shape_of(args)
+    c = comm_bytes(path, world, L, args.batch, s, DTYPE_BYTES[args.dtype])
+    r = dict(bench="cp_paths", path=path,
+             input_layout="zigzag" if input_layout(path) == "virtual" else "contiguous",
+             load_balancing="virtual" if path == "a2a" else path,
+             function="mamba_conv1d_ssd_a2a" if path == "a2a" else "mamba_conv1d_ssd_cp",
+             W=world, L=L, L_local=L // world if L % world == 0 else None, batch=args.batch, dtype=args.dtype,
+             nheads=s.nheads, headdim=s.headdim, ngroups=s.ngroups, dstate=s.dstate, d_conv=s.d_conv, chunk=args.chunk,
+             iters=args.iters, warmup=args.warmup, phase="fwd" if args.fwd_only else "fwdbwd",
+             timing=("cuda_events" if CUDA else "wall_clock_interpreter") + "_rank_max_p50",
+             p50_ms=None, min_ms=None, max_ms=None, speedup_vs_a2a=None, peak_mib=None, base_mib=None,
+             comm_fwd_bytes=None if c is None else c["fwd"], comm_bwd_bytes=None if c is None else c["bwd"],
+             backend=dist.get_backend(), device=torch.cuda.get_device_name() if CUDA else "cpu (triton interpreter)",
+             error=None)
+    label = f"{path} L={L}"
+    if L % (2 * world):
+        r["error"] = f"L={L} is not divisible by 2W={2 * world}: no run"
+        return r
+
+    leaves = grad_y = step = None
+    error = None
+    try:
+        if rank == 0:
+            log(f"[rank 0] {label}: building inputs ({L // world} tokens per rank) ...")
+        leaves, grad_y = make_cp_local(args, L, rank, world, input_layout(path), device)
+        step = make_cp_step(path, leaves, grad_y, args, group)
+    except Exception as e:  # noqa: BLE001
+        error = short_error(e)
+    r["error"] = collect_errors(error, any_rank(error is not None, device))
+    if r["error"] is None:
+        if CUDA:
+            gc.collect()
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        times, r["error"] = time_distributed(step, args, device, label, rank)
+        if times and r["error"] is None:
+            r["p50_ms"], r["min_ms"], r["max_ms"] = statistics.median(times), min(times), max(times)
+        if CUDA:
+            mem = torch.tensor([torch.cuda.max_memory_allocated(), base], dtype=torch.float64, device=device)
+            dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+            r["peak_mib"], r["base_mib"] = mem[0].item() / MIB, mem[1].item() / MIB
+        if rank == 0:
+            log(f"[rank 0] {label}: " + (f"p50 {r['p50_ms']:.3f} ms" if r["error"] is None else f"error: {r['error']}"))
+    del leaves, grad_y, step
+    gc.collect()
+    if CUDA:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    return r
+
+
+def human_cp_table(rows, world, args):
+    """The side-by-side table of one length."""
+    L = rows[0]["L"]
+    phase = "forward" if args.fwd_only else "forward+backward"
+    if L % (2 * world):
+        return f"\nL={L} global, W={world}: not run, L must be divisible by 2W = {2 * world}"
+    out = [f"\nL={L} global, {L // world} tokens per rank, W={world}: {phase} of conv1d + SSD + exchange, "
+           f"p50 of the rank maximum over {args.iters} iters after {args.warmup} warm-up",
+           f"{'path':<13}{'input':<12}{'p50 ms':>11}{'vs a2a':>9}{'peak MiB':>10}{'comm fwd / bwd per rank':>28}  note"]
+    for r in rows:
+        comm = (f"{fmt_bytes(r['comm_fwd_bytes'])} / {fmt_bytes(r['comm_bwd_bytes'])}"
+                if r["comm_fwd_bytes"] is not None else "n/a")
+        note = "mamba_conv1d_ssd_a2a on the zigzag shard (load_balancing='virtual')" if r["path"] == "a2a" else ""
+        if r["error"]:
+            note = (note + "; " if note else "") + f"ERROR: {r['error']}"
+        out.append(f"{r['path']:<13}{r['input_layout']:<12}{fmt(r['p50_ms'], '.3f'):>11}"
+                   f"{fmt(r['speedup_vs_a2a'], '.2f', 'x'):>9}{fmt(r['peak_mib'], '.0f'):>10}{comm:>28}  {note}")
+    return "\n".join(out)
+
+
+def init_distributed(args):
+    """Process group from torchrun's environment (NCCL with CUDA, gloo on CPU). `--cp` without
+    torchrun gets a world of one on a free local port. Returns (rank, world, device)."""
+    if "WORLD_SIZE" not in os.environ:
+        with socket.socket() as sk:
+            sk.bind(("127.0.0.1", 0))
+            port = sk.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = "cpu"
+    if CUDA:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        device = f"cuda:{torch.cuda.current_device()}"
+    dist.init_process_group("nccl" if CUDA else "gloo", timeout=datetime.timedelta(seconds=args.timeout))
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def main_distributed(args):
+    rank, world, device = init_distributed(args)
+    s = shape_of(args)
+    if rank == 0:
+        where = (f"{torch.cuda.get_device_name()} x{world}, NCCL" if CUDA
+                 else f"CPU x{world} processes, gloo, Triton interpreter, wall-clock times; "
+                      "NOT representative of a GPU")
+        print(f"# CP paths: {where}; torch {torch.__version__}, triton {mamba_cp.triton.__version__}; "
+              f"nheads={s.nheads} headdim={s.headdim} ngroups={s.ngroups} dstate={s.dstate} d_conv={s.d_conv} "
+              f"chunk={args.chunk} batch={args.batch} dtype={args.dtype}; paths {','.join(args.paths)}")
+        print("# a2a = mamba_conv1d_ssd_a2a fed the zigzag shard (load_balancing='virtual'), the layout a Megatron "
+              "trainer hands the mixer; speedup = a2a p50 / path p50", flush=True)
+        bad = [L for L in args.lengths if L % (2 * world)]
+        if bad:
+            print(f"# WARNING: lengths {bad} are not divisible by 2W = {2 * world} (each rank holds L/W tokens, "
+                  f"the zigzag layouts cut L into 2W pieces): they are skipped, with an error in their RESULT lines",
+                  flush=True)
+    results = []
+    for L in args.lengths:
+        rows = [bench_cp_path(args, path, L, rank, world, device) for path in args.paths]
+        base = next((r["p50_ms"] for r in rows if r["path"] == "a2a"), None)
+        for r in rows:
+            r["speedup_vs_a2a"] = ratio(base, r["p50_ms"])
+        results += rows
+        if rank == 0:
+            print(human_cp_table(rows, world, args))
+            for r in rows:
+                print("RESULT " + json.dumps(r))
+            sys.stdout.flush()
+    if rank == 0 and args.plot:
+        series = {}
+        for r in results:
+            if r["p50_ms"] is not None:
+                series.setdefault(r["path"], []).append((r["L"], r["p50_ms"]))
+        phase = "fwd" if args.fwd_only else "fwd+bwd"
+        plot(args, series, f"CP paths, W={world}: {phase} p50 (rank max)", args.plot_world or world)
+    sync_barrier(device)
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------
+# plot
+# ---------------------------------------------------------------------------------------------
+
+
+def plot(args, time_series, time_title, W, time_xlabel="global sequence length L (tokens)"):
+    """Left: time vs L per series; right: comm_bytes per rank vs L per path at world W (solid
+    fwd+bwd, dashed fwd; paths with identical bytes share one line). Log-log. Without
+    matplotlib: one line saying how to get it."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"--plot {args.plot}: matplotlib is not installed, no plot drawn (pip install matplotlib)", flush=True)
+        return
+    shape, dtype, batch = comm_shape(args)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
+    for label, points in time_series.items():
+        points = sorted(points)
+        left.plot([L for L, _ in points], [ms for _, ms in points], marker="o", label=label)
+    left.set(xscale="log", yscale="log", xlabel=time_xlabel, ylabel="time (ms)", title=time_title)
+    left.grid(True, which="both", alpha=0.3)
+    if time_series:
+        left.legend(fontsize=8)
+    else:
+        left.text(0.5, 0.5, "no successful timing", ha="center", transform=left.transAxes)
+
+    lengths = sorted(set(COMM_LENGTHS) | set(args.lengths))
+    curves, missing = {}, []                       # (fwd, total) points -> paths with those bytes
+    for path in args.paths:
+        pts = [(L, comm_bytes(path, W, L, batch, shape, DTYPE_BYTES[dtype])) for L in lengths]
+        pts = tuple((L, c["fwd"], c["fwd"] + c["bwd"]) for L, c in pts if c is not None and c["fwd"] + c["bwd"] > 0)
+        if pts:
+            curves.setdefault(pts, []).append(path)
+        else:
+            missing.append(path)
+    for pts, paths in curves.items():
+        name = " = ".join(paths)
+        line, = right.plot([L for L, _, _ in pts], [tot / MIB for _, _, tot in pts], marker="o",
+                           label=f"{name}: fwd+bwd")
+        right.plot([L for L, _, _ in pts], [f / MIB for _, f, _ in pts], linestyle="--", color=line.get_color(),
+                   alpha=0.7, label=f"{name}: fwd")
+    title = (f"bytes received per rank, W={W} ({shape.nheads}x{shape.headdim} heads, dstate {shape.dstate}, "
+             f"{dtype}, batch {batch})")
+    if missing:
+        title += f"\nnot runnable at W={W}: {', '.join(missing)}"
+    right.set(xscale="log", yscale="log", xlabel="global sequence length L (tokens)",
+              ylabel="MiB per rank per layer", title=title)
+    right.grid(True, which="both", alpha=0.3)
+    if curves:
+        right.legend(fontsize=7)
+    else:
+        right.text(0.5, 0.5, f"nothing is communicated at W={W}", ha="center", transform=right.transAxes)
+    fig.tight_layout()
+    fig.savefig(args.plot, dpi=120)
+    plt.close(fig)
+    print(f"# plot written to {args.plot}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
 # reporting and main
 # ---------------------------------------------------------------------------------------------
 
@@ -332,34 +963,63 @@ def human_line(r):
     return line
 
 
+def is_distributed(args):
+    return args.cp or int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--lengths", help="comma-separated sequence lengths "
-                    f"(default {GPU_DEFAULTS['lengths']} on GPU, {CPU_DEFAULTS['lengths']} on CPU)")
+    ap.add_argument("--cp", action="store_true",
+                    help="time the CP paths (implied under torchrun with WORLD_SIZE > 1; alone: a world of one)")
+    ap.add_argument("--lengths", help="comma-separated sequence lengths (global under torchrun); default: "
+                    f"single device {GPU_DEFAULTS['lengths']} on GPU, {CPU_DEFAULTS['lengths']} on CPU; "
+                    f"CP paths {CP_LENGTHS['gpu']} on GPU, {CP_LENGTHS['cpu']} on CPU")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--iters", type=int, help="timed iterations (default 20 GPU, 2 CPU)")
     ap.add_argument("--warmup", type=int, help="untimed warm-up calls (default 5 GPU, 1 CPU)")
-    ap.add_argument("--dtype", choices=sorted(DTYPES), help="dtype of x, B, C (default bf16 GPU, fp32 CPU)")
-    for name in ("nheads", "headdim", "ngroups", "dstate", "chunk"):
-        ap.add_argument(f"--{name}", type=int,
+    ap.add_argument("--dtype", choices=sorted(DTYPES), help="dtype of x, B, C / xBC (default bf16 GPU, fp32 CPU)")
+    for name in ("nheads", "headdim", "ngroups", "dstate", "d_conv", "chunk"):
+        flags = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
+        ap.add_argument(*flags, dest=name, type=int,
                         help=f"default {GPU_DEFAULTS[name]} on GPU, {CPU_DEFAULTS[name]} on CPU")
+    ap.add_argument("--local-length", "--local_length", dest="local_length", type=int,
+                    help="single device: tokens per rank of the CP-vs-SSD comparison "
+                    f"(default {GPU_DEFAULTS['local_length']} GPU, {CPU_DEFAULTS['local_length']} CPU)")
+    ap.add_argument("--paths", default=",".join(PATHS),
+                    help=f"comma-separated CP paths to time (and tabulate), of {','.join(PATHS)}")
     ap.add_argument("--fwd-only", action="store_true", help="skip the backward")
     ap.add_argument("--no-graph", action="store_true", help="skip CUDA-graph replay timings")
     ap.add_argument("--profile", action="store_true", help="also print per-kernel GPU times per L")
+    ap.add_argument("--comm-shape", choices=("run", "record"), default="run",
+                    help="shape of the bytes table and plot: this run's flags (default) or the record shape")
+    ap.add_argument("--plot", metavar="FILE.png", help="draw time and communication vs L (needs matplotlib)")
+    ap.add_argument("--plot-world", type=int, help="W of the plot's communication panel (default: the run's W; "
+                    "8 without torchrun)")
+    ap.add_argument("--timeout", type=int, default=600,
+                    help="torchrun: process-group timeout in seconds (a failure on some ranks only ends there)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    for k, v in (GPU_DEFAULTS if CUDA else CPU_DEFAULTS).items():
+    args.warmup_given = args.warmup is not None
+    defaults = dict(GPU_DEFAULTS if CUDA else CPU_DEFAULTS)
+    if is_distributed(args):
+        defaults["lengths"] = CP_LENGTHS["gpu" if CUDA else "cpu"]
+    for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
     args.lengths = [int(s) for s in str(args.lengths).split(",") if s.strip()]
+    args.paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+    unknown = [p for p in args.paths if p not in PATHS]
+    if unknown or not args.paths:
+        ap.error(f"--paths: got {unknown or 'nothing'}, expected some of {','.join(PATHS)}")
     if args.iters < 1 or args.warmup < 0:
         ap.error("--iters must be >= 1 and --warmup >= 0")
+    if args.plot_world is not None and args.plot_world < 1:
+        ap.error("--plot-world must be >= 1")
     return args
 
 
-def main(argv=None):
-    args = parse_args(argv)
+def main_single(args):
     shape = (f"nheads={args.nheads} headdim={args.headdim} ngroups={args.ngroups} dstate={args.dstate} "
              f"chunk={args.chunk} batch={args.batch} dtype={args.dtype}")
     if CUDA:
@@ -369,9 +1029,11 @@ def main(argv=None):
         print(f"# CPU: Triton interpreter, wall-clock times; NOT representative of a GPU. {shape}; "
               f"p50 of {args.iters} iters after {args.warmup} warm-up")
     sys.stdout.flush()
+    sweep = []
     for L in args.lengths:
         log(f"measuring L={L} ...")
         r = bench_single_device(args, L)
+        sweep.append(r)
         print(human_line(r))
         print("RESULT " + json.dumps(r), flush=True)
         if args.profile and CUDA:
@@ -381,6 +1043,31 @@ def main(argv=None):
                 for name, calls, ms in rows:
                     print(f"    {ms:8.3f} ms  {calls:5.1f}x  {name}")
                 print("RESULT " + json.dumps(dict(bench="profile", L=L, phase=phase, kernels=rows)), flush=True)
+
+    r = bench_cp_local(args, sweep)
+    print("\n" + human_cp_local(r))
+    print("RESULT " + json.dumps(r), flush=True)
+
+    report_comm_table(args)
+
+    if args.plot:
+        series = {}
+        for key, label in (("fwd_ms", "fwd eager"), ("fwdbwd_ms", "fwd+bwd eager"), ("fwd_graph_ms", "fwd graph"),
+                           ("fwdbwd_graph_ms", "fwd+bwd graph"), ("copy_floor_ms", "copy floor")):
+            pts = [(s["L"], s[key]) for s in sweep if s[key] is not None]
+            if pts:
+                series[label] = pts
+        where = torch.cuda.get_device_name() if CUDA else "CPU interpreter"
+        plot(args, series, f"single-device mamba_chunk_scan_combined ({where})", args.plot_world or 8,
+             time_xlabel="sequence length L (tokens)")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if is_distributed(args):
+        main_distributed(args)
+    else:
+        main_single(args)
 
 
 if __name__ == "__main__":

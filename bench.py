@@ -109,8 +109,8 @@ PATHS = ("a2a", "none", "permute_p2p", "permute_a2a", "virtual")   # "a2a" first
 # shape of record on a GPU; a small shape for the CPU interpreter
 GPU_DEFAULTS = dict(lengths="4096,16384,65536", iters=20, warmup=5, dtype="bf16",
                     nheads=64, headdim=64, ngroups=8, dstate=128, d_conv=4, chunk=128, local_length=16384)
-CPU_DEFAULTS = dict(lengths="128,256", iters=2, warmup=1, dtype="fp32",
-                    nheads=4, headdim=16, ngroups=2, dstate=16, d_conv=4, chunk=16, local_length=256)
+CPU_DEFAULTS = dict(lengths="64,128", iters=2, warmup=1, dtype="fp32",
+                    nheads=4, headdim=16, ngroups=2, dstate=16, d_conv=4, chunk=16, local_length=128)
 CP_LENGTHS = dict(gpu="8192,32768,131072", cpu="256")   # global lengths of the CP paths under torchrun
 
 # the communication table: world sizes and global lengths

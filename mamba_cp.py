@@ -256,6 +256,14 @@ def _dpre(do_row0, do_col, stride_do_l,
 
 
 @triton.jit
+def _conv_bias(bias_ptr, offs_c, mask_c, stride_bias, BC: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """The conv bias of a channel tile, fp32 (zeros without a bias)."""
+    if HAS_BIAS:
+        return tl.load(bias_ptr + offs_c * stride_bias, mask=mask_c, other=0.0).to(tl.float32)
+    return tl.zeros((BC,), dtype=tl.float32)
+
+
+@triton.jit
 def _conv_fwd_kernel(
     x_ptr, w_ptr, bias_ptr, halo_ptr, seq_ptr, hseq_ptr, out_ptr,
     seqlen, dim,
@@ -276,10 +284,7 @@ def _conv_fwd_kernel(
     rows = t0 + tl.arange(0, BT)                                                # (BT,)
     offs_c = (pid_c * BC + tl.arange(0, BC)).to(tl.int64)                       # (BC,)
     mask_c = offs_c < dim
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + offs_c * stride_bias, mask=mask_c, other=0.0).to(tl.float32)
-    else:
-        bias = tl.zeros((BC,), dtype=tl.float32)
+    bias = _conv_bias(bias_ptr, offs_c, mask_c, stride_bias, BC, HAS_BIAS)      # (BC,) fp32
 
     p = _preact(x_ptr + bb * stride_x_b, offs_c * stride_x_c, stride_x_l,
                 halo_ptr + bb * stride_h_b, offs_c * stride_h_c, stride_h_l,
@@ -319,10 +324,7 @@ def _conv_bwd_kernel(
     bb = tl.program_id(2).to(tl.int64)
     offs_c = (pid_c * BC + tl.arange(0, BC)).to(tl.int64)                       # (BC,)
     mask_c = offs_c < dim
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + offs_c * stride_bias, mask=mask_c, other=0.0).to(tl.float32)
-    else:
-        bias = tl.zeros((BC,), dtype=tl.float32)
+    bias = _conv_bias(bias_ptr, offs_c, mask_c, stride_bias, BC, HAS_BIAS)      # (BC,) fp32
 
     do_row0 = dout_ptr + bb * stride_do_b
     do_col = offs_c * stride_do_c

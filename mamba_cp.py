@@ -875,6 +875,12 @@ def _expect(cond, name, seen, expected):
         raise ValueError(f"{name}: got {seen}, expected {expected}")
 
 
+def _capturing(t):
+    """True while a CUDA graph is being captured: checks that read device values on the host
+    (a synchronisation) are skipped then; the eager calls before capture have run them."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def _check_tensor(t, name, shape, ref, *, dtypes=None, allow_none=True):
     """Shape (None entries are free), device of `ref`, floating dtype (or one of `dtypes`)."""
     if t is None:
@@ -919,7 +925,7 @@ def _check_ssd_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states,
     _check_tensor(initial_states, "initial_states", (b, h, p, n), x)
     if seq_idx is not None:
         _check_tensor(seq_idx, "seq_idx", (b, l), x, dtypes=(torch.int32, torch.int64))
-        _expect(bool((seq_idx[:, 1:] >= seq_idx[:, :-1]).all()), "seq_idx",
+        _expect(_capturing(seq_idx) or bool((seq_idx[:, 1:] >= seq_idx[:, :-1]).all()), "seq_idx",
                 "a decreasing step", "non-decreasing document ids along each row")
     _expect(isinstance(dt_limit, (tuple, list)) and len(dt_limit) == 2 and dt_limit[0] <= dt_limit[1],
             "dt_limit", dt_limit, "a pair (dt_min, dt_max) with dt_min <= dt_max")
@@ -1463,7 +1469,7 @@ def _validate_everywhere(check, cp_group, world, ref, **signature_args):
         local_error = None
     except ValueError as e:
         local_error = e
-    if world > 1 and not (ref.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if world > 1 and not _capturing(ref):
         values, names = _signature(**signature_args)
         _agree(values, names, local_error, cp_group, ref.device)
     elif local_error is not None:
@@ -1834,7 +1840,7 @@ def _check_cp_inputs(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size,
     _check_tensor(initial_states, "initial_states", (b, h, headdim, n), xBC)
     if seq_idx is not None:
         _check_tensor(seq_idx, "seq_idx", (b, l), xBC, dtypes=(torch.int32, torch.int64))
-        _expect(bool((seq_idx[:, 1:] >= seq_idx[:, :-1]).all()), "seq_idx",
+        _expect(_capturing(seq_idx) or bool((seq_idx[:, 1:] >= seq_idx[:, :-1]).all()), "seq_idx",
                 "a decreasing step", "non-decreasing document ids along each row")
     _expect(l % per_row == 0, "xBC", f"local length {l}",
             f"a multiple of {per_row} (load_balancing={load_balancing!r} holds {per_row} equal pieces)")

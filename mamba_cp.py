@@ -898,6 +898,18 @@ def _check_tensor(t, name, shape, ref, *, dtypes=None, allow_none=True):
         _expect(t.dtype in dtypes, name, f"dtype {t.dtype}", f"one of {[str(d) for d in dtypes]}")
 
 
+def _check_options(chunk_size, seq_idx, dt_limit, tokens, ref):
+    """The checks the single-device and CP entry points share; tokens = (batch, seqlen)."""
+    _expect(isinstance(chunk_size, int) and chunk_size >= 16 and chunk_size & (chunk_size - 1) == 0,
+            "chunk_size", chunk_size, "a power of two >= 16")
+    if seq_idx is not None:
+        _check_tensor(seq_idx, "seq_idx", tokens, ref, dtypes=(torch.int32, torch.int64))
+        _expect(_capturing(seq_idx) or bool((seq_idx[:, 1:] >= seq_idx[:, :-1]).all()), "seq_idx",
+                "a decreasing step", "non-decreasing document ids along each row")
+    _expect(isinstance(dt_limit, (tuple, list)) and len(dt_limit) == 2 and dt_limit[0] <= dt_limit[1],
+            "dt_limit", dt_limit, "a pair (dt_min, dt_max) with dt_min <= dt_max")
+
+
 def _check_ssd_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_limit):
     _expect(isinstance(x, torch.Tensor) and x.dim() == 4, "x",
             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}",
@@ -913,8 +925,6 @@ def _check_ssd_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states,
     _check_tensor(B, "B", (b, l, g, n), x, dtypes=(x.dtype,))
     _check_tensor(C, "C", (b, l, g, n), x, dtypes=(x.dtype,), allow_none=False)
     _expect(g >= 1 and h % g == 0, "B", f"ngroups={g} with nheads={h}", "ngroups dividing nheads")
-    _expect(isinstance(chunk_size, int) and chunk_size >= 16 and chunk_size & (chunk_size - 1) == 0,
-            "chunk_size", chunk_size, "a power of two >= 16")
     _expect(l >= 1, "x", f"seqlen {l}", "at least one token")
     _expect(n <= 256, "B", f"dstate {n}", "dstate <= 256 (one register tile per state row)")
     _expect(p <= 256, "x", f"headdim {p}", "headdim <= 256 (one register tile per head)")
@@ -923,12 +933,7 @@ def _check_ssd_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states,
     _check_tensor(z, "z", (b, l, h, p), x, dtypes=(x.dtype,))
     _check_tensor(dt_bias, "dt_bias", (h,), x)
     _check_tensor(initial_states, "initial_states", (b, h, p, n), x)
-    if seq_idx is not None:
-        _check_tensor(seq_idx, "seq_idx", (b, l), x, dtypes=(torch.int32, torch.int64))
-        _expect(_capturing(seq_idx) or bool((seq_idx[:, 1:] >= seq_idx[:, :-1]).all()), "seq_idx",
-                "a decreasing step", "non-decreasing document ids along each row")
-    _expect(isinstance(dt_limit, (tuple, list)) and len(dt_limit) == 2 and dt_limit[0] <= dt_limit[1],
-            "dt_limit", dt_limit, "a pair (dt_min, dt_max) with dt_min <= dt_max")
+    _check_options(chunk_size, seq_idx, dt_limit, (b, l), x)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1065,7 +1070,7 @@ CHUNKS_PER_SEGMENT = 2 if INTERPRET else 16
 class _Launch:
     """Everything the kernels need that is derived once per call: sizes, tile shapes, flags."""
 
-    def __init__(self, x, B, chunk, dt_bias, dt_softplus, dt_limit, D, z, seq_idx):
+    def __init__(self, x, B, chunk, dt_bias, dt_softplus, dt_limit, seq_idx):
         self.batch, self.seqlen, self.nheads, self.headdim = x.shape
         self.ngroups, self.dstate = B.shape[2], B.shape[3]
         self.heads_per_group = self.nheads // self.ngroups
@@ -1293,7 +1298,7 @@ class _ChunkScanFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_softplus, dt_limit,
                 need_final):
-        k = _Launch(x, B, min(chunk_size, MAX_CHUNK_FWD), dt_bias, dt_softplus, dt_limit, D, z, seq_idx)
+        k = _Launch(x, B, min(chunk_size, MAX_CHUNK_FWD), dt_bias, dt_softplus, dt_limit, seq_idx)
         entry = None if initial_states is None else initial_states.float()
         summary = Summary(x, dt, A, B, dt_bias, seq_idx, k)
         y, final = ssd_output(x, dt, A, B, C, D, z, dt_bias, seq_idx, summary, entry, need_exit=need_final)
@@ -1305,7 +1310,7 @@ class _ChunkScanFn(torch.autograd.Function):
     def backward(ctx, dy, dfinal):
         x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx = ctx.saved_tensors
         chunk_size, dt_softplus, dt_limit = ctx.args
-        k = _Launch(x, B, min(chunk_size, MAX_CHUNK_BWD), dt_bias, dt_softplus, dt_limit, D, z, seq_idx)
+        k = _Launch(x, B, min(chunk_size, MAX_CHUNK_BWD), dt_bias, dt_softplus, dt_limit, seq_idx)
         entry = None if initial_states is None else initial_states.float()
         grad_pass = GradPass(dy, z, C, dt, A, dt_bias, seq_idx, k)
         summary = Summary(x, dt, A, B, dt_bias, seq_idx, k)
@@ -1707,7 +1712,7 @@ class _Conv1dSSDCPFn(torch.autograd.Function):
         xB = cfg.nheads * cfg.headdim + cfg.ngroups * cfg.dstate                      # x and B channels
         _conv_channels(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, u, slice(0, xB))
         x, B, C = _split_xBC(u, cfg)
-        k = _Launch(x, B, min(cfg.chunk, MAX_CHUNK_FWD), dt_bias, True, cfg.dt_limit, D, None, seq_idx)
+        k = _Launch(x, B, min(cfg.chunk, MAX_CHUNK_FWD), dt_bias, True, cfg.dt_limit, seq_idx)
         summary = Summary(x, dt, A, B, dt_bias, seq_idx, k)
         S_ext, a = summary.affine()                                                 # (rows, h, p, n), (rows, h)
         every, work = _gather_summaries(S_ext, a, seq_idx, cfg)
@@ -1729,7 +1734,7 @@ class _Conv1dSSDCPFn(torch.autograd.Function):
         cfg = ctx.cfg
         u = conv1d_fwd(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq)
         x, B, C = _split_xBC(u, cfg)
-        k = _Launch(x, B, min(cfg.chunk, MAX_CHUNK_BWD), dt_bias, True, cfg.dt_limit, D, None, seq_idx)
+        k = _Launch(x, B, min(cfg.chunk, MAX_CHUNK_BWD), dt_bias, True, cfg.dt_limit, seq_idx)
         grad_pass = GradPass(dy, None, C, dt, A, dt_bias, seq_idx, k)
         every, work = _gather_G(grad_pass.G, dfinal, cfg)
         summary = Summary(x, dt, A, B, dt_bias, seq_idx, k)                        # overlaps the gather
@@ -1834,21 +1839,14 @@ def _check_cp_inputs(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size,
     _check_tensor(A, "A", (h,), xBC, allow_none=False)
     if D is not None:
         _check_tensor(D, "D", (h,) if D.dim() == 1 else (h, headdim), xBC)
-    _expect(isinstance(chunk_size, int) and chunk_size >= 16 and chunk_size & (chunk_size - 1) == 0,
-            "chunk_size", chunk_size, "a power of two >= 16")
     _expect(n <= 256 and headdim <= 256, "xBC", f"headdim {headdim}, dstate {n}", "headdim and dstate <= 256")
     _check_tensor(initial_states, "initial_states", (b, h, headdim, n), xBC)
-    if seq_idx is not None:
-        _check_tensor(seq_idx, "seq_idx", (b, l), xBC, dtypes=(torch.int32, torch.int64))
-        _expect(_capturing(seq_idx) or bool((seq_idx[:, 1:] >= seq_idx[:, :-1]).all()), "seq_idx",
-                "a decreasing step", "non-decreasing document ids along each row")
+    _check_options(chunk_size, seq_idx, dt_limit, (b, l), xBC)
     _expect(l % per_row == 0, "xBC", f"local length {l}",
             f"a multiple of {per_row} (load_balancing={load_balancing!r} holds {per_row} equal pieces)")
     seg = l // 2 if load_balancing == "virtual" else l     # the permute layouts compute one segment
     _expect(seg >= max(1, d_conv - 1), "xBC", f"segments of {seg} tokens",
             f"at least d_conv - 1 = {d_conv - 1} tokens per segment (the conv halo comes from one neighbour)")
-    _expect(isinstance(dt_limit, (tuple, list)) and len(dt_limit) == 2 and dt_limit[0] <= dt_limit[1],
-            "dt_limit", dt_limit, "a pair (dt_min, dt_max) with dt_min <= dt_max")
 
 
 def mamba_conv1d_ssd_cp(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size, *, headdim, ngroups,
@@ -2047,7 +2045,7 @@ def _worked_example(rank, world, port):
     u = conv1d_fwd(x_loc, w, bias, halo)
     x, B, C = _split_xBC(u, cfg)
     # 2. this rank's summary, from a zero entry state: S_out = a * S_in + S_ext
-    k = _Launch(x, B, 16, dt_bias, True, (0.0, float("inf")), D, None, None)
+    k = _Launch(x, B, 16, dt_bias, True, (0.0, float("inf")), None)
     summary = Summary(x, dt_loc, A, B, dt_bias, None, k)
     S_ext, a = summary.affine()
     say(f"summary: a = {a.flatten().tolist()}, S_ext =\n{S_ext[0, 0]}")

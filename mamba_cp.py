@@ -689,11 +689,87 @@ def _state_bwd_kernel(
 
 
 @triton.jit
-def _chunk_bwd_kernel(
+def _chunk_decays(dt_ptr, dt_bias_ptr, A_ptr, seq_ptr, b, h, start, seqlen,
+                  stride_dt_b, stride_dt_l, stride_dt_h, stride_seq_b, stride_seq_l,
+                  Q: tl.constexpr, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
+                  HAS_DT_LIMIT: tl.constexpr, HAS_SEQ: tl.constexpr, dt_min, dt_max):
+    """Everything the backward needs about one chunk's decays, for one head:
+      dt', slope     (Q,) the processed dt and d dt'/d dt_raw
+      L              (Q, Q) exp(cs_i - cs_j) over causal pairs of one document, else 0
+      e              (Q,) exp(cs_i), the entry state's decay to token i (0 for a new document)
+      w_dec          (Q,) exp(cs_last - cs_j), token j's decay to the exit (0 if it never gets there)
+      decay          ()   exp(cs_last), the entry's decay to the exit (0 across a document start)
+    and the masks (causal (Q, Q), to_exit (Q,)) they were cut with."""
+    offs_q = tl.arange(0, Q)
+    dt, dA, slope = _chunk_dt(dt_ptr, dt_bias_ptr, A_ptr, b, h, start, seqlen,
+                              stride_dt_b, stride_dt_l, stride_dt_h,
+                              Q, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT, dt_min, dt_max)
+    hi, lo = _cumsum_hi_lo(dA)
+    cs64 = tl.cumsum(dA.to(tl.float64), axis=0)
+    total = tl.sum(dA.to(tl.float64), axis=0)
+    causal = offs_q[:, None] >= offs_q[None, :]
+    e = tl.exp(hi + lo)
+    w_dec = tl.exp((total - cs64).to(tl.float32))
+    decay = tl.exp(total.to(tl.float32))
+    if HAS_SEQ:
+        seq, last, prev = _seq_ids(seq_ptr, b, start, seqlen, stride_seq_b, stride_seq_l, Q)
+        causal = causal & (seq[:, None] == seq[None, :])
+        e = tl.where(seq == prev, e, 0.0)
+        w_dec = tl.where(seq == last, w_dec, 0.0)
+        decay = tl.where(last == prev, decay, 0.0)
+    return dt, slope, _pair_decay(hi, lo, causal), e, w_dec, decay, causal
+
+
+@triton.jit
+def _gated_dy(dout_ptr, z_ptr, b64, t64, h, offs_p, mask_qp,
+              stride_do_b, stride_do_l, stride_do_h, stride_do_p,
+              stride_z_b, stride_z_l, stride_z_h, stride_z_p, HAS_Z: tl.constexpr):
+    """(dout (Q, BP), the gradient at the pre-gate output dy = dout * silu(z), z (Q, BP)), fp32."""
+    dout = tl.load(dout_ptr + b64 * stride_do_b + t64[:, None] * stride_do_l + h * stride_do_h
+                   + offs_p[None, :] * stride_do_p, mask=mask_qp, other=0.0).to(tl.float32)
+    if HAS_Z:
+        z = tl.load(z_ptr + b64 * stride_z_b + t64[:, None] * stride_z_l + h * stride_z_h
+                    + offs_p[None, :] * stride_z_p, mask=mask_qp, other=0.0).to(tl.float32)
+        return dout, dout * z * tl.sigmoid(z), z
+    return dout, dout, dout
+
+
+@triton.jit
+def _chunk_edge_states(states_ptr, dstates_ptr, entry_ptr, gamma_ptr, dexit_ptr, rho_ptr,
+                       b64, c, h, offs_p, offs_n, mask_pn, chunks_per_seg,
+                       stride_st_b, stride_st_c, stride_st_h, stride_st_p, stride_st_n,
+                       stride_ds_b, stride_ds_c, stride_ds_h, stride_ds_p, stride_ds_n,
+                       stride_en_b, stride_en_s, stride_en_h, stride_en_p, stride_en_n,
+                       stride_ga_b, stride_ga_c, stride_ga_h,
+                       stride_dex_b, stride_dex_s, stride_dex_h, stride_dex_p, stride_dex_n,
+                       stride_rho_b, stride_rho_c, stride_rho_h,
+                       HAS_ENTRY: tl.constexpr, HAS_EXIT: tl.constexpr):
+    """Chunk c's true entry state S_in and the true gradient dS_out at its exit, (BP, BN) fp32:
+    the state passes' values from a zero segment entry (exit), plus the segment's own term."""
+    c64 = tl.cast(c, tl.int64)
+    S_in = tl.load(states_ptr + b64 * stride_st_b + c64 * stride_st_c + h * stride_st_h
+                   + offs_p[:, None] * stride_st_p + offs_n[None, :] * stride_st_n,
+                   mask=mask_pn, other=0.0).to(tl.float32)
+    dS_out = tl.load(dstates_ptr + b64 * stride_ds_b + c64 * stride_ds_c + h * stride_ds_h
+                     + offs_p[:, None] * stride_ds_p + offs_n[None, :] * stride_ds_n,
+                     mask=mask_pn, other=0.0).to(tl.float32)
+    if HAS_ENTRY:
+        S_in += _entry_term(entry_ptr, gamma_ptr, b64, c, h, offs_p, offs_n, mask_pn, chunks_per_seg,
+                            stride_en_b, stride_en_s, stride_en_h, stride_en_p, stride_en_n,
+                            stride_ga_b, stride_ga_c, stride_ga_h)
+    if HAS_EXIT:
+        dS_out += _entry_term(dexit_ptr, rho_ptr, b64, c, h, offs_p, offs_n, mask_pn, chunks_per_seg,
+                              stride_dex_b, stride_dex_s, stride_dex_h, stride_dex_p, stride_dex_n,
+                              stride_rho_b, stride_rho_c, stride_rho_h)
+    return S_in, dS_out
+
+
+@triton.jit
+def _chunk_bwd_x_kernel(
     x_ptr, B_ptr, C_ptr, dt_ptr, dt_bias_ptr, A_ptr, D_ptr, z_ptr, seq_ptr, states_ptr, dstates_ptr,
     entry_ptr, gamma_ptr, dexit_ptr, rho_ptr,
-    dout_ptr, dx_ptr, dB_ptr, dC_ptr, ddt_ptr, dz_ptr, dA_part_ptr, dD_part_ptr,
-    seqlen, headdim, dstate, heads_per_group, ngroups, nheads, chunks_per_seg, dt_min, dt_max,
+    dout_ptr, dx_ptr, ddt_ptr, dz_ptr, dA_part_ptr, dD_part_ptr,
+    seqlen, headdim, dstate, heads_per_group, nheads, chunks_per_seg, dt_min, dt_max,
     stride_x_b, stride_x_l, stride_x_h, stride_x_p,
     stride_B_b, stride_B_l, stride_B_g, stride_B_n,
     stride_C_b, stride_C_l, stride_C_g, stride_C_n,
@@ -709,8 +785,6 @@ def _chunk_bwd_kernel(
     stride_rho_b, stride_rho_c, stride_rho_h,
     stride_do_b, stride_do_l, stride_do_h, stride_do_p,
     stride_dx_b, stride_dx_l, stride_dx_h, stride_dx_p,
-    stride_dB_b, stride_dB_l, stride_dB_g, stride_dB_n,
-    stride_dC_b, stride_dC_l, stride_dC_g, stride_dC_n,
     stride_ddt_b, stride_ddt_l, stride_ddt_h,
     stride_dz_b, stride_dz_l, stride_dz_h, stride_dz_p,
     stride_dAp_b, stride_dAp_c, stride_dAp_h,
@@ -720,23 +794,151 @@ def _chunk_bwd_kernel(
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_SEQ: tl.constexpr,
     HAS_ENTRY: tl.constexpr, HAS_EXIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Every gradient of one (chunk, batch, group), given the chunk's entry state S_in and the
-    gradient dS_out arriving at its exit. C.B is formed once for the group; the heads' pulls on
-    C.B, B and C are summed in registers, so dB and dC are written once, without atomics.
-
-    Per head, with M_ij = (C_i.B_j) exp(cs_i - cs_j) masked, w_j = exp(cs_last - cs_j) dt'_j:
+    """The per-head gradients of one (chunk, batch, head): dx, dt, z, and the chunk's partial
+    dA and dD, given the chunk's entry state S_in and the gradient dS_out at its exit.
+    With M_ij = (C_i.B_j) exp(cs_i - cs_j) masked and w_j = exp(cs_last - cs_j) dt'_j:
       dx_j  = dt'_j sum_i M_ij dy_i + w_j dS_out B_j + D dy_j
       d(dt'_k A) collects every decay exponent whose span contains token k: the pairs
               i >= k > j, the entry decays exp(cs_i) with i >= k, the exit decays
-              exp(cs_last - cs_j) with j < k, and the chunk's own decay exp(cs_last)."""
+              exp(cs_last - cs_j) with j < k, and the chunk's own decay exp(cs_last).
+    C.B is recomputed per head (Q*Q*n flops): cheaper than keeping a group's heads in one program.
+    The state dimension is contracted a tile of BN at a time, to keep the program in registers."""
+    c = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // nheads
+    h = pid_bh % nheads
+    g = h // heads_per_group
+    start = c * Q
+    offs_q = tl.arange(0, Q)
+    offs_p = tl.arange(0, BP)
+    t = start + offs_q
+    t64 = t.to(tl.int64)
+    valid = t < seqlen
+    mask_qp = valid[:, None] & (offs_p[None, :] < headdim)
+    b64 = b.to(tl.int64)
+    c64 = tl.cast(c, tl.int64)
+
+    # everything that contracts over the state dimension, a tile of BN at a time (registers)
+    CB = tl.zeros((Q, Q), dtype=tl.float32)                                        # C_i . B_j
+    CS = tl.zeros((Q, BP), dtype=tl.float32)                                       # C_i . S_in
+    BdS = tl.zeros((Q, BP), dtype=tl.float32)                                      # B_j . dS_out
+    d_carry = tl.zeros((), dtype=tl.float32)                                       # <dS_out, S_in>
+    for n0 in range(0, dstate, BN):
+        offs_n = n0 + tl.arange(0, BN)
+        mask_qn = valid[:, None] & (offs_n[None, :] < dstate)
+        mask_pn = (offs_p[:, None] < headdim) & (offs_n[None, :] < dstate)
+        Bm = tl.load(B_ptr + b64 * stride_B_b + t64[:, None] * stride_B_l + g * stride_B_g
+                     + offs_n[None, :] * stride_B_n, mask=mask_qn, other=0.0)      # (Q, BN)
+        Cm = tl.load(C_ptr + b64 * stride_C_b + t64[:, None] * stride_C_l + g * stride_C_g
+                     + offs_n[None, :] * stride_C_n, mask=mask_qn, other=0.0)      # (Q, BN)
+        S_in, dS_out = _chunk_edge_states(
+            states_ptr, dstates_ptr, entry_ptr, gamma_ptr, dexit_ptr, rho_ptr, b64, c, h, offs_p, offs_n,
+            mask_pn, chunks_per_seg,
+            stride_st_b, stride_st_c, stride_st_h, stride_st_p, stride_st_n,
+            stride_ds_b, stride_ds_c, stride_ds_h, stride_ds_p, stride_ds_n,
+            stride_en_b, stride_en_s, stride_en_h, stride_en_p, stride_en_n,
+            stride_ga_b, stride_ga_c, stride_ga_h,
+            stride_dex_b, stride_dex_s, stride_dex_h, stride_dex_p, stride_dex_n,
+            stride_rho_b, stride_rho_c, stride_rho_h, HAS_ENTRY, HAS_EXIT)          # (BP, BN) x2
+        CB += tl.dot(Cm, tl.trans(Bm), input_precision=DOT_PRECISION)
+        CS += tl.dot(Cm, tl.trans(S_in.to(Cm.dtype)), input_precision=DOT_PRECISION)
+        BdS += tl.dot(Bm, tl.trans(dS_out.to(Bm.dtype)), input_precision=DOT_PRECISION)
+        d_carry += tl.sum(tl.sum(dS_out * S_in, axis=1), axis=0)
+
+    dt, slope, L, e, w_dec, decay, causal = _chunk_decays(
+        dt_ptr, dt_bias_ptr, A_ptr, seq_ptr, b, h, start, seqlen, stride_dt_b, stride_dt_l, stride_dt_h,
+        stride_seq_b, stride_seq_l, Q, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT, HAS_SEQ, dt_min, dt_max)
+    w = w_dec * dt                                                                 # (Q,)
+    M = CB * L
+    Mdt = M * dt[None, :]                                                          # (Q, Q)
+
+    x = tl.load(x_ptr + b64 * stride_x_b + t64[:, None] * stride_x_l + h * stride_x_h
+                + offs_p[None, :] * stride_x_p, mask=mask_qp, other=0.0)            # (Q, BP)
+    dout, dy, z = _gated_dy(dout_ptr, z_ptr, b64, t64, h, offs_p, mask_qp,
+                            stride_do_b, stride_do_l, stride_do_h, stride_do_p,
+                            stride_z_b, stride_z_l, stride_z_h, stride_z_p, HAS_Z)
+    y_entry = e[:, None] * CS                                                      # (Q, BP)
+    Dv = tl.zeros((BP,), dtype=tl.float32)
+    if HAS_D:
+        Dv = tl.load(D_ptr + h * stride_D_h + offs_p * stride_D_p, mask=offs_p < headdim, other=0.0).to(tl.float32)
+    if HAS_Z:
+        # the gate needs the pre-gate output: recompute it rather than save it
+        y = tl.dot(Mdt.to(x.dtype), x, input_precision=DOT_PRECISION) + y_entry + Dv[None, :] * x.to(tl.float32)
+        sz = tl.sigmoid(z)
+        dz = dout * y * sz * (1.0 + z * (1.0 - sz))
+        tl.store(dz_ptr + b64 * stride_dz_b + t64[:, None] * stride_dz_l + h * stride_dz_h
+                 + offs_p[None, :] * stride_dz_p, dz.to(dz_ptr.dtype.element_ty), mask=mask_qp)
+
+    # dx: through the intra-chunk products, the chunk state, and D
+    dy_c = dy.to(x.dtype)
+    dx = tl.dot(tl.trans(Mdt.to(x.dtype)), dy_c, input_precision=DOT_PRECISION) + w[:, None] * BdS
+    dx += Dv[None, :] * dy
+    tl.store(dx_ptr + b64 * stride_dx_b + t64[:, None] * stride_dx_l + h * stride_dx_h
+             + offs_p[None, :] * stride_dx_p, dx.to(dx_ptr.dtype.element_ty), mask=mask_qp)
+    if HAS_D:
+        tl.store(dD_part_ptr + b64 * stride_dDp_b + c64 * stride_dDp_c + h * stride_dDp_h
+                 + offs_p * stride_dDp_p, tl.sum(dy * x.to(tl.float32), axis=0), mask=offs_p < headdim)
+
+    # dt' and d(dt'*A)
+    dxy = tl.dot(dy_c, tl.trans(x), input_precision=DOT_PRECISION)                 # (Q, Q) dy_i . x_j
+    dw = tl.sum(x.to(tl.float32) * BdS, axis=1)                                    # (Q,) d w_j
+    ddt = tl.sum(dxy * M, axis=0) + dw * w_dec
+    # d(dt'_k A): every decay that spans token k. Each is summed directly over the pairs that
+    # span k (i >= k > j), never as a difference of running sums: at a token of huge dt', dA
+    # multiplies that difference by dt' and its rounding error with it.
+    strict = causal & (offs_q[:, None] > offs_q[None, :])
+    before = (offs_q[:, None] < offs_q[None, :]).to(tl.float32)                     # (Q, Q) j < k
+    V = tl.where(strict, dxy * Mdt, 0.0)                                           # (Q, Q) pair (i, j)
+    spans = tl.dot(V, before, input_precision=DOT_PRECISION)                       # sum_{j<k} V_ij
+    d_intra = tl.sum(tl.where(offs_q[:, None] >= offs_q[None, :], spans, 0.0), axis=0)  # sum_{i>=k}
+    d_entry = tl.cumsum(tl.sum(dy * y_entry, axis=1), axis=0, reverse=True)         # exp(cs_i), i >= k
+    sw = (dw * w).to(tl.float64)
+    d_exit = (tl.cumsum(sw, axis=0) - sw).to(tl.float32)                           # exp(cs_last-cs_j), j < k
+    d_carry = decay * d_carry
+    ddA = d_intra + d_entry + d_exit + d_carry
+    ddt += ddA * tl.load(A_ptr + h).to(tl.float32)
+    tl.store(dA_part_ptr + b64 * stride_dAp_b + c64 * stride_dAp_c + h * stride_dAp_h, tl.sum(ddA * dt, axis=0))
+    tl.store(ddt_ptr + b64 * stride_ddt_b + t64 * stride_ddt_l + h * stride_ddt_h, ddt * slope, mask=valid)
+
+
+@triton.jit
+def _chunk_bwd_BC_kernel(
+    x_ptr, B_ptr, C_ptr, dt_ptr, dt_bias_ptr, A_ptr, z_ptr, seq_ptr, states_ptr, dstates_ptr,
+    entry_ptr, gamma_ptr, dexit_ptr, rho_ptr, dout_ptr, dB_ptr, dC_ptr,
+    seqlen, headdim, dstate, heads_per_group, ngroups, chunks_per_seg, dt_min, dt_max,
+    stride_x_b, stride_x_l, stride_x_h, stride_x_p,
+    stride_B_b, stride_B_l, stride_B_g, stride_B_n,
+    stride_C_b, stride_C_l, stride_C_g, stride_C_n,
+    stride_dt_b, stride_dt_l, stride_dt_h,
+    stride_z_b, stride_z_l, stride_z_h, stride_z_p,
+    stride_seq_b, stride_seq_l,
+    stride_st_b, stride_st_c, stride_st_h, stride_st_p, stride_st_n,
+    stride_ds_b, stride_ds_c, stride_ds_h, stride_ds_p, stride_ds_n,
+    stride_en_b, stride_en_s, stride_en_h, stride_en_p, stride_en_n,
+    stride_ga_b, stride_ga_c, stride_ga_h,
+    stride_dex_b, stride_dex_s, stride_dex_h, stride_dex_p, stride_dex_n,
+    stride_rho_b, stride_rho_c, stride_rho_h,
+    stride_do_b, stride_do_l, stride_do_h, stride_do_p,
+    stride_dB_b, stride_dB_l, stride_dB_g, stride_dB_n,
+    stride_dC_b, stride_dC_l, stride_dC_g, stride_dC_n,
+    Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_DT_LIMIT: tl.constexpr,
+    HAS_Z: tl.constexpr, HAS_SEQ: tl.constexpr,
+    HAS_ENTRY: tl.constexpr, HAS_EXIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """dB and dC of one (chunk, batch, group, state tile): the group's heads are summed in
+    registers, so each is written once, without atomics (deterministic).
+      dC_i = sum_h [ e_i dy_i S_in^T + sum_j dCB_ij B_j ],  dB_j = sum_h [ w_j x_j dS_out + sum_i dCB_ij C_i ]
+    with dCB_ij = (dy_i . x_j) exp(cs_i - cs_j) dt'_j, the pull of every head on C_i.B_j."""
     c = tl.program_id(0)
     pid_bg = tl.program_id(1)
+    pid_n = tl.program_id(2)
     b = pid_bg // ngroups
     g = pid_bg % ngroups
     start = c * Q
     offs_q = tl.arange(0, Q)
     offs_p = tl.arange(0, BP)
-    offs_n = tl.arange(0, BN)
+    offs_n = pid_n * BN + tl.arange(0, BN)
     t = start + offs_q
     t64 = t.to(tl.int64)
     valid = t < seqlen
@@ -744,117 +946,39 @@ def _chunk_bwd_kernel(
     mask_qn = valid[:, None] & (offs_n[None, :] < dstate)
     mask_pn = (offs_p[:, None] < headdim) & (offs_n[None, :] < dstate)
     b64 = b.to(tl.int64)
-    c64 = tl.cast(c, tl.int64)
-
-    Bm = tl.load(B_ptr + b64 * stride_B_b + t64[:, None] * stride_B_l + g * stride_B_g
-                 + offs_n[None, :] * stride_B_n, mask=mask_qn, other=0.0)          # (Q, BN)
-    Cm = tl.load(C_ptr + b64 * stride_C_b + t64[:, None] * stride_C_l + g * stride_C_g
-                 + offs_n[None, :] * stride_C_n, mask=mask_qn, other=0.0)          # (Q, BN)
-    CB = tl.dot(Cm, tl.trans(Bm), input_precision=DOT_PRECISION)                   # (Q, Q)
-
-    causal = offs_q[:, None] >= offs_q[None, :]
-    entry = tl.full((Q,), 1, tl.int1)
-    to_exit = tl.full((Q,), 1, tl.int1)
-    carry = True
-    if HAS_SEQ:
-        seq, last, prev = _seq_ids(seq_ptr, b, start, seqlen, stride_seq_b, stride_seq_l, Q)
-        causal = causal & (seq[:, None] == seq[None, :])
-        entry = seq == prev
-        to_exit = seq == last
-        carry = last == prev
-    strict = causal & (offs_q[:, None] > offs_q[None, :])
-    causal_k = offs_q[:, None] >= offs_q[None, :]
-    before = (offs_q[:, None] < offs_q[None, :]).to(tl.float32)                     # (Q, Q) j < k
 
     dCB = tl.zeros((Q, Q), dtype=tl.float32)
     dB = tl.zeros((Q, BN), dtype=tl.float32)
     dC = tl.zeros((Q, BN), dtype=tl.float32)
     for hh in range(heads_per_group):
         h = g * heads_per_group + hh
-        dt, dA, slope = _chunk_dt(dt_ptr, dt_bias_ptr, A_ptr, b, h, start, seqlen,
-                           stride_dt_b, stride_dt_l, stride_dt_h,
-                           Q, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT, dt_min, dt_max)
-        hi, lo = _cumsum_hi_lo(dA)
-        cs64 = tl.cumsum(dA.to(tl.float64), axis=0)
-        total = tl.sum(dA.to(tl.float64), axis=0)
-        e = tl.where(entry, tl.exp(hi + lo), 0.0)                                  # (Q,) entry decay
-        w_dec = tl.where(to_exit, tl.exp((total - cs64).to(tl.float32)), 0.0)      # (Q,) decay to exit
-        w = w_dec * dt
-        decay = tl.where(carry, tl.exp(total.to(tl.float32)), 0.0)
-        L = _pair_decay(hi, lo, causal)                                            # (Q, Q)
-        M = CB * L
-        Mdt = M * dt[None, :]
-
+        dt, slope, L, e, w_dec, decay, causal = _chunk_decays(
+            dt_ptr, dt_bias_ptr, A_ptr, seq_ptr, b, h, start, seqlen, stride_dt_b, stride_dt_l, stride_dt_h,
+            stride_seq_b, stride_seq_l, Q, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT, HAS_SEQ, dt_min, dt_max)
         x = tl.load(x_ptr + b64 * stride_x_b + t64[:, None] * stride_x_l + h * stride_x_h
                     + offs_p[None, :] * stride_x_p, mask=mask_qp, other=0.0)        # (Q, BP)
-        dout = tl.load(dout_ptr + b64 * stride_do_b + t64[:, None] * stride_do_l + h * stride_do_h
-                       + offs_p[None, :] * stride_do_p, mask=mask_qp, other=0.0).to(tl.float32)
-        st_off = b64 * stride_st_b + c64 * stride_st_c + h * stride_st_h
-        S_in = tl.load(states_ptr + st_off + offs_p[:, None] * stride_st_p + offs_n[None, :] * stride_st_n,
-                       mask=mask_pn, other=0.0)                                    # (BP, BN)
-        dS_out = tl.load(dstates_ptr + b64 * stride_ds_b + c64 * stride_ds_c + h * stride_ds_h
-                         + offs_p[:, None] * stride_ds_p + offs_n[None, :] * stride_ds_n,
-                         mask=mask_pn, other=0.0)                                  # (BP, BN)
-        if HAS_ENTRY:
-            S_in = S_in.to(tl.float32) + _entry_term(entry_ptr, gamma_ptr, b, c, h, offs_p, offs_n, mask_pn,
-                                                     chunks_per_seg, stride_en_b, stride_en_s, stride_en_h,
-                                                     stride_en_p, stride_en_n, stride_ga_b, stride_ga_c, stride_ga_h)
-        if HAS_EXIT:
-            dS_out = dS_out.to(tl.float32) + _entry_term(dexit_ptr, rho_ptr, b, c, h, offs_p, offs_n, mask_pn,
-                                                         chunks_per_seg, stride_dex_b, stride_dex_s, stride_dex_h,
-                                                         stride_dex_p, stride_dex_n, stride_rho_b, stride_rho_c,
-                                                         stride_rho_h)
-        y_entry = e[:, None] * tl.dot(Cm, tl.trans(S_in.to(Cm.dtype)), input_precision=DOT_PRECISION)
-        Dv = tl.zeros((BP,), dtype=tl.float32)
-        if HAS_D:
-            Dv = tl.load(D_ptr + h * stride_D_h + offs_p * stride_D_p, mask=offs_p < headdim, other=0.0).to(tl.float32)
-        dy = dout
-        if HAS_Z:
-            # the gate needs the pre-gate output: recompute it rather than save it
-            z = tl.load(z_ptr + b64 * stride_z_b + t64[:, None] * stride_z_l + h * stride_z_h
-                        + offs_p[None, :] * stride_z_p, mask=mask_qp, other=0.0).to(tl.float32)
-            y = tl.dot(Mdt.to(x.dtype), x, input_precision=DOT_PRECISION) + y_entry + Dv[None, :] * x.to(tl.float32)
-            sz = tl.sigmoid(z)
-            dy = dout * z * sz
-            dz = dout * y * sz * (1.0 + z * (1.0 - sz))
-            tl.store(dz_ptr + b64 * stride_dz_b + t64[:, None] * stride_dz_l + h * stride_dz_h
-                     + offs_p[None, :] * stride_dz_p, dz.to(dz_ptr.dtype.element_ty), mask=mask_qp)
-
-        # dx: through the intra-chunk products, the chunk state, and D
+        dout, dy, z = _gated_dy(dout_ptr, z_ptr, b64, t64, h, offs_p, mask_qp,
+                                stride_do_b, stride_do_l, stride_do_h, stride_do_p,
+                                stride_z_b, stride_z_l, stride_z_h, stride_z_p, HAS_Z)
+        S_in, dS_out = _chunk_edge_states(
+            states_ptr, dstates_ptr, entry_ptr, gamma_ptr, dexit_ptr, rho_ptr, b64, c, h, offs_p, offs_n,
+            mask_pn, chunks_per_seg,
+            stride_st_b, stride_st_c, stride_st_h, stride_st_p, stride_st_n,
+            stride_ds_b, stride_ds_c, stride_ds_h, stride_ds_p, stride_ds_n,
+            stride_en_b, stride_en_s, stride_en_h, stride_en_p, stride_en_n,
+            stride_ga_b, stride_ga_c, stride_ga_h,
+            stride_dex_b, stride_dex_s, stride_dex_h, stride_dex_p, stride_dex_n,
+            stride_rho_b, stride_rho_c, stride_rho_h, HAS_ENTRY, HAS_EXIT)          # (BP, BN) x2
         dy_c = dy.to(x.dtype)
-        BdS = tl.dot(Bm, tl.trans(dS_out.to(Bm.dtype)), input_precision=DOT_PRECISION)  # (Q, BP)
-        dx = tl.dot(tl.trans(Mdt.to(x.dtype)), dy_c, input_precision=DOT_PRECISION) + w[:, None] * BdS
-        dx += Dv[None, :] * dy
-        tl.store(dx_ptr + b64 * stride_dx_b + t64[:, None] * stride_dx_l + h * stride_dx_h
-                 + offs_p[None, :] * stride_dx_p, dx.to(dx_ptr.dtype.element_ty), mask=mask_qp)
-        if HAS_D:
-            tl.store(dD_part_ptr + b64 * stride_dDp_b + c64 * stride_dDp_c + h * stride_dDp_h
-                     + offs_p * stride_dDp_p, tl.sum(dy * x.to(tl.float32), axis=0), mask=offs_p < headdim)
-
-        # dt' and d(dt'*A)
         dxy = tl.dot(dy_c, tl.trans(x), input_precision=DOT_PRECISION)             # (Q, Q) dy_i . x_j
-        dw = tl.sum(x.to(tl.float32) * BdS, axis=1)                                # (Q,) d w_j
-        ddt = tl.sum(dxy * M, axis=0) + dw * w_dec
-        # d(dt'_k A): every decay that spans token k. Each is summed directly over the pairs that
-        # span k (i >= k > j), never as a difference of running sums that would cancel.
-        V = tl.where(strict, dxy * Mdt, 0.0)                                       # (Q, Q) pair (i, j)
-        spans = tl.dot(V, before, input_precision=DOT_PRECISION)                   # sum_{j<k} V_ij
-        d_intra = tl.sum(tl.where(causal_k, spans, 0.0), axis=0)                   # sum_{i>=k}
-        d_entry = tl.cumsum(tl.sum(dy * y_entry, axis=1), axis=0, reverse=True)     # exp(cs_i), i >= k
-        sw = (dw * w).to(tl.float64)
-        d_exit = (tl.cumsum(sw, axis=0) - sw).to(tl.float32)                       # exp(cs_last-cs_j), j < k
-        d_carry = decay * tl.sum(tl.sum(dS_out.to(tl.float32) * S_in.to(tl.float32), axis=1), axis=0)
-        ddA = d_intra + d_entry + d_exit + d_carry
-        A_h = tl.load(A_ptr + h).to(tl.float32)
-        ddt += ddA * A_h
-        tl.store(dA_part_ptr + b64 * stride_dAp_b + c64 * stride_dAp_c + h * stride_dAp_h, tl.sum(ddA * dt, axis=0))
-        tl.store(ddt_ptr + b64 * stride_ddt_b + t64 * stride_ddt_l + h * stride_ddt_h, ddt * slope, mask=valid)
-
-        # this head's pull on C.B, B and C, summed over the group
         dCB += dxy * L * dt[None, :]
-        dB += w[:, None] * tl.dot(x, dS_out.to(x.dtype), input_precision=DOT_PRECISION)
+        dB += (w_dec * dt)[:, None] * tl.dot(x, dS_out.to(x.dtype), input_precision=DOT_PRECISION)
         dC += tl.dot((dy * e[:, None]).to(x.dtype), S_in.to(x.dtype), input_precision=DOT_PRECISION)
 
+    Bm = tl.load(B_ptr + b64 * stride_B_b + t64[:, None] * stride_B_l + g * stride_B_g
+                 + offs_n[None, :] * stride_B_n, mask=mask_qn, other=0.0)          # (Q, BN)
+    Cm = tl.load(C_ptr + b64 * stride_C_b + t64[:, None] * stride_C_l + g * stride_C_g
+                 + offs_n[None, :] * stride_C_n, mask=mask_qn, other=0.0)          # (Q, BN)
     dCB_c = dCB.to(Cm.dtype)
     dC += tl.dot(dCB_c, Bm, input_precision=DOT_PRECISION)
     dB += tl.dot(tl.trans(dCB_c), Cm, input_precision=DOT_PRECISION)
@@ -1058,12 +1182,23 @@ def conv1d_bwd(dout, xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=N
 
 
 # Kernel chunk lengths. The chunked form computes the same recurrence for any chunk length, so
-# the kernels may use a shorter chunk than the caller's chunk_size: the fused backward keeps its
-# group accumulators in registers only up to 64 tokens. Segments of CHUNKS_PER_SEGMENT chunks
+# the kernels may use a shorter chunk than the caller's chunk_size. Their (Q, Q) tiles live in
+# registers: at 128 tokens they spill, and on an H200 64 is faster both ways, although the
+# chunk states (p*n per chunk and head) then hold twice the bytes of x. Segments of CHUNKS_PER_SEGMENT chunks
 # run the sequential state pass in parallel (section 3 of DESIGN.md, applied within one GPU);
 # the interpreter uses tiny segments so that CPU tests exercise the segment scan.
-MAX_CHUNK_FWD = 128
+MAX_CHUNK_FWD = 64
 MAX_CHUNK_BWD = 64
+
+# Launch options per kernel on the GPU (chosen by measurement on an H200, bench.py --profile).
+# These kernels are latency-bound chains of small products: what pays is more programs resident
+# per SM, so registers and pipelining stages are capped. The interpreter ignores all of them.
+LAUNCH_OPTIONS = {
+    "state": dict(num_warps=4, maxnreg=168),
+    "output": dict(num_warps=4, num_stages=1),
+    "bwd_x": dict(num_warps=8, num_stages=1),
+    "bwd_bc": dict(num_warps=4, num_stages=1),
+}
 CHUNKS_PER_SEGMENT = 2 if INTERPRET else 16
 
 
@@ -1090,7 +1225,10 @@ class _Launch:
                           HAS_DT_LIMIT=tuple(dt_limit) != (0.0, float("inf")), HAS_SEQ=seq_idx is not None)
         self.precision = "ieee" if x.dtype == torch.float32 else "tf32"
         self.state_dtype = torch.float32 if x.dtype == torch.float32 else x.dtype
-        self.warps = 4 if INTERPRET else 8
+        # the backward's per-group dB/dC kernel keeps three accumulators: tile the state
+        self.BN_bc = self.BN if INTERPRET else min(self.BN, 64)
+        self.BN_x = min(self.BN, 16 if INTERPRET else 64)  # the interpreter walks several tiles too
+        self.launch = dict(LAUNCH_OPTIONS) if not INTERPRET else {name: {} for name in LAUNCH_OPTIONS}
 
     def state_grid(self):
         return (self.nseg * self.n_p_tiles * self.n_n_tiles, self.batch * self.nheads)
@@ -1110,7 +1248,7 @@ def _state_fwd(x, dt, A, B, dt_bias, seq_idx, k):
         k.heads_per_group, k.dt_min, k.dt_max,
         *x.stride(), *B.stride(), *dt.stride(), *_strides(seq_idx, 2),
         *states.stride(), *gamma.stride(), *a.stride(), *S_ext.stride(),
-        Q=k.Q, BP=k.BP_state, BN=k.BN_state, DOT_PRECISION=k.precision, num_warps=4, **k.flags)
+        Q=k.Q, BP=k.BP_state, BN=k.BN_state, DOT_PRECISION=k.precision, **k.launch["state"], **k.flags)
     return states, gamma, a, S_ext
 
 
@@ -1164,7 +1302,7 @@ def _output_fwd(x, dt, A, B, C, D, z, dt_bias, seq_idx, states, gamma, entry, k,
         *x.stride(), *B.stride(), *C.stride(), *dt.stride(), *D_strides, *_strides(z, 4),
         *_strides(seq_idx, 2), *states.stride(), *y.stride(), *_strides(entry, 5), *gamma.stride(),
         k.ngroups, Q=k.Q, BP=k.BP, BN=k.BN, HAS_D=D is not None, HAS_Z=z is not None,
-        HAS_ENTRY=entry is not None, DOT_PRECISION=k.precision, num_warps=k.warps, **k.flags)
+        HAS_ENTRY=entry is not None, DOT_PRECISION=k.precision, **k.launch["output"], **k.flags)
     return y
 
 
@@ -1184,7 +1322,7 @@ def _state_bwd(dout, z, C, dt, A, dt_bias, seq_idx, k):
         *dout.stride(), *_strides(z, 4), *C.stride(), *dt.stride(), *_strides(seq_idx, 2),
         *dstates.stride(), *rho.stride(), *G.stride(), *a.stride(),
         Q=k.Q, BP=k.BP_state, BN=k.BN_state, HAS_Z=z is not None, DOT_PRECISION=k.precision,
-        num_warps=4, **k.flags)
+        **k.launch["state"], **k.flags)
     return dstates, rho, G, a
 
 
@@ -1202,20 +1340,24 @@ def _chunk_bwd(x, dt, A, B, C, D, z, dt_bias, seq_idx, states, gamma, entry, dst
     dD_part = torch.empty(k.batch, k.nchunks, k.nheads, k.headdim, device=x.device, dtype=torch.float32) \
         if D is not None else None
     Dv, D_strides = _D_view(D)
-    grid = (k.nchunks, k.batch * k.ngroups)
-    _chunk_bwd_kernel[grid](
-        x, B, C, dt, dt_bias, A, Dv, z, seq_idx, states, dstates, entry, gamma, dexit, rho,
-        dout, dx, dB, dC, ddt, dz, dA_part, dD_part,
-        k.seqlen, k.headdim, k.dstate, k.heads_per_group, k.ngroups, k.nheads, k.chunks_per_seg,
-        k.dt_min, k.dt_max,
+    edges = (states, dstates, entry, gamma, dexit, rho)
+    edge_strides = (*states.stride(), *dstates.stride(), *_strides(entry, 5), *gamma.stride(),
+                    *_strides(dexit, 5), *rho.stride())
+    flags = dict(HAS_Z=z is not None, HAS_ENTRY=entry is not None, HAS_EXIT=dexit is not None,
+                 DOT_PRECISION=k.precision, **k.flags)
+    _chunk_bwd_x_kernel[(k.nchunks, k.batch * k.nheads)](
+        x, B, C, dt, dt_bias, A, Dv, z, seq_idx, *edges, dout, dx, ddt, dz, dA_part, dD_part,
+        k.seqlen, k.headdim, k.dstate, k.heads_per_group, k.nheads, k.chunks_per_seg, k.dt_min, k.dt_max,
         *x.stride(), *B.stride(), *C.stride(), *dt.stride(), *D_strides, *_strides(z, 4),
-        *_strides(seq_idx, 2), *states.stride(), *dstates.stride(),
-        *_strides(entry, 5), *gamma.stride(), *_strides(dexit, 5), *rho.stride(), *dout.stride(),
-        *dx.stride(), *dB.stride(), *dC.stride(), *ddt.stride(), *_strides(dz, 4),
-        *dA_part.stride(), *_strides(dD_part, 4),
-        Q=k.Q, BP=k.BP, BN=k.BN, HAS_D=D is not None, HAS_Z=z is not None,
-        HAS_ENTRY=entry is not None, HAS_EXIT=dexit is not None,
-        DOT_PRECISION=k.precision, num_warps=k.warps, num_stages=1, **k.flags)  # pipelining overflows smem
+        *_strides(seq_idx, 2), *edge_strides, *dout.stride(),
+        *dx.stride(), *ddt.stride(), *_strides(dz, 4), *dA_part.stride(), *_strides(dD_part, 4),
+        Q=k.Q, BP=k.BP, BN=k.BN_x, HAS_D=D is not None, **k.launch["bwd_x"], **flags)
+    _chunk_bwd_BC_kernel[(k.nchunks, k.batch * k.ngroups, triton.cdiv(k.dstate, k.BN_bc))](
+        x, B, C, dt, dt_bias, A, z, seq_idx, *edges, dout, dB, dC,
+        k.seqlen, k.headdim, k.dstate, k.heads_per_group, k.ngroups, k.chunks_per_seg, k.dt_min, k.dt_max,
+        *x.stride(), *B.stride(), *C.stride(), *dt.stride(), *_strides(z, 4),
+        *_strides(seq_idx, 2), *edge_strides, *dout.stride(), *dB.stride(), *dC.stride(),
+        Q=k.Q, BP=k.BP, BN=k.BN_bc, **k.launch["bwd_bc"], **flags)
     dA = dA_part.sum(dim=(0, 1))                                                    # (h,)
     dD = None
     if D is not None:

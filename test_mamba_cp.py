@@ -828,8 +828,18 @@ def spawn_world(world, fn_name, *args, timeout=600):
     port = _free_port()
     procs = [ctx.Process(target=_world_entry, args=(r, world, port, fn_name, args, queue), daemon=True)
              for r in range(world)]
-    for proc in procs:
-        proc.start()
+    # gloo ranks hold CPU tensors, so their kernels run in the interpreter even where CUDA is
+    # present; a spawned process reads the variable when it imports triton
+    before = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        for proc in procs:
+            proc.start()
+    finally:
+        if before is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = before
     results, deadline = {}, time.monotonic() + timeout
     try:
         while len(results) < world:

@@ -1559,7 +1559,7 @@ class _Segments:
 
     def own(self, t_global):
         """This rank's segments of a (batch, count, ...) tensor, as rows (batch * per_row, ...)."""
-        own = t_global[:, self.ids]
+        own = torch.stack([t_global[:, k] for k in self.ids], dim=1)  # no index tensor: graph-capturable
         return own.reshape(own.shape[0] * own.shape[1], *own.shape[2:])
 
 

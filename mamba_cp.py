@@ -1184,15 +1184,18 @@ def conv1d_bwd(dout, xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=N
 # Kernel chunk lengths. The chunked form computes the same recurrence for any chunk length, so
 # the kernels may use a shorter chunk than the caller's chunk_size. Their (Q, Q) tiles live in
 # registers: at 128 tokens they spill, and on an H200 64 is faster both ways, although the
-# chunk states (p*n per chunk and head) then hold twice the bytes of x. Segments of CHUNKS_PER_SEGMENT chunks
-# run the sequential state pass in parallel (section 3 of DESIGN.md, applied within one GPU);
-# the interpreter uses tiny segments so that CPU tests exercise the segment scan.
+# chunk states (p*n per chunk and head) then hold twice the bytes of x. Segments of
+# CHUNKS_PER_SEGMENT chunks run the sequential state pass in parallel (section 3 of DESIGN.md,
+# applied within one GPU); the interpreter uses tiny segments so that CPU tests exercise the
+# segment scan.
 MAX_CHUNK_FWD = 64
 MAX_CHUNK_BWD = 64
 
-# Launch options per kernel on the GPU (chosen by measurement on an H200, bench.py --profile).
-# These kernels are latency-bound chains of small products: what pays is more programs resident
-# per SM, so registers and pipelining stages are capped. The interpreter ignores all of them.
+# Launch options per kernel on the GPU, the fastest of a sweep on an H200 (forward+backward at
+# the record shape). These kernels are latency-bound chains of small products that fill the
+# register file; one pipelining stage frees shared memory, while capping registers below what
+# ptxas wants (maxnreg) spilled more than it gained, except in the state pass. The interpreter
+# takes none of them.
 LAUNCH_OPTIONS = {
     "state": dict(num_warps=4, maxnreg=168),
     "output": dict(num_warps=4, num_stages=1),

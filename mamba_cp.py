@@ -1412,14 +1412,22 @@ class GradPass:
     def __init__(self, dy, z, C, dt, A, dt_bias, seq_idx, k):
         self.dstates, self.rho, self.seg_G, self.seg_a = _state_bwd(dy, z, C, dt, A, dt_bias, seq_idx, k)
         self.k = k
-        self.a = self.seg_a.prod(dim=1)                                             # (b, h)
-        self.G = self.seg_G[:, 0] if k.nseg == 1 else scan_segments_bwd(self.seg_G, self.seg_a)[1]
 
-    def segment_exits(self, dexit):
-        """The gradient arriving at each internal segment's exit, given the sequence's."""
+    @property
+    def G(self):
+        """The internal segments' pulls composed (one reverse scan); only CP needs it alone."""
+        return self.seg_G[:, 0] if self.k.nseg == 1 else scan_segments_bwd(self.seg_G, self.seg_a)[1]
+
+    def exits_and_entry(self, dexit):
+        """Given the gradient at the sequence's exit (b, h, p, n) or None: the gradient arriving
+        at each internal segment's exit (b, nseg, h, p, n) or None, and the gradient at the
+        sequence's entry, G + a dexit (b, h, p, n), both from one reverse scan."""
         if self.k.nseg == 1:
-            return None if dexit is None else dexit[:, None]
-        return scan_segments_bwd(self.seg_G, self.seg_a, dexit)[0]
+            G = self.seg_G[:, 0]
+            if dexit is None:
+                return None, G
+            return dexit[:, None], G + self.seg_a[:, 0, :, None, None] * dexit
+        return scan_segments_bwd(self.seg_G, self.seg_a, dexit)
 
 
 def ssd_grads(x, dt, A, B, C, D, z, dt_bias, seq_idx, summary, grad_pass, dy, entry=None, dexit=None,
@@ -1427,10 +1435,10 @@ def ssd_grads(x, dt, A, B, C, D, z, dt_bias, seq_idx, summary, grad_pass, dy, en
     """Every gradient of a sequence entered with state `entry` whose exit receives gradient
     `dexit` (either (b, h, p, n) or None). dx, dB, dC may be given as output views.
     Returns (dx, dB, dC, ddt (fp32, w.r.t. raw dt), dz, dA, dD, d entry)."""
+    seg_exits, dentry = grad_pass.exits_and_entry(dexit)
     grads = _chunk_bwd(x, dt, A, B, C, D, z, dt_bias, seq_idx, summary.states, summary.gamma,
                        summary.segment_entries(entry)[0], grad_pass.dstates, grad_pass.rho,
-                       grad_pass.segment_exits(dexit), dy, summary.k, dx, dB, dC)
-    dentry = grad_pass.G if dexit is None else grad_pass.G + grad_pass.a[:, :, None, None] * dexit
+                       seg_exits, dy, summary.k, dx, dB, dC)
     return (*grads, dentry)
 
 

@@ -849,7 +849,8 @@ def main_distributed(args):
                       "NOT representative of a GPU")
         print(f"# CP paths: {where}; torch {torch.__version__}, triton {mamba_cp.triton.__version__}; "
               f"nheads={s.nheads} headdim={s.headdim} ngroups={s.ngroups} dstate={s.dstate} d_conv={s.d_conv} "
-              f"chunk={args.chunk} batch={args.batch} dtype={args.dtype}; paths {','.join(args.paths)}")
+              f"chunk={args.chunk} batch={args.batch} dtype={args.dtype}; paths {','.join(args.paths)}"
+              + tuning_note(args))
         print("# a2a = mamba_conv1d_ssd_a2a fed the zigzag shard (load_balancing='virtual'), the layout a Megatron "
               "trainer hands the mixer; speedup = a2a p50 / path p50", flush=True)
         bad = [L for L in args.lengths if L % (2 * world)]
@@ -867,7 +868,7 @@ def main_distributed(args):
         if rank == 0:
             print(human_cp_table(rows, world, args))
             for r in rows:
-                print("RESULT " + json.dumps(r))
+                print("RESULT " + json.dumps(dict(r, **tuned(args))))
             sys.stdout.flush()
     if rank == 0 and args.plot:
         series = {}
@@ -967,6 +968,38 @@ def is_distributed(args):
     return args.cp or int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
+def apply_tuning(ap, args):
+    """--launch and --kernel-chunk: set mamba_cp's module-level choices for this process, so a
+    tuning run needs no edit of mamba_cp.py. Each header line says what was changed."""
+    args.tuning = {}
+    if args.launch:
+        try:
+            launch = json.loads(args.launch)
+        except json.JSONDecodeError as e:
+            ap.error(f"--launch: got {args.launch!r}, expected JSON ({e})")
+        unknown = [k for k in launch if k not in mamba_cp.LAUNCH_OPTIONS]
+        if unknown or not all(isinstance(v, dict) for v in launch.values()):
+            ap.error(f"--launch: got {args.launch!r}, expected an object mapping some of "
+                     f"{', '.join(mamba_cp.LAUNCH_OPTIONS)} to option objects")
+        mamba_cp.LAUNCH_OPTIONS.update(launch)
+        args.tuning["launch"] = launch
+    if args.kernel_chunk is not None:
+        q = args.kernel_chunk
+        if q < 16 or q & (q - 1):
+            ap.error(f"--kernel-chunk: got {q}, expected a power of two from 16")
+        mamba_cp.MAX_CHUNK_FWD = mamba_cp.MAX_CHUNK_BWD = q
+        args.tuning["kernel_chunk"] = q
+
+
+def tuning_note(args):
+    return f"; TUNING {json.dumps(args.tuning)}" if args.tuning else ""
+
+
+def tuned(args):
+    """What a RESULT line adds when the run was tuned: nothing otherwise."""
+    return {"tuning": args.tuning} if args.tuning else {}
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -999,7 +1032,14 @@ def parse_args(argv=None):
     ap.add_argument("--timeout", type=int, default=600,
                     help="torchrun: process-group timeout in seconds (a failure on some ranks only ends there)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--launch", metavar="JSON",
+                    help="tuning: replace kernels' launch options, e.g. '{\"bwd_x\": {\"num_warps\": 4}}' "
+                         f"(kernels: {', '.join(mamba_cp.LAUNCH_OPTIONS)}; GPU only)")
+    ap.add_argument("--kernel-chunk", dest="kernel_chunk", type=int,
+                    help=f"tuning: the kernels' chunk length, forward and backward (default "
+                         f"{mamba_cp.MAX_CHUNK_FWD}; a power of two from 16)")
     args = ap.parse_args(argv)
+    apply_tuning(ap, args)
     args.warmup_given = args.warmup is not None
     defaults = dict(GPU_DEFAULTS if CUDA else CPU_DEFAULTS)
     if is_distributed(args):
@@ -1024,10 +1064,11 @@ def main_single(args):
              f"chunk={args.chunk} batch={args.batch} dtype={args.dtype}")
     if CUDA:
         print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
-              f"{mamba_cp.triton.__version__}; {shape}; p50 of {args.iters} iters after {args.warmup} warm-up")
+              f"{mamba_cp.triton.__version__}; {shape}; p50 of {args.iters} iters after {args.warmup} warm-up"
+              + tuning_note(args))
     else:
         print(f"# CPU: Triton interpreter, wall-clock times; NOT representative of a GPU. {shape}; "
-              f"p50 of {args.iters} iters after {args.warmup} warm-up")
+              f"p50 of {args.iters} iters after {args.warmup} warm-up" + tuning_note(args))
     sys.stdout.flush()
     sweep = []
     for L in args.lengths:
@@ -1035,18 +1076,19 @@ def main_single(args):
         r = bench_single_device(args, L)
         sweep.append(r)
         print(human_line(r))
-        print("RESULT " + json.dumps(r), flush=True)
+        print("RESULT " + json.dumps(dict(r, **tuned(args))), flush=True)
         if args.profile and CUDA:
             for phase, rows in profile_kernels(args, L).items():
                 total = sum(ms for _, _, ms in rows)
                 print(f"  profile L={L} {phase}: {total:.3f} ms of kernels per call")
                 for name, calls, ms in rows:
                     print(f"    {ms:8.3f} ms  {calls:5.1f}x  {name}")
-                print("RESULT " + json.dumps(dict(bench="profile", L=L, phase=phase, kernels=rows)), flush=True)
+                print("RESULT " + json.dumps(dict(bench="profile", L=L, phase=phase, kernels=rows, **tuned(args))),
+                      flush=True)
 
     r = bench_cp_local(args, sweep)
     print("\n" + human_cp_local(r))
-    print("RESULT " + json.dumps(r), flush=True)
+    print("RESULT " + json.dumps(dict(r, **tuned(args))), flush=True)
 
     report_comm_table(args)
 

@@ -1229,7 +1229,7 @@ class _Launch:
         self.precision = "ieee" if x.dtype == torch.float32 else "tf32"
         self.state_dtype = torch.float32 if x.dtype == torch.float32 else x.dtype
         # the backward's per-group dB/dC kernel keeps three accumulators: tile the state
-        self.BN_bc = self.BN if INTERPRET else min(self.BN, 64)
+        self.BN_bc = min(self.BN, 16 if INTERPRET else 64)  # several tiles in the interpreter too
         self.BN_x = min(self.BN, 16 if INTERPRET else 64)  # the interpreter walks several tiles too
         self.launch = dict(LAUNCH_OPTIONS) if not INTERPRET else {name: {} for name in LAUNCH_OPTIONS}
 

@@ -37,8 +37,11 @@ Three measurements, dispatched by main():
        eager forward+backward, against the conv-free `mamba_chunk_scan_combined` at the same
        length and shape. The CP side INCLUDES the causal conv1d (forward, recompute and backward);
        the SSD side has no conv. The SSD time is taken from the sweep above when --local-length is
-       one of --lengths (the same call, the same timer), else measured here. On CPU the CP call
-       gets no warm-up unless --warmup is given (the interpreter compiles nothing; this keeps the
+       one of --lengths (the same call, the same timer), else measured here. Beside them, the
+       unfused layer: conv1d, then `mamba_chunk_scan_combined` on the split channels, no CP and
+       no state passing (unfused_ms): fused CP / unfused is what the CP machinery and the fusion
+       cost together, unfused / SSD alone what the conv costs. On CPU the CP and unfused calls
+       get no warm-up unless --warmup is given (the interpreter compiles nothing; this keeps the
        CPU default under a minute).
    (b) Communication volume ("bench": "comm_bytes"): bytes each path moves per rank per layer,
        forward and backward, computed from the shapes by comm_bytes() (its docstring states every
@@ -443,11 +446,40 @@ def input_layout(path):
 
 
 def cp_call(path, t, args, group):
-    """One call of the fused core by `path`; a2a is fed the zigzag shard (load_balancing="virtual")."""
+    """One call of the fused core by `path`; a2a is fed the zigzag shard (load_balancing="virtual");
+    "unfused" is conv1d then the single-device SSD, no CP."""
+    if path == "unfused":
+        return unfused_call(t, args)
     fn = mamba_cp.mamba_conv1d_ssd_a2a if path == "a2a" else mamba_cp.mamba_conv1d_ssd_cp
     return fn(t["xBC"], t["dt"], t["conv_weight"], t["conv_bias"], t["dt_bias"], t["A"], t["D"], args.chunk,
               headdim=args.headdim, ngroups=args.ngroups, cp_group=group,
               load_balancing="virtual" if path == "a2a" else path)
+
+
+class ConvFn(torch.autograd.Function):
+    """mamba_cp's conv1d kernels as a plain autograd function: the unfused baseline's conv."""
+
+    @staticmethod
+    def forward(ctx, xBC, weight, bias):
+        ctx.save_for_backward(xBC, weight, bias)
+        return mamba_cp.conv1d_fwd(xBC, weight, bias)
+
+    @staticmethod
+    def backward(ctx, du):
+        dxBC, _, dweight, dbias = mamba_cp.conv1d_bwd(du.contiguous(), *ctx.saved_tensors)
+        return dxBC, dweight.to(ctx.saved_tensors[1].dtype), dbias.to(ctx.saved_tensors[2].dtype)
+
+
+def unfused_call(t, args):
+    """The same layer without CP and without fusion: conv1d, then mamba_chunk_scan_combined on
+    the split channels (state passing skipped altogether)."""
+    u = ConvFn.apply(t["xBC"], t["conv_weight"], t["conv_bias"])
+    hp, gn = args.nheads * args.headdim, args.ngroups * args.dstate
+    x = u[..., :hp].unflatten(-1, (args.nheads, args.headdim))
+    B = u[..., hp:hp + gn].unflatten(-1, (args.ngroups, args.dstate))
+    C = u[..., hp + gn:].unflatten(-1, (args.ngroups, args.dstate))
+    return mamba_cp.mamba_chunk_scan_combined(x, t["dt"], t["A"], B, C, args.chunk, D=t["D"],
+                                              dt_bias=t["dt_bias"], dt_softplus=True)
 
 
 def make_cp_step(path, leaves, grad_y, args, group):
@@ -625,6 +657,7 @@ def bench_cp_local(args, sweep):
              chunk=args.chunk, iters=args.iters, cp_warmup=warmup, ssd_warmup=args.warmup, phase=phase,
              timing="cuda_events_p50_eager" if CUDA else "wall_clock_p50_interpreter",
              cp_ms=None, ssd_ms=None, cp_over_ssd=None, cp_peak_mib=None, ssd_peak_mib=None,
+             unfused_ms=None, cp_over_unfused=None, unfused_over_ssd=None,
              cp_includes_conv=True, ssd_includes_conv=False, ssd_source=None, error=None,
              device=torch.cuda.get_device_name() if CUDA else "cpu (triton interpreter)")
     try:
@@ -635,6 +668,9 @@ def bench_cp_local(args, sweep):
         r["cp_ms"] = timer(step, args.iters, warmup)
         if CUDA:
             r["cp_peak_mib"] = measure_peak_mib(step)[0]
+        log(f"[cp vs ssd] conv1d then mamba_chunk_scan_combined (unfused, no CP) L={L}: {phase} ...")
+        step = make_cp_step("unfused", leaves, grad_y, args, None)
+        r["unfused_ms"] = timer(step, args.iters, warmup)
         del leaves, grad_y, step
     except Exception as e:  # noqa: BLE001 - report, keep going
         r["error"] = "cp: " + short_error(e)
@@ -659,6 +695,8 @@ def bench_cp_local(args, sweep):
             r["error"] = ((r["error"] + "; ") if r["error"] else "") + "ssd: " + short_error(e)
         gc.collect()
     r["cp_over_ssd"] = ratio(r["cp_ms"], r["ssd_ms"])
+    r["cp_over_unfused"] = ratio(r["cp_ms"], r["unfused_ms"])
+    r["unfused_over_ssd"] = ratio(r["unfused_ms"], r["ssd_ms"])
     if CUDA:
         torch.cuda.empty_cache()
     return r
@@ -670,7 +708,10 @@ def human_cp_local(r):
             f"mamba_conv1d_ssd_cp (conv1d INCLUDED; {r['cp_warmup']} warm-up) {fmt(r['cp_ms'], unit=' ms')}, "
             f"mamba_chunk_scan_combined (no conv) {fmt(r['ssd_ms'], unit=' ms')} [{r['ssd_source']}], "
             f"ratio {fmt(r['cp_over_ssd'], '.2f', 'x')}; peak {fmt(r['cp_peak_mib'], '.0f', ' MiB')} vs "
-            f"{fmt(r['ssd_peak_mib'], '.0f', ' MiB')}")
+            f"{fmt(r['ssd_peak_mib'], '.0f', ' MiB')}\n"
+            f"  unfused conv1d then mamba_chunk_scan_combined (no CP, no state passing) "
+            f"{fmt(r['unfused_ms'], unit=' ms')}: fused CP / unfused {fmt(r['cp_over_unfused'], '.2f', 'x')}, "
+            f"unfused / SSD alone {fmt(r['unfused_over_ssd'], '.2f', 'x')}")
     if r["error"]:
         line += f"  [error: {r['error']}]"
     return line

@@ -699,7 +699,7 @@ def _chunk_decays(dt_ptr, dt_bias_ptr, A_ptr, seq_ptr, b, h, start, seqlen,
       e              (Q,) exp(cs_i), the entry state's decay to token i (0 for a new document)
       w_dec          (Q,) exp(cs_last - cs_j), token j's decay to the exit (0 if it never gets there)
       decay          ()   exp(cs_last), the entry's decay to the exit (0 across a document start)
-    and the masks (causal (Q, Q), to_exit (Q,)) they were cut with."""
+    and the causal mask (Q, Q) L was cut with (pairs i >= j of one document)."""
     offs_q = tl.arange(0, Q)
     dt, dA, slope = _chunk_dt(dt_ptr, dt_bias_ptr, A_ptr, b, h, start, seqlen,
                               stride_dt_b, stride_dt_l, stride_dt_h,

@@ -474,10 +474,7 @@ def unfused_call(t, args):
     """The same layer without CP and without fusion: conv1d, then mamba_chunk_scan_combined on
     the split channels (state passing skipped altogether)."""
     u = ConvFn.apply(t["xBC"], t["conv_weight"], t["conv_bias"])
-    hp, gn = args.nheads * args.headdim, args.ngroups * args.dstate
-    x = u[..., :hp].unflatten(-1, (args.nheads, args.headdim))
-    B = u[..., hp:hp + gn].unflatten(-1, (args.ngroups, args.dstate))
-    C = u[..., hp + gn:].unflatten(-1, (args.ngroups, args.dstate))
+    x, B, C = mamba_cp._split_xBC(u, args)         # args names nheads, headdim, ngroups, dstate as cfg does
     return mamba_cp.mamba_chunk_scan_combined(x, t["dt"], t["A"], B, C, args.chunk, D=t["D"],
                                               dt_bias=t["dt_bias"], dt_softplus=True)
 

@@ -769,7 +769,7 @@ def _chunk_bwd_x_kernel(
     x_ptr, B_ptr, C_ptr, dt_ptr, dt_bias_ptr, A_ptr, D_ptr, z_ptr, seq_ptr, states_ptr, dstates_ptr,
     entry_ptr, gamma_ptr, dexit_ptr, rho_ptr,
     dout_ptr, dx_ptr, ddt_ptr, dz_ptr, dA_part_ptr, dD_part_ptr,
-    seqlen, headdim, dstate, heads_per_group, nheads, chunks_per_seg, dt_min, dt_max,
+    seqlen, headdim, dstate, heads_per_group, nheads, batch, chunks_per_seg, dt_min, dt_max,
     stride_x_b, stride_x_l, stride_x_h, stride_x_p,
     stride_B_b, stride_B_l, stride_B_g, stride_B_n,
     stride_C_b, stride_C_l, stride_C_g, stride_C_n,
@@ -803,10 +803,11 @@ def _chunk_bwd_x_kernel(
               exp(cs_last - cs_j) with j < k, and the chunk's own decay exp(cs_last).
     C.B is recomputed per head (Q*Q*n flops): cheaper than keeping a group's heads in one program.
     The state dimension is contracted a tile of BN at a time, to keep the program in registers."""
-    c = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // nheads
-    h = pid_bh % nheads
+    # heads vary fastest: the programs running at once share a chunk, so its B and C stay in L2
+    pid = tl.program_id(0)
+    h = pid % nheads
+    b = (pid // nheads) % batch
+    c = pid // (nheads * batch)
     g = h // heads_per_group
     start = c * Q
     offs_q = tl.arange(0, Q)
@@ -887,9 +888,8 @@ def _chunk_bwd_x_kernel(
     # span k (i >= k > j), never as a difference of running sums: at a token of huge dt', dA
     # multiplies that difference by dt' and its rounding error with it.
     strict = causal & (offs_q[:, None] > offs_q[None, :])
-    before = (offs_q[:, None] < offs_q[None, :]).to(tl.float32)                     # (Q, Q) j < k
     V = tl.where(strict, dxy * Mdt, 0.0)                                           # (Q, Q) pair (i, j)
-    spans = tl.dot(V, before, input_precision=DOT_PRECISION)                       # sum_{j<k} V_ij
+    spans = tl.cumsum(V, axis=1) - V                                               # sum_{j<k} V_ik
     d_intra = tl.sum(tl.where(offs_q[:, None] >= offs_q[None, :], spans, 0.0), axis=0)  # sum_{i>=k}
     d_entry = tl.cumsum(tl.sum(dy * y_entry, axis=1), axis=0, reverse=True)         # exp(cs_i), i >= k
     sw = (dw * w).to(tl.float64)
@@ -905,7 +905,7 @@ def _chunk_bwd_x_kernel(
 def _chunk_bwd_BC_kernel(
     x_ptr, B_ptr, C_ptr, dt_ptr, dt_bias_ptr, A_ptr, z_ptr, seq_ptr, states_ptr, dstates_ptr,
     entry_ptr, gamma_ptr, dexit_ptr, rho_ptr, dout_ptr, dB_ptr, dC_ptr,
-    seqlen, headdim, dstate, heads_per_group, ngroups, chunks_per_seg, dt_min, dt_max,
+    seqlen, headdim, dstate, heads_per_group, ngroups, batch, n_n_tiles, chunks_per_seg, dt_min, dt_max,
     stride_x_b, stride_x_l, stride_x_h, stride_x_p,
     stride_B_b, stride_B_l, stride_B_g, stride_B_n,
     stride_C_b, stride_C_l, stride_C_g, stride_C_n,
@@ -930,11 +930,12 @@ def _chunk_bwd_BC_kernel(
     registers, so each is written once, without atomics (deterministic).
       dC_i = sum_h [ e_i dy_i S_in^T + sum_j dCB_ij B_j ],  dB_j = sum_h [ w_j x_j dS_out + sum_i dCB_ij C_i ]
     with dCB_ij = (dy_i . x_j) exp(cs_i - cs_j) dt'_j, the pull of every head on C_i.B_j."""
-    c = tl.program_id(0)
-    pid_bg = tl.program_id(1)
-    pid_n = tl.program_id(2)
-    b = pid_bg // ngroups
-    g = pid_bg % ngroups
+    # state tiles vary fastest, then groups: the programs running at once share x and dy
+    pid = tl.program_id(0)
+    pid_n = pid % n_n_tiles
+    g = (pid // n_n_tiles) % ngroups
+    b = (pid // (n_n_tiles * ngroups)) % batch
+    c = pid // (n_n_tiles * ngroups * batch)
     start = c * Q
     offs_q = tl.arange(0, Q)
     offs_p = tl.arange(0, BP)
@@ -1065,8 +1066,18 @@ def _check_ssd_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states,
 # ---------------------------------------------------------------------------------------------
 
 
+# Host-side integer helpers. triton.cdiv and triton.next_power_of_2 do the same, but through
+# Triton's constexpr machinery, which costs microseconds a call: these run on every launch.
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _next_pow2(v):
+    return 1 << max(0, v - 1).bit_length()
+
+
 def _pow2(v, lo=16):
-    return max(lo, triton.next_power_of_2(v))
+    return max(lo, _next_pow2(v))
 
 
 def _strides(t, ndim):
@@ -1103,7 +1114,7 @@ def _check_conv_inputs(xBC, weight, bias, halo, seq_idx, halo_seq):
 
 def _conv_blocks(l, dim, gpu_blocks):
     BT, BC = _INTERP_BLOCKS if INTERPRET else gpu_blocks
-    return min(BT, max(16, triton.next_power_of_2(l))), min(BC, max(16, triton.next_power_of_2(dim)))
+    return min(BT, max(16, _next_pow2(l))), min(BC, max(16, _next_pow2(dim)))
 
 
 def _or(t, placeholder):
@@ -1132,7 +1143,7 @@ def conv1d_fwd(xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=None, o
         out = torch.empty((b, l, dim), device=xBC.device, dtype=xBC.dtype)
     _check_tensor(out, "out", (b, l, dim), xBC, dtypes=(xBC.dtype,))
     BT, BC = _conv_blocks(l, dim, _FWD_BLOCKS)
-    grid = (triton.cdiv(l, BT), triton.cdiv(dim, BC), b)
+    grid = (_cdiv(l, BT), _cdiv(dim, BC), b)
     _conv_fwd_kernel[grid](
         xBC, weight, _or(bias, xBC), _or(halo, xBC), _or(seq_idx, xBC), _or(halo_seq, xBC), out, l, dim,
         *xBC.stride(), *weight.stride(), *_strides(bias, 1), *_strides(halo, 3),
@@ -1155,10 +1166,10 @@ def conv1d_bwd(dout, xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=N
     need_dhalo = bool(need_dhalo) and halo is not None
     shift = d - 1 if halo is not None else 0    # tiles start at the halo: its rows feed dweight
     BT, BC = _conv_blocks(shift + l, dim, _BWD_BLOCKS)
-    HB = max(2, triton.next_power_of_2(d - 1))  # rows of g past a tile that the tile needs
-    n_tb, n_cb = triton.cdiv(shift + l, BT), triton.cdiv(dim, BC)
-    n_inner = min(n_tb, max(1, triton.cdiv(n_tb * n_cb * b, _BWD_PROGRAMS)))   # token blocks per program
-    n_groups = triton.cdiv(n_tb, n_inner)
+    HB = max(2, _next_pow2(d - 1))  # rows of g past a tile that the tile needs
+    n_tb, n_cb = _cdiv(shift + l, BT), _cdiv(dim, BC)
+    n_inner = min(n_tb, max(1, _cdiv(n_tb * n_cb * b, _BWD_PROGRAMS)))   # token blocks per program
+    n_groups = _cdiv(n_tb, n_inner)
 
     dx = torch.empty((b, l, dim), device=xBC.device, dtype=xBC.dtype)
     dhalo = torch.empty((b, d - 1, dim), device=xBC.device, dtype=torch.float32) if need_dhalo else None
@@ -1174,7 +1185,7 @@ def conv1d_bwd(dout, xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=N
         *dout.stride(), *xBC.stride(), *weight.stride(), *_strides(bias, 1), *_strides(halo, 3),
         *_strides(seq_idx, 2), *_strides(halo_seq, 2), *dx.stride(), *_strides(dhalo, 3),
         *dw_part.stride(), *_strides(db_part, 3),
-        D=d, BT=BT, BC=BC, HB=HB, DP=triton.next_power_of_2(d), SHIFT=shift,
+        D=d, BT=BT, BC=BC, HB=HB, DP=_next_pow2(d), SHIFT=shift,
         NEED_DHALO=need_dhalo, num_warps=_BWD_WARPS, **flags)
     dweight = dw_part.sum(dim=(0, 1)).t().contiguous()                          # (dim, d)
     dbias = db_part.sum(dim=(0, 1)) if bias is not None else None               # (dim,)
@@ -1200,7 +1211,7 @@ LAUNCH_OPTIONS = {
     "state": dict(num_warps=4, maxnreg=168),
     "output": dict(num_warps=4, num_stages=1),
     "bwd_x": dict(num_warps=8, num_stages=1),
-    "bwd_bc": dict(num_warps=4, num_stages=1),
+    "bwd_bc": dict(num_warps=8, num_stages=1),
 }
 CHUNKS_PER_SEGMENT = 2 if INTERPRET else 16
 
@@ -1213,24 +1224,26 @@ class _Launch:
         self.ngroups, self.dstate = B.shape[2], B.shape[3]
         self.heads_per_group = self.nheads // self.ngroups
         self.Q = chunk
-        self.nchunks = triton.cdiv(self.seqlen, chunk)
+        self.nchunks = _cdiv(self.seqlen, chunk)
         self.chunks_per_seg = CHUNKS_PER_SEGMENT
-        self.nseg = triton.cdiv(self.nchunks, self.chunks_per_seg)
+        self.nseg = _cdiv(self.nchunks, self.chunks_per_seg)
         self.BP = _pow2(self.headdim)
         self.BN = _pow2(self.dstate)
         # the state pass walks chunks sequentially: split the state tile across programs
         self.BP_state = self.BP if INTERPRET else min(self.BP, 64)
         self.BN_state = self.BN if INTERPRET else min(self.BN, 64)
-        self.n_p_tiles = triton.cdiv(self.headdim, self.BP_state)
-        self.n_n_tiles = triton.cdiv(self.dstate, self.BN_state)
+        self.n_p_tiles = _cdiv(self.headdim, self.BP_state)
+        self.n_n_tiles = _cdiv(self.dstate, self.BN_state)
         self.dt_min, self.dt_max = float(dt_limit[0]), float(dt_limit[1])
         self.flags = dict(HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus),
                           HAS_DT_LIMIT=tuple(dt_limit) != (0.0, float("inf")), HAS_SEQ=seq_idx is not None)
         self.precision = "ieee" if x.dtype == torch.float32 else "tf32"
         self.state_dtype = torch.float32 if x.dtype == torch.float32 else x.dtype
-        # the backward's per-group dB/dC kernel keeps three accumulators: tile the state
-        self.BN_bc = min(self.BN, 16 if INTERPRET else 64)  # several tiles in the interpreter too
-        self.BN_x = min(self.BN, 16 if INTERPRET else 64)  # the interpreter walks several tiles too
+        # State tiles of the two chunk-backward kernels. On an H200 a whole 128-wide state is
+        # fastest in both (the dB/dC kernel otherwise recomputes dy.x^T per tile); wider states
+        # are tiled. The interpreter walks several small tiles, so CPU tests check the tiling.
+        self.BN_bc = min(self.BN, 16 if INTERPRET else 128)
+        self.BN_x = min(self.BN, 16 if INTERPRET else 128)
         self.launch = dict(LAUNCH_OPTIONS) if not INTERPRET else {name: {} for name in LAUNCH_OPTIONS}
 
     def state_grid(self):
@@ -1256,7 +1269,7 @@ def _state_fwd(x, dt, A, B, dt_bias, seq_idx, k):
 
 
 def _scan_block(size):
-    return triton.next_power_of_2(size) if INTERPRET else min(1024, triton.next_power_of_2(size))
+    return _next_pow2(size) if INTERPRET else min(1024, _next_pow2(size))
 
 
 def _scan(src, a, start, e, reverse):
@@ -1265,7 +1278,7 @@ def _scan(src, a, start, e, reverse):
     end = torch.empty(b, h, p, n, device=src.device, dtype=torch.float32)
     start = None if start is None else start.float().contiguous()
     BLOCK = _scan_block(p * n)
-    _segment_scan_kernel[(triton.cdiv(p * n, BLOCK), b * h)](
+    _segment_scan_kernel[(_cdiv(p * n, BLOCK), b * h)](
         src, a, e, start, out, end, K, h, p * n,
         *src.stride()[:3], *a.stride(), *_strides(e, 2), *(start.stride()[:2] if start is not None else (0, 0)),
         *out.stride()[:3], *end.stride()[:2],
@@ -1298,7 +1311,7 @@ def _output_fwd(x, dt, A, B, C, D, z, dt_bias, seq_idx, states, gamma, entry, k,
     if y is None:
         y = torch.empty_like(x, memory_format=torch.contiguous_format)
     D, D_strides = _D_view(D)
-    grid = (k.nchunks, k.batch * k.ngroups, triton.cdiv(k.headdim, k.BP))
+    grid = (k.nchunks, k.batch * k.ngroups, _cdiv(k.headdim, k.BP))
     _output_fwd_kernel[grid](
         x, B, C, dt, dt_bias, A, D, z, seq_idx, states, y, entry, gamma,
         k.seqlen, k.headdim, k.dstate, k.heads_per_group, k.chunks_per_seg, k.dt_min, k.dt_max,
@@ -1348,16 +1361,18 @@ def _chunk_bwd(x, dt, A, B, C, D, z, dt_bias, seq_idx, states, gamma, entry, dst
                     *_strides(dexit, 5), *rho.stride())
     flags = dict(HAS_Z=z is not None, HAS_ENTRY=entry is not None, HAS_EXIT=dexit is not None,
                  DOT_PRECISION=k.precision, **k.flags)
-    _chunk_bwd_x_kernel[(k.nchunks, k.batch * k.nheads)](
+    _chunk_bwd_x_kernel[(k.nchunks * k.batch * k.nheads,)](
         x, B, C, dt, dt_bias, A, Dv, z, seq_idx, *edges, dout, dx, ddt, dz, dA_part, dD_part,
-        k.seqlen, k.headdim, k.dstate, k.heads_per_group, k.nheads, k.chunks_per_seg, k.dt_min, k.dt_max,
+        k.seqlen, k.headdim, k.dstate, k.heads_per_group, k.nheads, k.batch, k.chunks_per_seg, k.dt_min, k.dt_max,
         *x.stride(), *B.stride(), *C.stride(), *dt.stride(), *D_strides, *_strides(z, 4),
         *_strides(seq_idx, 2), *edge_strides, *dout.stride(),
         *dx.stride(), *ddt.stride(), *_strides(dz, 4), *dA_part.stride(), *_strides(dD_part, 4),
         Q=k.Q, BP=k.BP, BN=k.BN_x, HAS_D=D is not None, **k.launch["bwd_x"], **flags)
-    _chunk_bwd_BC_kernel[(k.nchunks, k.batch * k.ngroups, triton.cdiv(k.dstate, k.BN_bc))](
+    n_bc_tiles = _cdiv(k.dstate, k.BN_bc)
+    _chunk_bwd_BC_kernel[(k.nchunks * k.batch * k.ngroups * n_bc_tiles,)](
         x, B, C, dt, dt_bias, A, z, seq_idx, *edges, dout, dB, dC,
-        k.seqlen, k.headdim, k.dstate, k.heads_per_group, k.ngroups, k.chunks_per_seg, k.dt_min, k.dt_max,
+        k.seqlen, k.headdim, k.dstate, k.heads_per_group, k.ngroups, k.batch, n_bc_tiles, k.chunks_per_seg,
+        k.dt_min, k.dt_max,
         *x.stride(), *B.stride(), *C.stride(), *dt.stride(), *_strides(z, 4),
         *_strides(seq_idx, 2), *edge_strides, *dout.stride(), *dB.stride(), *dC.stride(),
         Q=k.Q, BP=k.BP, BN=k.BN_bc, **k.launch["bwd_bc"], **flags)
@@ -1849,9 +1864,10 @@ class _Conv1dSSDCPFn(torch.autograd.Function):
 
     Forward: halo exchange, conv of the x and B channels, the state pass from a zero entry (the
     segment's summary), the summary all-gather (overlapped with the conv of the C channels, which
-    the summary does not need) and exclusive scan (true entry states and the global final
-    state), the outputs with the entry state folded in. Saved: the inputs, the halo, and per-segment entry
-    states and decays; nothing that grows with length beyond the inputs.
+    the summary does not need; in a world of one all channels are convolved at once) and
+    exclusive scan (true entry states and the global final state), the outputs with the entry
+    state folded in. Saved: the inputs, the halo, and per-segment entry states and decays;
+    nothing that grows with length beyond the inputs.
 
     Backward: recompute the conv; the reverse state pass from a zero exit gradient gives G; its
     all-gather runs while the forward state pass is recomputed; the reverse scan gives each
@@ -1862,16 +1878,16 @@ class _Conv1dSSDCPFn(torch.autograd.Function):
     def forward(ctx, xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, cfg):
         halo, halo_seq = _exchange_halo(xBC, seq_idx, cfg)
         u = torch.empty(xBC.shape, device=xBC.device, dtype=xBC.dtype)               # (rows, s, conv_dim)
-        xB = cfg.nheads * cfg.headdim + cfg.ngroups * cfg.dstate                      # x and B channels
+        # the summaries need x and B only: with other ranks, C's conv runs while they travel
+        xB = cfg.nheads * cfg.headdim + cfg.ngroups * cfg.dstate if cfg.world > 1 else xBC.shape[2]
         _conv_channels(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, u, slice(0, xB))
         x, B, C = _split_xBC(u, cfg)
         k = _Launch(x, B, min(cfg.chunk, MAX_CHUNK_FWD), dt_bias, True, cfg.dt_limit, seq_idx)
         summary = Summary(x, dt, A, B, dt_bias, seq_idx, k)
         S_ext, a = summary.affine()                                                 # (rows, h, p, n), (rows, h)
         every, work = _gather_summaries(S_ext, a, seq_idx, cfg)
-        # the summaries need x and B only: C's conv runs while they travel
-        _conv_channels(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, u, slice(xB, xBC.shape[2]))
         if work is not None:
+            _conv_channels(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, u, slice(xB, xBC.shape[2]))
             work.wait()
         entries, final, a_all, e = _scan_shards(every, initial_states, seq_idx is not None, cfg)
         y, _ = ssd_output(x, dt, A, B, C, D, None, dt_bias, seq_idx, summary, entries)

@@ -111,9 +111,9 @@ PATHS = ("a2a", "none", "permute_p2p", "permute_a2a", "virtual")   # "a2a" first
 
 # shape of record on a GPU; a small shape for the CPU interpreter
 GPU_DEFAULTS = dict(lengths="4096,16384,65536", iters=20, warmup=5, dtype="bf16",
-                    nheads=64, headdim=64, ngroups=8, dstate=128, d_conv=4, chunk=128, local_length=16384)
+                    nheads=64, headdim=64, ngroups=8, dstate=128, d_conv=4, chunk=128, local_length="4096,16384,65536")
 CPU_DEFAULTS = dict(lengths="64,128", iters=2, warmup=1, dtype="fp32",
-                    nheads=4, headdim=16, ngroups=2, dstate=16, d_conv=4, chunk=16, local_length=128)
+                    nheads=4, headdim=16, ngroups=2, dstate=16, d_conv=4, chunk=16, local_length="128")
 CP_LENGTHS = dict(gpu="8192,32768,131072", cpu="256")   # global lengths of the CP paths under torchrun
 
 # the communication table: world sizes and global lengths
@@ -638,46 +638,53 @@ def report_comm_table(args):
 # ---------------------------------------------------------------------------------------------
 
 
-def bench_cp_local(args, sweep):
-    """`mamba_conv1d_ssd_cp` (cp_group=None, conv included) against `mamba_chunk_scan_combined`
-    (no conv) at --local-length tokens, eager, fwd+bwd (fwd with --fwd-only), the same shape.
-    `sweep`: the single-device RESULT dicts already measured; the SSD time is reused from there
-    when the length matches. Returns the RESULT dict."""
-    L = args.local_length
+def bench_cp_local(args, L, sweep):
+    """`mamba_conv1d_ssd_cp` (cp_group=None, conv included) against the unfused layer (conv1d,
+    then `mamba_chunk_scan_combined`) and the SSD alone, at L tokens, fwd+bwd (fwd with
+    --fwd-only), the same shape; eager, and on a GPU also CUDA-graph replays (the GPU alone: the
+    eager figure carries each call's host latency). `sweep`: the single-device RESULT dicts
+    already measured; the SSD's times are reused from there when the length matches. Returns
+    the RESULT dict."""
     device = "cuda" if CUDA else "cpu"
     timer = time_cuda if CUDA else time_wall
     phase = "fwd" if args.fwd_only else "fwdbwd"
+    graphs = CUDA and not args.no_graph
     # the interpreter compiles nothing: on CPU the CP call's warm-up is skipped unless --warmup was given
     warmup = args.warmup if CUDA or args.warmup_given else 0
     r = dict(bench="cp_local_vs_ssd", L_local=L, batch=args.batch, dtype=args.dtype, nheads=args.nheads,
              headdim=args.headdim, ngroups=args.ngroups, dstate=args.dstate, d_conv=args.d_conv,
              chunk=args.chunk, iters=args.iters, cp_warmup=warmup, ssd_warmup=args.warmup, phase=phase,
-             timing="cuda_events_p50_eager" if CUDA else "wall_clock_p50_interpreter",
-             cp_ms=None, ssd_ms=None, cp_over_ssd=None, cp_peak_mib=None, ssd_peak_mib=None,
-             unfused_ms=None, cp_over_unfused=None, unfused_over_ssd=None,
-             cp_includes_conv=True, ssd_includes_conv=False, ssd_source=None, error=None,
+             timing="cuda_events_p50" if CUDA else "wall_clock_p50_interpreter",
+             cp_ms=None, unfused_ms=None, ssd_ms=None, cp_graph_ms=None, unfused_graph_ms=None, ssd_graph_ms=None,
+             cp_over_ssd=None, cp_over_unfused=None, unfused_over_ssd=None,
+             cp_over_ssd_graph=None, cp_over_unfused_graph=None, unfused_over_ssd_graph=None,
+             cp_peak_mib=None, ssd_peak_mib=None, cp_includes_conv=True, ssd_includes_conv=False,
+             ssd_source=None, graph_error=None, error=None,
              device=torch.cuda.get_device_name() if CUDA else "cpu (triton interpreter)")
+    errors = []
     try:
-        log(f"[cp vs ssd] mamba_conv1d_ssd_cp (world of one) L_local={L}: {phase}, "
-            f"{warmup} warm-up + {args.iters} timed ...")
         leaves, grad_y = make_cp_local(args, L, 0, 1, "none", device)
-        step = make_cp_step("none", leaves, grad_y, args, None)
-        r["cp_ms"] = timer(step, args.iters, warmup)
-        if CUDA:
-            r["cp_peak_mib"] = measure_peak_mib(step)[0]
-        log(f"[cp vs ssd] conv1d then mamba_chunk_scan_combined (unfused, no CP) L={L}: {phase} ...")
-        step = make_cp_step("unfused", leaves, grad_y, args, None)
-        r["unfused_ms"] = timer(step, args.iters, warmup)
+        for name in ("cp", "unfused"):
+            what = ("mamba_conv1d_ssd_cp (world of one)" if name == "cp"
+                    else "conv1d then mamba_chunk_scan_combined (unfused, no CP)")
+            log(f"[cp vs ssd] {what} L={L}: {phase}, {warmup} warm-up + {args.iters} timed ...")
+            step = make_cp_step("none" if name == "cp" else "unfused", leaves, grad_y, args, None)
+            r[f"{name}_ms"] = timer(step, args.iters, warmup)
+            if CUDA and name == "cp":
+                r["cp_peak_mib"] = measure_peak_mib(step)[0]
+            if graphs:
+                r[f"{name}_graph_ms"], _, graph = try_graph(name, step, args.iters, args.warmup, errors)
+                del graph
         del leaves, grad_y, step
     except Exception as e:  # noqa: BLE001 - report, keep going
         r["error"] = "cp: " + short_error(e)
         log(f"[cp vs ssd] CP call failed: {r['error']}")
     gc.collect()
 
-    key = f"{phase}_ms"
-    same = [s for s in sweep if s["L"] == L and s.get(key) is not None]
+    same = [s for s in sweep if s["L"] == L and s.get(f"{phase}_ms") is not None]
     if same:
-        r["ssd_ms"], r["ssd_peak_mib"], r["ssd_source"] = same[0][key], same[0]["peak_mib"], "single-device sweep above"
+        r["ssd_ms"], r["ssd_graph_ms"] = same[0][f"{phase}_ms"], same[0][f"{phase}_graph_ms"]
+        r["ssd_peak_mib"], r["ssd_source"] = same[0]["peak_mib"], "single-device sweep above"
     else:
         try:
             log(f"[cp vs ssd] mamba_chunk_scan_combined L={L}: {phase} ...")
@@ -687,30 +694,42 @@ def bench_cp_local(args, sweep):
             r["ssd_ms"], r["ssd_source"] = timer(fn, args.iters, args.warmup), "measured here"
             if CUDA:
                 r["ssd_peak_mib"] = measure_peak_mib(fn)[0]
+            if graphs:
+                r["ssd_graph_ms"], _, graph = try_graph("ssd", fn, args.iters, args.warmup, errors)
+                del graph
             del inp, grad, fwd, fwdbwd, fn
         except Exception as e:  # noqa: BLE001
             r["error"] = ((r["error"] + "; ") if r["error"] else "") + "ssd: " + short_error(e)
         gc.collect()
-    r["cp_over_ssd"] = ratio(r["cp_ms"], r["ssd_ms"])
-    r["cp_over_unfused"] = ratio(r["cp_ms"], r["unfused_ms"])
-    r["unfused_over_ssd"] = ratio(r["unfused_ms"], r["ssd_ms"])
+    for suffix in ("", "_graph"):
+        cp, unfused, ssd = (r[f"{name}{suffix}_ms"] for name in ("cp", "unfused", "ssd"))
+        r[f"cp_over_ssd{suffix}"] = ratio(cp, ssd)
+        r[f"cp_over_unfused{suffix}"] = ratio(cp, unfused)
+        r[f"unfused_over_ssd{suffix}"] = ratio(unfused, ssd)
+    r["graph_error"] = "; ".join(errors) or None
     if CUDA:
         torch.cuda.empty_cache()
     return r
 
 
 def human_cp_local(r):
+    g = lambda key: f" (graph {fmt(r[key], unit=' ms')})" if CUDA else ""      # noqa: E731
+    gr = lambda key: f" (graph {fmt(r[key], '.2f', 'x')})" if CUDA else ""     # noqa: E731
     line = (f"CP per-rank compute, world of one, L_local={r['L_local']} batch={r['batch']} {r['dtype']}, "
-            f"{r['phase']} eager, p50 of {r['iters']} iters: "
-            f"mamba_conv1d_ssd_cp (conv1d INCLUDED; {r['cp_warmup']} warm-up) {fmt(r['cp_ms'], unit=' ms')}, "
-            f"mamba_chunk_scan_combined (no conv) {fmt(r['ssd_ms'], unit=' ms')} [{r['ssd_source']}], "
-            f"ratio {fmt(r['cp_over_ssd'], '.2f', 'x')}; peak {fmt(r['cp_peak_mib'], '.0f', ' MiB')} vs "
-            f"{fmt(r['ssd_peak_mib'], '.0f', ' MiB')}\n"
-            f"  unfused conv1d then mamba_chunk_scan_combined (no CP, no state passing) "
-            f"{fmt(r['unfused_ms'], unit=' ms')}: fused CP / unfused {fmt(r['cp_over_unfused'], '.2f', 'x')}, "
-            f"unfused / SSD alone {fmt(r['unfused_over_ssd'], '.2f', 'x')}")
+            f"{r['phase']}, p50 of {r['iters']} iters, eager (graph):\n"
+            f"  mamba_conv1d_ssd_cp, conv1d included, full CP path: {fmt(r['cp_ms'], unit=' ms')}{g('cp_graph_ms')}\n"
+            f"  unfused conv1d then mamba_chunk_scan_combined (no CP, no state passing): "
+            f"{fmt(r['unfused_ms'], unit=' ms')}{g('unfused_graph_ms')}\n"
+            f"  mamba_chunk_scan_combined alone (no conv) [{r['ssd_source']}]: "
+            f"{fmt(r['ssd_ms'], unit=' ms')}{g('ssd_graph_ms')}\n"
+            f"  fused CP / unfused {fmt(r['cp_over_unfused'], '.2f', 'x')}{gr('cp_over_unfused_graph')}, "
+            f"unfused / SSD alone {fmt(r['unfused_over_ssd'], '.2f', 'x')}{gr('unfused_over_ssd_graph')}, "
+            f"fused CP / SSD alone {fmt(r['cp_over_ssd'], '.2f', 'x')}{gr('cp_over_ssd_graph')}; "
+            f"peak {fmt(r['cp_peak_mib'], '.0f', ' MiB')} vs {fmt(r['ssd_peak_mib'], '.0f', ' MiB')} (SSD alone)")
+    if r["graph_error"]:
+        line += f"\n  [graph error: {r['graph_error']}]"
     if r["error"]:
-        line += f"  [error: {r['error']}]"
+        line += f"\n  [error: {r['error']}]"
     return line
 
 
@@ -786,6 +805,33 @@ def time_distributed(step, args, device, label, rank):
     return times, None
 
 
+def time_distributed_graph(step, args, device, label, rank):
+    """`step` captured into one CUDA graph on every rank (collectives included; warm-up on a
+    side stream first, as the torch.cuda.graph docs prescribe), then its replays timed as
+    time_distributed times eager calls: the GPUs alone, without the host's latency. A capture
+    failure on any rank is agreed on and returned as the error. Returns (times, error)."""
+    error, graph = None, None
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(max(1, args.warmup)):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step()
+        del out
+    except Exception as e:  # noqa: BLE001 - agreed on below, reported in RESULT
+        error = short_error(e)
+    if any_rank(error is not None, device):
+        return [], "graph capture: " + collect_errors(error, True)
+    times, error = time_distributed(graph.replay, args, device, label + " (graph)", rank)
+    del graph
+    return times, error
+
+
 def bench_cp_path(args, path, L, rank, world, device):
     """One path at global length L on every rank of the WORLD group; returns the RESULT dict
     (identical on every rank but for local fields)."""
@@ -801,6 +847,7 @@ def bench_cp_path(args, path, L, rank, world, device):
              iters=args.iters, warmup=args.warmup, phase="fwd" if args.fwd_only else "fwdbwd",
              timing=("cuda_events" if CUDA else "wall_clock_interpreter") + "_rank_max_p50",
              p50_ms=None, min_ms=None, max_ms=None, speedup_vs_a2a=None, peak_mib=None, base_mib=None,
+             graph_p50_ms=None, graph_speedup_vs_a2a=None, graph_error=None,
              comm_fwd_bytes=None if c is None else c["fwd"], comm_bwd_bytes=None if c is None else c["bwd"],
              backend=dist.get_backend(), device=torch.cuda.get_device_name() if CUDA else "cpu (triton interpreter)",
              error=None)
@@ -834,6 +881,13 @@ def bench_cp_path(args, path, L, rank, world, device):
             r["peak_mib"], r["base_mib"] = mem[0].item() / MIB, mem[1].item() / MIB
         if rank == 0:
             log(f"[rank 0] {label}: " + (f"p50 {r['p50_ms']:.3f} ms" if r["error"] is None else f"error: {r['error']}"))
+        if CUDA and not args.no_graph and r["error"] is None:
+            times, r["graph_error"] = time_distributed_graph(step, args, device, label, rank)
+            if times and r["graph_error"] is None:
+                r["graph_p50_ms"] = statistics.median(times)
+            if rank == 0:
+                log(f"[rank 0] {label}: " + (f"graph p50 {r['graph_p50_ms']:.3f} ms" if r["graph_error"] is None
+                                             else f"graph error: {r['graph_error']}"))
     del leaves, grad_y, step
     gc.collect()
     if CUDA:
@@ -849,16 +903,21 @@ def human_cp_table(rows, world, args):
     if L % (2 * world):
         return f"\nL={L} global, W={world}: not run, L must be divisible by 2W = {2 * world}"
     out = [f"\nL={L} global, {L // world} tokens per rank, W={world}: {phase} of conv1d + SSD + exchange, "
-           f"p50 of the rank maximum over {args.iters} iters after {args.warmup} warm-up",
-           f"{'path':<13}{'input':<12}{'p50 ms':>11}{'vs a2a':>9}{'peak MiB':>10}{'comm fwd / bwd per rank':>28}  note"]
+           f"p50 of the rank maximum over {args.iters} iters after {args.warmup} warm-up, eager and "
+           f"CUDA-graph replay (the GPUs alone; on CUDA only)",
+           f"{'path':<13}{'input':<12}{'p50 ms':>11}{'vs a2a':>9}{'graph ms':>10}{'vs a2a':>9}{'peak MiB':>10}"
+           f"{'comm fwd / bwd per rank':>28}  note"]
     for r in rows:
         comm = (f"{fmt_bytes(r['comm_fwd_bytes'])} / {fmt_bytes(r['comm_bwd_bytes'])}"
                 if r["comm_fwd_bytes"] is not None else "n/a")
         note = "mamba_conv1d_ssd_a2a on the zigzag shard (load_balancing='virtual')" if r["path"] == "a2a" else ""
         if r["error"]:
             note = (note + "; " if note else "") + f"ERROR: {r['error']}"
+        if r["graph_error"]:
+            note = (note + "; " if note else "") + f"graph: {r['graph_error']}"
         out.append(f"{r['path']:<13}{r['input_layout']:<12}{fmt(r['p50_ms'], '.3f'):>11}"
-                   f"{fmt(r['speedup_vs_a2a'], '.2f', 'x'):>9}{fmt(r['peak_mib'], '.0f'):>10}{comm:>28}  {note}")
+                   f"{fmt(r['speedup_vs_a2a'], '.2f', 'x'):>9}{fmt(r['graph_p50_ms'], '.3f'):>10}"
+                   f"{fmt(r['graph_speedup_vs_a2a'], '.2f', 'x'):>9}{fmt(r['peak_mib'], '.0f'):>10}{comm:>28}  {note}")
     return "\n".join(out)
 
 
@@ -899,9 +958,10 @@ def main_distributed(args):
     results = []
     for L in args.lengths:
         rows = [bench_cp_path(args, path, L, rank, world, device) for path in args.paths]
-        base = next((r["p50_ms"] for r in rows if r["path"] == "a2a"), None)
-        for r in rows:
-            r["speedup_vs_a2a"] = ratio(base, r["p50_ms"])
+        for key, speedup in (("p50_ms", "speedup_vs_a2a"), ("graph_p50_ms", "graph_speedup_vs_a2a")):
+            base = next((r[key] for r in rows if r["path"] == "a2a"), None)
+            for r in rows:
+                r[speedup] = ratio(base, r[key])
         results += rows
         if rank == 0:
             print(human_cp_table(rows, world, args))
@@ -1054,8 +1114,8 @@ def parse_args(argv=None):
         flags = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
         ap.add_argument(*flags, dest=name, type=int,
                         help=f"default {GPU_DEFAULTS[name]} on GPU, {CPU_DEFAULTS[name]} on CPU")
-    ap.add_argument("--local-length", "--local_length", dest="local_length", type=int,
-                    help="single device: tokens per rank of the CP-vs-SSD comparison "
+    ap.add_argument("--local-length", "--local_length", dest="local_length",
+                    help="single device: comma-separated tokens per rank of the CP-vs-SSD comparison "
                     f"(default {GPU_DEFAULTS['local_length']} GPU, {CPU_DEFAULTS['local_length']} CPU)")
     ap.add_argument("--paths", default=",".join(PATHS),
                     help=f"comma-separated CP paths to time (and tabulate), of {','.join(PATHS)}")
@@ -1086,6 +1146,7 @@ def parse_args(argv=None):
         if getattr(args, k) is None:
             setattr(args, k, v)
     args.lengths = [int(s) for s in str(args.lengths).split(",") if s.strip()]
+    args.local_lengths = [int(s) for s in str(args.local_length).split(",") if s.strip()]
     args.paths = [p.strip() for p in args.paths.split(",") if p.strip()]
     unknown = [p for p in args.paths if p not in PATHS]
     if unknown or not args.paths:
@@ -1124,9 +1185,10 @@ def main_single(args):
                 print("RESULT " + json.dumps(dict(bench="profile", L=L, phase=phase, kernels=rows, **tuned(args))),
                       flush=True)
 
-    r = bench_cp_local(args, sweep)
-    print("\n" + human_cp_local(r))
-    print("RESULT " + json.dumps(dict(r, **tuned(args))), flush=True)
+    for L in args.local_lengths:
+        r = bench_cp_local(args, L, sweep)
+        print("\n" + human_cp_local(r))
+        print("RESULT " + json.dumps(dict(r, **tuned(args))), flush=True)
 
     report_comm_table(args)
 

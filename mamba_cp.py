@@ -2121,6 +2121,19 @@ def _a2a_channels(cfg, heads, groups):
     return x + Bc + Cc
 
 
+# The channel indices of each rank's block, per (shape, world, device): built once, on the first
+# (eager) call, so that later calls copy nothing from the host and can be captured in a CUDA graph.
+_A2A_CHANNELS = {}
+
+
+def _a2a_channel_index(cfg, plan, device):
+    key = (cfg.nheads, cfg.headdim, cfg.ngroups, cfg.dstate, cfg.world, str(device))
+    if key not in _A2A_CHANNELS:
+        _A2A_CHANNELS[key] = [torch.tensor(_a2a_channels(cfg, *heads_groups), device=device)
+                              for heads_groups in plan]
+    return _A2A_CHANNELS[key]
+
+
 def _to_global_order(blocks, cfg):
     """blocks (W, b, l_local, ...): every rank's local tokens -> (b, L, ...) in sequence order."""
     layout = "none" if cfg.load_balancing == "none" else "virtual"                # input layouts
@@ -2162,7 +2175,7 @@ def mamba_conv1d_ssd_a2a(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_s
 
     # forward all-to-all: block j of what this rank sends holds rank j's channels of its tokens
     plan = [_a2a_heads(nheads, ngroups, world, r) for r in range(world)]
-    chan = [torch.tensor(_a2a_channels(cfg, *plan[r]), device=xBC.device) for r in range(world)]
+    chan = _a2a_channel_index(cfg, plan, xBC.device)
     send_x = torch.stack([xBC.index_select(2, chan[r]) for r in range(world)])     # (W, b, l, c_loc)
     send_dt = torch.stack([dt[..., plan[r][0][0]:plan[r][0][-1] + 1] for r in range(world)])
     xBC_mine = _to_global_order(_AllToAllFn.apply(send_x, cp_group), cfg)        # (b, L, c_loc)

@@ -172,6 +172,20 @@ def test_awkward_shapes(shape):
                                       initial_states=True)), FP32_BOUND)
 
 
+def test_gpu_program_shapes(monkeypatch):
+    """The GPU's program shapes, which the interpreter does not use by default: one head per
+    output program, and a state tile as wide as the whole state in both chunk-backward kernels."""
+    init = mamba_cp._Launch.__init__
+
+    def gpu_like(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.heads_per_output = 1
+        self.BN_x = self.BN_bc = self.BN
+
+    monkeypatch.setattr(mamba_cp._Launch, "__init__", gpu_like)
+    assert_close(run_both(make_inputs(1, **SMALL, **OPTIONS["all"])), FP32_BOUND)
+
+
 def test_dt_limit_clamps():
     inputs = make_inputs(3, **SMALL, dt_softplus=True, dt_bias=True, dt_limit=(0.25, 0.6))
     v = ref.process_dt(inputs["dt"], inputs["dt_bias"], True)

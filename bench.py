@@ -33,11 +33,12 @@ Three measurements, dispatched by main():
 
    Then, still on one device:
    (a) CP compute in a world of one ("bench": "cp_local_vs_ssd"): `mamba_conv1d_ssd_cp` with
-       cp_group=None at --local-length tokens (what one rank computes when each holds that many),
-       eager forward+backward, against the conv-free `mamba_chunk_scan_combined` at the same
-       length and shape. The CP side INCLUDES the causal conv1d (forward, recompute and backward);
-       the SSD side has no conv. The SSD time is taken from the sweep above when --local-length is
-       one of --lengths (the same call, the same timer), else measured here. Beside them, the
+       cp_group=None at each of the --local-length tokens (what one rank computes when each
+       holds that many), forward+backward, eager and graphed (as above), against the conv-free
+       `mamba_chunk_scan_combined` at the same length and shape. The CP side INCLUDES the causal
+       conv1d (forward, recompute and backward); the SSD side has no conv. The SSD times are
+       taken from the sweep above when the length is one of --lengths (the same call, the same
+       timers), else measured here. Beside them, the
        unfused layer: conv1d, then `mamba_chunk_scan_combined` on the split channels, no CP and
        no state passing (unfused_ms): fused CP / unfused is what the CP machinery and the fusion
        cost together, unfused / SSD alone what the conv costs. On CPU the CP and unfused calls
@@ -65,7 +66,10 @@ Three measurements, dispatched by main():
    CUDA events around forward+backward (wall clock on CPU); then one all_reduce(MAX) of the time,
    so each iteration counts at its slowest rank. The timed call includes everything a training
    step pays, the library's per-call cross-rank input check (a small all-gather read back on the
-   host) included. Reported: p50 over --iters after --warmup, peak
+   host) included. Then the same step captured in one CUDA graph on every rank, collectives
+   included (warm-up on a side stream first; the input check is skipped under capture), and
+   its replays timed the same way: the GPUs alone (graph_p50_ms, graph_speedup_vs_a2a; a
+   capture failure on any rank goes to "graph_error"). Reported: p50 over --iters after --warmup, peak
    allocated memory over the path's iterations (max over ranks, inputs included), speedup =
    a2a_p50 / path_p50, and the path's computed communication bytes. One `RESULT {json}` line
    per path and L ("bench": "cp_paths"), printed by rank 0, and a table. A path that raises is

@@ -19,7 +19,8 @@ over them gives every rank its true entry state (section 3).
 Reading order, which is also the order data flows:
   1. Triton kernels, forward: the state pass (chunk states + their sequential combination) and
      the output pass (intra-chunk products plus the entry-state term).
-  2. Triton kernels, backward: the reverse state pass and one fused chunk backward.
+  2. Triton kernels, backward: the reverse state pass and two chunk-backward kernels (per head,
+     and per group).
   3. Input checks and the single-device autograd function `mamba_chunk_scan_combined`.
 
 Numerics. Decays are exponentials of sums of dt'*A. A difference of two large cumulative sums

@@ -894,7 +894,7 @@ def _chunk_bwd_x_kernel(
     # multiplies that difference by dt' and its rounding error with it.
     strict = causal & (offs_q[:, None] > offs_q[None, :])
     V = tl.where(strict, dxy * Mdt, 0.0)                                           # (Q, Q) pair (i, j)
-    spans = tl.cumsum(V, axis=1) - V                                               # sum_{j<k} V_ik
+    spans = tl.cumsum(V, axis=1) - V                                  # (Q, Q) [i, k]: sum_{j<k} V_ij
     d_intra = tl.sum(tl.where(offs_q[:, None] >= offs_q[None, :], spans, 0.0), axis=0)  # sum_{i>=k}
     d_entry = tl.cumsum(tl.sum(dy * y_entry, axis=1), axis=0, reverse=True)         # exp(cs_i), i >= k
     sw = (dw * w).to(tl.float64)
@@ -1250,9 +1250,9 @@ class _Launch:
         self.BN_bc = min(self.BN, 16 if INTERPRET else 128)
         self.BN_x = min(self.BN, 16 if INTERPRET else 128)
         # Heads per output program (a divisor of heads_per_group). They share the group's C.B,
-        # computed once per program, but one head per program runs 8x as many programs, which
-        # hides latency better: 16% faster on an H200 at the record shape. The interpreter pays
-        # per program, and walks the head loop.
+        # computed once per program, but one head per program runs heads_per_group times as
+        # many programs, which hides latency better: 16% faster on an H200 at the record shape
+        # (8 heads per group). The interpreter pays per program, and walks the head loop.
         self.heads_per_output = self.heads_per_group if INTERPRET else 1
         self.launch = dict(LAUNCH_OPTIONS) if not INTERPRET else {name: {} for name in LAUNCH_OPTIONS}
 

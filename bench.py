@@ -235,9 +235,9 @@ def time_wall(fn, iters, warmup):
     return statistics.median(times)
 
 
-def time_graph(fn, iters, warmup):
-    """Capture fn into a CUDA graph and time replays; returns (p50 ms, captured output).
-    Warm-up runs on a side stream before capture, as the torch.cuda.graph docs prescribe."""
+def capture_graph(fn, warmup):
+    """fn captured into a CUDA graph, after warm-up calls on a side stream (as the
+    torch.cuda.graph docs prescribe). Returns (graph, captured output)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -248,8 +248,13 @@ def time_graph(fn, iters, warmup):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = fn()                     # static output: overwritten in place by every replay
-    ms = time_cuda(graph.replay, iters, warmup)
-    return ms, out, graph
+    return graph, out
+
+
+def time_graph(fn, iters, warmup):
+    """Capture fn into a CUDA graph and time replays; returns (p50 ms, captured output, graph)."""
+    graph, out = capture_graph(fn, warmup)
+    return time_cuda(graph.replay, iters, warmup), out, graph
 
 
 def short_error(e):
@@ -810,22 +815,13 @@ def time_distributed(step, args, device, label, rank):
 
 
 def time_distributed_graph(step, args, device, label, rank):
-    """`step` captured into one CUDA graph on every rank (collectives included; warm-up on a
-    side stream first, as the torch.cuda.graph docs prescribe), then its replays timed as
-    time_distributed times eager calls: the GPUs alone, without the host's latency. A capture
-    failure on any rank is agreed on and returned as the error. Returns (times, error)."""
+    """`step` captured into one CUDA graph on every rank (collectives included; capture_graph),
+    then its replays timed as time_distributed times eager calls: the GPUs alone, without the
+    host's latency. A capture failure on any rank is agreed on and returned as the error.
+    Returns (times, error)."""
     error, graph = None, None
     try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(max(1, args.warmup)):
-                step()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = step()
+        graph, out = capture_graph(step, args.warmup)
         del out
     except Exception as e:  # noqa: BLE001 - agreed on below, reported in RESULT
         error = short_error(e)

@@ -27,7 +27,8 @@ Numerics. Decays are exponentials of sums of dt'*A. A difference of two large cu
 loses the small difference between them in float32 (exp(cs_i - cs_j) where both are near
 -1000), so cumulative sums are formed in float64 and split into a float32 (hi, lo) pair: the
 difference of the hi parts is exact wherever it matters (Sterbenz), and the lo parts carry what
-float32 rounded away. Every exponent is masked before exp and clamped at 0: no inf * 0.
+float32 rounded away. Exponents may have either sign (growth when dt' < 0 or A > 0): masked
+ones are removed by selection before exp, never multiplied by 0, so no inf * 0 appears.
 
 On a machine without a GPU the same kernels run in the Triton interpreter
 (TRITON_INTERPRET=1 is set below when CUDA is absent), so the code can be stepped through.
@@ -95,10 +96,18 @@ def _cumsum_hi_lo(dA):
 
 @triton.jit
 def _pair_decay(hi, lo, mask):
-    """(Q, Q) exp(cs_i - cs_j) where mask (i >= j and same document), else 0."""
+    """(Q, Q) exp(cs_i - cs_j) where mask (i >= j and same document), else 0. The masked pairs
+    are removed by selection before exp, so their exponent (of either sign, and infinite for
+    pairs far apart under growth) never meets a multiplication."""
     seg = (hi[:, None] - hi[None, :]) + (lo[:, None] - lo[None, :])
-    seg = tl.where(mask, seg, float("-inf"))
-    return tl.exp(tl.minimum(seg, 0.0))
+    return tl.exp(tl.where(mask, seg, float("-inf")))
+
+
+@triton.jit
+def _selected_exp(keep, log_v):
+    """exp(log_v) where keep, else exactly 0: a decay cut by a document start, chosen rather than
+    multiplied by 0 (a growth's exp may be inf there, and inf * 0 is NaN)."""
+    return tl.where(keep, tl.exp(log_v.to(tl.float32)), 0.0)
 
 
 @triton.jit
@@ -438,13 +447,12 @@ def _state_fwd_kernel(
 
     S = tl.zeros((BP, BN), dtype=tl.float32)                                      # (BP, BN)
     log_gamma = tl.zeros((), dtype=tl.float64)
-    alive = tl.full((), 1.0, tl.float32)              # 0 once a document starts in the segment
+    alive = tl.full((), 1, tl.int1)                   # False once a document starts in the segment
     c_end = tl.minimum((seg + 1) * chunks_per_seg, nchunks)
     for c in range(seg * chunks_per_seg, c_end):
         start = c * Q
         tl.store(st_base + tl.cast(c, tl.int64) * stride_st_c, S.to(states_ptr.dtype.element_ty), mask=mask_pn)
-        tl.store(ga_base + tl.cast(c, tl.int64) * stride_ga_c, alive * tl.exp(log_gamma.to(tl.float32)),
-                 mask=first_tile)
+        tl.store(ga_base + tl.cast(c, tl.int64) * stride_ga_c, _selected_exp(alive, log_gamma), mask=first_tile)
         dt, dA, slope = _chunk_dt(dt_ptr, dt_bias_ptr, A_ptr, b, h, start, seqlen,
                            stride_dt_b, stride_dt_l, stride_dt_h,
                            Q, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT, dt_min, dt_max)
@@ -457,7 +465,7 @@ def _state_fwd_kernel(
             seq, last, prev = _seq_ids(seq_ptr, b, start, seqlen, stride_seq_b, stride_seq_l, Q)
             w = tl.where(seq == last, w, 0.0)          # only the last document reaches the exit
             decay = tl.where(last == prev, decay, 0.0)  # a document starts inside: entry is cut off
-            alive = tl.where(last == prev, alive, 0.0)
+            alive = alive & (last == prev)
         t = start + offs_q
         valid = t < seqlen
         x = tl.load(x_base + t.to(tl.int64)[:, None] * stride_x_l,
@@ -468,7 +476,7 @@ def _state_fwd_kernel(
         S = decay * S + tl.dot(tl.trans(xw), Bm, input_precision=DOT_PRECISION)  # (BP, BN)
 
     tl.store(a_ptr + b64 * stride_a_b + tl.cast(seg, tl.int64) * stride_a_s + h * stride_a_h,
-             alive * tl.exp(log_gamma.to(tl.float32)), mask=first_tile)
+             _selected_exp(alive, log_gamma), mask=first_tile)
     tl.store(ext_ptr + b64 * stride_ext_b + tl.cast(seg, tl.int64) * stride_ext_s + h * stride_ext_h
              + offs_p[:, None] * stride_ext_p + offs_n[None, :] * stride_ext_n, S, mask=mask_pn)
 
@@ -650,15 +658,14 @@ def _state_bwd_kernel(
     first_tile = (pid_p == 0) & (pid_n == 0)
     dS = tl.zeros((BP, BN), dtype=tl.float32)                                     # (BP, BN)
     log_rho = tl.zeros((), dtype=tl.float64)
-    alive = tl.full((), 1.0, tl.float32)
+    alive = tl.full((), 1, tl.int1)
     c_first = seg * chunks_per_seg
     c_end = tl.minimum(c_first + chunks_per_seg, nchunks)
     for i in range(c_end - c_first):
         c = c_end - 1 - i
         start = c * Q
         tl.store(ds_base + tl.cast(c, tl.int64) * stride_ds_c, dS.to(dstates_ptr.dtype.element_ty), mask=mask_pn)
-        tl.store(rho_base + tl.cast(c, tl.int64) * stride_rho_c, alive * tl.exp(log_rho.to(tl.float32)),
-                 mask=first_tile)
+        tl.store(rho_base + tl.cast(c, tl.int64) * stride_rho_c, _selected_exp(alive, log_rho), mask=first_tile)
         dt, dA, slope = _chunk_dt(dt_ptr, dt_bias_ptr, A_ptr, b, h, start, seqlen,
                            stride_dt_b, stride_dt_l, stride_dt_h,
                            Q, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT, dt_min, dt_max)
@@ -671,7 +678,7 @@ def _state_bwd_kernel(
             seq, last, prev = _seq_ids(seq_ptr, b, start, seqlen, stride_seq_b, stride_seq_l, Q)
             e = tl.where(seq == prev, e, 0.0)
             decay = tl.where(last == prev, decay, 0.0)
-            alive = tl.where(last == prev, alive, 0.0)
+            alive = alive & (last == prev)
         t = start + offs_q
         t64 = t.to(tl.int64)
         valid = t < seqlen
@@ -690,7 +697,7 @@ def _state_bwd_kernel(
     tl.store(G_ptr + b64 * stride_G_b + tl.cast(seg, tl.int64) * stride_G_s + h * stride_G_h
              + offs_p[:, None] * stride_G_p + offs_n[None, :] * stride_G_n, dS, mask=mask_pn)
     tl.store(a_ptr + b64 * stride_a_b + tl.cast(seg, tl.int64) * stride_a_s + h * stride_a_h,
-             alive * tl.exp(log_rho.to(tl.float32)), mask=first_tile)
+             _selected_exp(alive, log_rho), mask=first_tile)
 
 
 @triton.jit

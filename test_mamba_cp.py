@@ -59,9 +59,11 @@ SMALL = dict(batch=2, seqlen=77, nheads=4, headdim=24, ngroups=2, dstate=20, chu
 
 def make_inputs(seed, *, batch, seqlen, nheads, headdim, ngroups, dstate, chunk, dtype=torch.float32,
                 device=DEVICE, D=None, z=False, dt_bias=False, dt_softplus=False, initial_states=False,
-                seq_idx=None, dt_limit=(0.0, float("inf")), extreme=False):
+                seq_idx=None, dt_limit=(0.0, float("inf")), extreme=False, growth=None):
     """One seeded set of inputs; options named as in mamba_chunk_scan_combined.
-    D: None, "h" or "hp". seq_idx: None or a list of document start positions."""
+    D: None, "h" or "hp". seq_idx: None or a list of document start positions.
+    growth: None (decay: dt'*A < 0), "neg_dt" (dt' < 0 without softplus, A < 0), "pos_A"
+    (A > 0), or a number: dt'*A equal to it at every token (dt' < 0)."""
     g = torch.Generator().manual_seed(seed)
 
     def rnd(*shape, scale=1.0):
@@ -77,6 +79,12 @@ def make_inputs(seed, *, batch, seqlen, nheads, headdim, ngroups, dstate, chunk,
     if extreme:  # 5% of tokens with dt'*A = -1000 among small decays
         big = (torch.rand(b, l, h, generator=g) < 0.05).to(device)
         dt = torch.where(big, 1000.0 / -A, dt * 0.1)
+    if growth == "neg_dt":  # what a caller's raw dt can do with dt_softplus=False
+        dt = -(torch.rand(b, l, h, generator=g) * 0.2).to(device)
+    elif growth == "pos_A":
+        A = -0.5 * A
+    elif growth is not None:
+        dt = (growth / A).expand(b, l, h).contiguous()
     x = rnd(b, l, h, p).to(dtype)
     B = rnd(b, l, ngroups, n).to(dtype)
     C = rnd(b, l, ngroups, n).to(dtype)
@@ -213,8 +221,28 @@ def test_extreme_decay(chunk):
     assert all(e == e for e in errs.values())
 
 
-def test_deterministic():
-    inputs = make_inputs(6, **SMALL, **OPTIONS["all"])
+# Growth: dt'*A > 0, where the per-token factors exceed 1. The lengths keep the true values
+# finite in float32; "strong" grows by e^3 a token, with a document every 10 tokens, so that
+# exponents spanning documents overflow (they must be selected away, never multiplied by 0).
+GROWTH = {
+    "neg_dt": dict(growth="neg_dt"),
+    "neg_dt_all": dict(growth="neg_dt", D="hp", z=True, initial_states=True, seq_idx=[16, 40, 41]),
+    "pos_A_softplus": dict(growth="pos_A", D="h", dt_bias=True, dt_softplus=True, initial_states=True),
+    "strong_documents": dict(growth=3.0, seq_idx=list(range(5, 77, 10)), initial_states=True, D="h"),
+}
+
+
+@pytest.mark.parametrize("name", list(GROWTH))
+def test_growth_against_oracle(name):
+    inputs = make_inputs(11, **SMALL, **GROWTH[name])
+    dtp = process_dt(inputs["dt"], inputs.get("dt_bias"), inputs["dt_softplus"])
+    assert (dtp * inputs["A"] > 0).float().mean() > 0.9
+    assert_close(run_both(inputs), FP32_BOUND)
+
+
+@pytest.mark.parametrize("opts", [OPTIONS["all"], GROWTH["strong_documents"]], ids=["decay", "growth"])
+def test_deterministic(opts):
+    inputs = make_inputs(6, **SMALL, **opts)
     runs = []
     for _ in range(2):
         leaves = {k: v.detach().clone().requires_grad_(True) for k, v in inputs.items() if k in DIFFERENTIABLE}
@@ -668,9 +696,11 @@ CP_SMALL = dict(batch=2, nheads=4, headdim=8, ngroups=2, dstate=8, d_conv=4, chu
 
 
 def cp_inputs(seed, world, *, batch, nheads, headdim, ngroups, dstate, d_conv, chunk, piece, D="hp",
-              init=True, seq=None, dt_limit=(0.0, float("inf")), dtype=torch.float32, device="cpu", **_):
+              init=True, seq=None, dt_limit=(0.0, float("inf")), dtype=torch.float32, device="cpu",
+              growth=False, **_):
     """Full-sequence inputs of the fused core (L = 2 * W * piece tokens), the same on every rank.
-    seq: None or a list of document start positions in the global sequence."""
+    seq: None or a list of document start positions in the global sequence. growth: A > 0, scaled
+    so that the state grows by about e^8 over the whole sequence, whatever its length."""
     g = torch.Generator().manual_seed(seed)
     L = 2 * world * piece
     conv_dim = nheads * headdim + 2 * ngroups * dstate
@@ -689,6 +719,8 @@ def cp_inputs(seed, world, *, batch, nheads, headdim, ngroups, dstate, d_conv, c
         initial_states=rnd(batch, nheads, headdim, dstate) if init else None,
         seq_idx=None,
     )
+    if growth:
+        full["A"] = (torch.rand(nheads, generator=g) * 0.5 + 0.75).to(device) * 20.0 / L
     if seq is not None:
         ids = torch.zeros(batch, L, dtype=torch.int32)
         for start in seq:
@@ -787,6 +819,8 @@ def cp_cases(world, gpu=False):
                           dt_limit=(0.05, 2.0), seed=1))
         if base["nheads"] % world == 0:
             cases.append(dict(base, name=f"a2a {layout}", layout=layout, path="a2a", seq=docs, seed=2))
+    # growth (A > 0): exponents of positive sign through the summaries and the scan
+    cases.append(dict(base, name="virtual growth", layout="virtual", seq=docs, growth=True, seed=4))
     if world == 3 and not gpu:  # 2 heads per rank straddle the 3-head groups: per-head group copies
         cases.append(dict(base, name="a2a none, heads straddle groups", layout="none", path="a2a",
                           nheads=6, ngroups=2, seed=3))

@@ -615,6 +615,68 @@ def _output_fwd_kernel(
                  + offs_p[None, :] * stride_y_p, y.to(y_ptr.dtype.element_ty), mask=mask_qp)
 
 
+@triton.jit
+def _document_end_state_kernel(
+    x_ptr, B_ptr, dt_ptr, dt_bias_ptr, A_ptr, cu_ptr, states_ptr, entry_ptr, gamma_ptr, out_ptr,
+    seqlen, headdim, dstate, heads_per_group, chunks_per_seg, n_n_tiles, dt_min, dt_max,
+    stride_x_l, stride_x_h, stride_x_p,
+    stride_B_l, stride_B_g, stride_B_n,
+    stride_dt_l, stride_dt_h,
+    stride_st_c, stride_st_h, stride_st_p, stride_st_n,
+    stride_en_b, stride_en_s, stride_en_h, stride_en_p, stride_en_n,
+    stride_ga_b, stride_ga_c, stride_ga_h,
+    stride_o_d, stride_o_h, stride_o_p, stride_o_n,
+    Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_DT_LIMIT: tl.constexpr,
+    HAS_ENTRY: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """The state after the last token e of one packed document (batch row 0), for one (head,
+    state tile): the chunk c holding e is entered with S_in (its stored state from a zero segment
+    entry, plus gamma(c) times the segment's entry state), so
+        S_e = exp(cs_e) S_in [if it reaches e]  +  sum_j exp(cs_e - cs_j) dt'_j x_j B_j^T
+    over the document's tokens j <= e of chunk c. The same arithmetic as the state pass, stopped at e."""
+    d = tl.program_id(0)
+    h = tl.program_id(1)
+    pid_p = tl.program_id(2) // n_n_tiles
+    pid_n = tl.program_id(2) % n_n_tiles
+    g = h // heads_per_group
+    zero = tl.zeros((), dtype=tl.int32)                                          # batch row 0
+    first = tl.load(cu_ptr + d).to(tl.int32)
+    last = tl.load(cu_ptr + d + 1).to(tl.int32) - 1
+    c = last // Q
+    start = c * Q
+    offs_q = tl.arange(0, Q)
+    offs_p = pid_p * BP + tl.arange(0, BP)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    mask_pn = (offs_p[:, None] < headdim) & (offs_n[None, :] < dstate)
+
+    dt, dA, slope = _chunk_dt(dt_ptr, dt_bias_ptr, A_ptr, zero, h, start, seqlen, 0, stride_dt_l, stride_dt_h,
+                              Q, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT, dt_min, dt_max)
+    cs = tl.cumsum(dA.to(tl.float64), axis=0)                                    # (Q,) float64
+    cs_e = tl.sum(tl.where(offs_q == last - start, cs, 0.0), axis=0)
+    t = start + offs_q
+    mine = (t >= first) & (t <= last)                                            # the document's tokens in c
+    w = tl.where(mine, tl.exp((cs_e - cs).to(tl.float32)) * dt, 0.0)             # (Q,)
+    t64 = t.to(tl.int64)
+    x = tl.load(x_ptr + t64[:, None] * stride_x_l + h * stride_x_h + offs_p[None, :] * stride_x_p,
+                mask=mine[:, None] & (offs_p[None, :] < headdim), other=0.0)    # (Q, BP)
+    Bm = tl.load(B_ptr + t64[:, None] * stride_B_l + g * stride_B_g + offs_n[None, :] * stride_B_n,
+                 mask=mine[:, None] & (offs_n[None, :] < dstate), other=0.0)    # (Q, BN)
+    xw = (x.to(tl.float32) * w[:, None]).to(x.dtype)
+    S = tl.dot(tl.trans(xw), Bm, input_precision=DOT_PRECISION)                 # (BP, BN)
+    if (first < start) | (first == 0):   # c's entry state reaches e (initial_states reach document 0)
+        S_in = tl.load(states_ptr + tl.cast(c, tl.int64) * stride_st_c + h * stride_st_h
+                       + offs_p[:, None] * stride_st_p + offs_n[None, :] * stride_st_n,
+                       mask=mask_pn, other=0.0).to(tl.float32)
+        if HAS_ENTRY:
+            S_in += _entry_term(entry_ptr, gamma_ptr, zero, c, h, offs_p, offs_n, mask_pn, chunks_per_seg,
+                                stride_en_b, stride_en_s, stride_en_h, stride_en_p, stride_en_n,
+                                stride_ga_b, stride_ga_c, stride_ga_h)
+        S += tl.exp(cs_e.to(tl.float32)) * S_in
+    tl.store(out_ptr + d.to(tl.int64) * stride_o_d + h * stride_o_h + offs_p[:, None] * stride_o_p
+             + offs_n[None, :] * stride_o_n, S, mask=mask_pn)
+
+
 # ---------------------------------------------------------------------------------------------
 # 4. SSD backward kernels
 # ---------------------------------------------------------------------------------------------
@@ -1018,6 +1080,12 @@ def _capturing(t):
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
+def _host_checks(t):
+    """Whether checks that read device values on the host may run: not while a CUDA graph is
+    captured (the eager calls before capture have run them)."""
+    return not _capturing(t)
+
+
 def _check_tensor(t, name, shape, ref, *, dtypes=None, allow_none=True):
     """Shape (None entries are free), device of `ref`, floating dtype (or one of `dtypes`)."""
     if t is None:
@@ -1231,7 +1299,7 @@ CHUNKS_PER_SEGMENT = 2 if INTERPRET else 16
 class _Launch:
     """Everything the kernels need that is derived once per call: sizes, tile shapes, flags."""
 
-    def __init__(self, x, B, chunk, dt_bias, dt_softplus, dt_limit, seq_idx):
+    def __init__(self, x, B, chunk, dt_bias, dt_softplus, dt_limit, seq_idx, state_dtype=None):
         self.batch, self.seqlen, self.nheads, self.headdim = x.shape
         self.ngroups, self.dstate = B.shape[2], B.shape[3]
         self.heads_per_group = self.nheads // self.ngroups
@@ -1250,7 +1318,9 @@ class _Launch:
         self.flags = dict(HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus),
                           HAS_DT_LIMIT=tuple(dt_limit) != (0.0, float("inf")), HAS_SEQ=seq_idx is not None)
         self.precision = "ieee" if x.dtype == torch.float32 else "tf32"
-        self.state_dtype = torch.float32 if x.dtype == torch.float32 else x.dtype
+        # the chunk entry states (and, in backward, exit gradients) as stored between kernels;
+        # the kernels carry them in float32 and read them back to float32
+        self.state_dtype = state_dtype or (torch.float32 if x.dtype == torch.float32 else x.dtype)
         # State tiles of the two chunk-backward kernels. On an H200 a whole 128-wide state is
         # fastest in both (the dB/dC kernel otherwise recomputes dy.x^T per tile); wider states
         # are tiled. The interpreter walks several small tiles, so CPU tests check the tiling.
@@ -1437,6 +1507,24 @@ def ssd_output(x, dt, A, B, C, D, z, dt_bias, seq_idx, summary, entry=None, y=No
     return y, exit_
 
 
+def document_end_states(x, dt, A, B, dt_bias, summary, cu_seqlens, entry=None):
+    """The float32 state after each packed document of batch row 0, (num_docs, h, p, n), given
+    the documents' bounds cu_seqlens (num_docs + 1,) and the sequence's entry state (or None)."""
+    k = summary.k
+    seg_entry, _ = summary.segment_entries(entry)
+    ndocs = cu_seqlens.shape[0] - 1
+    out = torch.empty(ndocs, k.nheads, k.headdim, k.dstate, device=x.device, dtype=torch.float32)
+    gamma = summary.gamma
+    _document_end_state_kernel[(ndocs, k.nheads, k.n_p_tiles * k.n_n_tiles)](
+        x, B, dt, dt_bias, A, cu_seqlens, summary.states, seg_entry, gamma, out,
+        k.seqlen, k.headdim, k.dstate, k.heads_per_group, k.chunks_per_seg, k.n_n_tiles, k.dt_min, k.dt_max,
+        *x.stride()[1:], *B.stride()[1:], *dt.stride()[1:], *summary.states.stride()[1:],
+        *_strides(seg_entry, 5), *gamma.stride(), *out.stride(),
+        Q=k.Q, BP=k.BP_state, BN=k.BN_state, HAS_ENTRY=seg_entry is not None, DOT_PRECISION=k.precision,
+        **{f: v for f, v in k.flags.items() if f != "HAS_SEQ"})
+    return out
+
+
 class GradPass:
     """A sequence's reverse state pass from a zero gradient at its exit: the chunks' exit
     gradients, and G (b, h, p, n), the pull of its outputs on its entry state. G is known
@@ -1479,24 +1567,32 @@ class _ChunkScanFn(torch.autograd.Function):
     """Single device: the whole sequence is one CP shard whose entry state is initial_states.
     Backward recomputes the chunk states (they are as large as x, so they are not kept).
     Parameter gradients are per-chunk partials summed in fixed order: two identical calls give
-    bitwise identical results."""
+    bitwise identical results. The packed documents' end states (with cu_seqlens) are forward
+    only, as in mamba_ssm: a gradient arriving at them is an error, not silently dropped."""
 
     @staticmethod
     def forward(ctx, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_softplus, dt_limit,
-                need_final):
-        k = _Launch(x, B, min(chunk_size, MAX_CHUNK_FWD), dt_bias, dt_softplus, dt_limit, seq_idx)
+                need_final, state_dtype, cu_seqlens):
+        k = _Launch(x, B, min(chunk_size, MAX_CHUNK_FWD), dt_bias, dt_softplus, dt_limit, seq_idx, state_dtype)
         entry = None if initial_states is None else initial_states.float()
         summary = Summary(x, dt, A, B, dt_bias, seq_idx, k)
         y, final = ssd_output(x, dt, A, B, C, D, z, dt_bias, seq_idx, summary, entry, need_exit=need_final)
+        doc_states = None if cu_seqlens is None else document_end_states(x, dt, A, B, dt_bias, summary,
+                                                                         cu_seqlens, entry)
         ctx.save_for_backward(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx)
-        ctx.args = (chunk_size, dt_softplus, dt_limit)
-        return y, final
+        ctx.args = (chunk_size, dt_softplus, dt_limit, state_dtype)
+        ctx.set_materialize_grads(False)      # an unused output's gradient stays None
+        return y, final, doc_states
 
     @staticmethod
-    def backward(ctx, dy, dfinal):
+    def backward(ctx, dy, dfinal, ddoc_states):
+        if ddoc_states is not None:
+            raise RuntimeError("mamba_chunk_scan_combined: the states returned with return_varlen_states=True have "
+                               "no backward (as in mamba_ssm); detach them before they reach the loss")
         x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx = ctx.saved_tensors
-        chunk_size, dt_softplus, dt_limit = ctx.args
-        k = _Launch(x, B, min(chunk_size, MAX_CHUNK_BWD), dt_bias, dt_softplus, dt_limit, seq_idx)
+        chunk_size, dt_softplus, dt_limit, state_dtype = ctx.args
+        dy = torch.zeros_like(x) if dy is None else dy
+        k = _Launch(x, B, min(chunk_size, MAX_CHUNK_BWD), dt_bias, dt_softplus, dt_limit, seq_idx, state_dtype)
         entry = None if initial_states is None else initial_states.float()
         grad_pass = GradPass(dy, z, C, dt, A, dt_bias, seq_idx, k)
         summary = Summary(x, dt, A, B, dt_bias, seq_idx, k)
@@ -1505,27 +1601,60 @@ class _ChunkScanFn(torch.autograd.Function):
         ddt_bias = ddt.sum(dim=(0, 1)).to(dt_bias.dtype) if dt_bias is not None else None
         return (dx, ddt.to(dt.dtype), dA.to(A.dtype), dB, dC, None, None if dD is None else dD.to(D.dtype),
                 dz, ddt_bias, None if initial_states is None else dinit.to(initial_states.dtype),
-                None, None, None, None)
+                None, None, None, None, None, None)
+
+
+_STATE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_varlen(cu_seqlens, return_varlen_states, seq_idx, x):
+    """cu_seqlens (num_docs + 1,) must bound the same documents as seq_idx, in one batch row."""
+    _expect(cu_seqlens is not None or not return_varlen_states, "cu_seqlens", "None with return_varlen_states=True",
+            "the packed documents' bounds, an integer tensor (num_docs + 1,)")
+    if cu_seqlens is None:
+        return
+    _check_tensor(cu_seqlens, "cu_seqlens", (None,), x, dtypes=_INTS)
+    b, l = x.shape[:2]
+    _expect(cu_seqlens.shape[0] >= 2, "cu_seqlens", f"shape {tuple(cu_seqlens.shape)}", "(num_docs + 1,), num_docs >= 1")
+    _expect(b == 1, "x", f"batch {b} with cu_seqlens", "batch 1 (cu_seqlens packs the documents into one row)")
+    _expect(seq_idx is not None, "seq_idx", "None with cu_seqlens", "the documents of cu_seqlens as ids (1, seqlen)")
+    if not _host_checks(x):
+        return
+    cu = cu_seqlens.tolist()
+    _expect(cu[0] == 0 and cu[-1] == l, "cu_seqlens", f"bounds from {cu[0]} to {cu[-1]}", f"from 0 to seqlen = {l}")
+    _expect(all(a < b for a, b in zip(cu, cu[1:])), "cu_seqlens", "bounds that do not increase",
+            "strictly increasing bounds (every document holds a token)")
+    starts = torch.zeros(l, dtype=torch.bool, device=x.device)
+    starts[cu_seqlens[1:-1].long()] = True
+    _expect(torch.equal(seq_idx[0, 1:] != seq_idx[0, :-1], starts[1:]), "cu_seqlens", "document bounds that differ "
+            "from seq_idx's", "the positions where seq_idx changes, and no others")
 
 
 def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
                               initial_states=None, seq_idx=None, cu_seqlens=None, dt_softplus=False,
                               dt_limit=(0.0, float("inf")), return_final_states=False,
-                              return_varlen_states=False):
+                              return_varlen_states=False, state_dtype=None):
     """Single-device chunked SSD, a drop-in for mamba_ssm's function of the same name.
 
     x (b, l, h, p); dt (b, l, h); A (h,); B, C (b, l, g, n); D (h,) or (h, p); z like x;
     dt_bias (h,); initial_states (b, h, p, n); seq_idx (b, l) integer document ids.
-    Returns y like x, and with return_final_states also the fp32 final state (b, h, p, n).
+    Returns y like x; with return_final_states also the fp32 final state (b, h, p, n); with
+    return_varlen_states (batch 1, cu_seqlens (num_docs + 1,) bounding the documents that seq_idx
+    marks) also the fp32 state after each document (num_docs, h, p, n), forward only. Return
+    order as in mamba_ssm: y, then final states, then varlen states.
+    state_dtype: the dtype of the chunk entry states stored between kernels (default: x's dtype;
+    float32 for float32 x). float32 with bf16 inputs doubles that buffer for a little accuracy.
     """
-    _expect(cu_seqlens is None, "cu_seqlens", "a tensor", "None (pack documents with seq_idx instead)")
-    _expect(not return_varlen_states, "return_varlen_states", return_varlen_states, "False (not supported)")
     _check_ssd_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_limit)
+    _expect(state_dtype in _STATE_DTYPES, "state_dtype", state_dtype, f"one of {_STATE_DTYPES}")
+    _check_varlen(cu_seqlens, return_varlen_states, seq_idx, x)
     if seq_idx is not None:
         seq_idx = seq_idx.to(torch.int32)
-    y, final = _ChunkScanFn.apply(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
-                                  dt_softplus, tuple(dt_limit), return_final_states)
-    return (y, final) if return_final_states else y
+    y, final, doc_states = _ChunkScanFn.apply(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
+                                              dt_softplus, tuple(dt_limit), return_final_states, state_dtype,
+                                              cu_seqlens if return_varlen_states else None)
+    out = (y,) + ((final,) if return_final_states else ()) + ((doc_states,) if return_varlen_states else ())
+    return out[0] if len(out) == 1 else out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -126,7 +126,7 @@ def run_both(inputs, oracle_inputs=None, chunked=False):
     wf = torch.randn(final.shape, generator=g).to(y.device)
     grads = torch.autograd.grad((y.float() * wy).sum() + (final * wf).sum(), [inputs[k] for k in leaves])
 
-    oracle_kw = {k: v for k, v in oracle_inputs.items() if k != "chunk_size"}
+    oracle_kw = {k: v for k, v in oracle_inputs.items() if k not in ("chunk_size", "state_dtype")}
     if chunked:
         yr, fr = ref.ssd_reference_chunked(**oracle_kw, chunk_size=inputs["chunk_size"])
     else:
@@ -262,6 +262,67 @@ def test_returns_like_mamba_ssm():
     assert torch.equal(y, y2)
 
 
+def test_state_dtype():
+    """Chunk states stored in float32 are what float32 inputs get anyway (bitwise); stored in
+    bf16 or fp16 they cost accuracy, which shows the argument is honoured."""
+    inputs = make_inputs(12, **SMALL, **OPTIONS["all"])
+    default = run_both(inputs)
+    fp32 = run_both(dict(inputs, state_dtype=torch.float32))
+    assert all(torch.equal(fp32[k][0], default[k][0]) for k in default)
+    assert_close(fp32, FP32_BOUND)
+    for dtype, lowest, highest in ((torch.bfloat16, 1e-4, 3e-3), (torch.float16, 5e-6, 3e-4)):
+        errs = assert_close(run_both(dict(inputs, state_dtype=dtype)), highest)
+        assert errs["y"] > lowest, f"state_dtype={dtype}: y {errs['y']:.1e}, as exact as float32 states"
+
+
+def document_end_oracle(inputs, cu):
+    """The float64 state after each packed document: the oracle run on each document alone,
+    with initial_states for the first one only."""
+    per_token = ("x", "dt", "B", "C", "z")
+    states = []
+    for d in range(cu.numel() - 1):
+        a, b = int(cu[d]), int(cu[d + 1])
+        kw = {k: v for k, v in inputs.items() if k not in ("chunk_size", "seq_idx", "state_dtype")}
+        kw.update({k: inputs[k][:, a:b] for k in per_token if k in inputs})
+        if d > 0:
+            kw["initial_states"] = None
+        states.append(ssd_reference(**kw)[1][0])
+    return torch.stack(states)                                                # (num_docs, h, p, n)
+
+
+@pytest.mark.parametrize("opts", [dict(initial_states=True, D="hp", z=True, dt_bias=True, dt_softplus=True),
+                                  dict(growth="neg_dt")], ids=["decay", "growth"])
+def test_varlen_states(opts):
+    """Documents of 1, 31 and 33 tokens (the second ends at a kernel-chunk boundary, 32), one of
+    15 inside a chunk and one of 40 across three chunks; both return orders."""
+    lens = [1, 31, 33, 15, 40]
+    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    inputs = make_inputs(13, batch=1, seqlen=int(cu[-1]), nheads=4, headdim=8, ngroups=2, dstate=16, chunk=16,
+                         seq_idx=cu[1:-1].tolist(), **opts)
+    cu = cu.to(DEVICE)
+    y, final, states = mamba_cp.mamba_chunk_scan_combined(**inputs, cu_seqlens=cu, return_final_states=True,
+                                                          return_varlen_states=True)
+    assert states.shape == (5, 4, 8, 16) and states.dtype == torch.float32
+    want = document_end_oracle(inputs, cu)
+    assert_close({"varlen_states": (states, want), "last = final": (states[-1:], final)}, FP32_BOUND)
+    y2, states2 = mamba_cp.mamba_chunk_scan_combined(**inputs, cu_seqlens=cu, return_varlen_states=True)
+    assert torch.equal(y2, y) and torch.equal(states2, states)
+
+
+def test_varlen_states_have_no_backward():
+    """As in mamba_ssm: gradients flow through y (and the final state), not the varlen states."""
+    cu = torch.tensor([0, 20, 45], dtype=torch.int32)
+    inputs = make_inputs(14, batch=1, seqlen=45, nheads=2, headdim=8, ngroups=1, dstate=8, chunk=16, seq_idx=[20])
+    x = inputs["x"].clone().requires_grad_(True)
+    y, states = mamba_cp.mamba_chunk_scan_combined(**dict(inputs, x=x), cu_seqlens=cu.to(DEVICE),
+                                                   return_varlen_states=True)
+    (dx,) = torch.autograd.grad(y.sum(), x, retain_graph=True)
+    plain = mamba_cp.mamba_chunk_scan_combined(**dict(inputs, x=x))
+    assert torch.equal(dx, torch.autograd.grad(plain.sum(), x)[0])
+    with pytest.raises(RuntimeError, match="return_varlen_states=True have no backward"):
+        torch.autograd.grad((y.sum() + states.sum()), x)
+
+
 # ---------------------------------------------------------------------------------------------
 # Bad input: a ValueError naming the argument
 # ---------------------------------------------------------------------------------------------
@@ -269,6 +330,7 @@ def test_returns_like_mamba_ssm():
 def _bad_cases():
     ok = make_inputs(8, batch=1, seqlen=20, nheads=4, headdim=8, ngroups=2, dstate=8, chunk=16, device="cpu")
     x, B = ok["x"], ok["B"]
+    seq = torch.tensor([[0] * 8 + [1] * 12], dtype=torch.int32)        # documents [0, 8) and [8, 20)
     return {
         "x_rank": ("x", dict(x=x[0])),
         "dt_shape": ("dt", dict(dt=ok["dt"][:, :10])),
@@ -286,7 +348,17 @@ def _bad_cases():
         "chunk_small": ("chunk_size", dict(chunk_size=8)),
         "dtype_mismatch": ("B", dict(B=B.double())),
         "device_mismatch": ("A", dict(A=ok["A"].to("meta"))),
-        "cu_seqlens": ("cu_seqlens", dict(cu_seqlens=torch.tensor([0, 20]))),
+        "state_dtype": ("state_dtype", dict(state_dtype=torch.float64)),
+        "varlen_without_cu_seqlens": ("cu_seqlens", dict(return_varlen_states=True)),
+        "cu_seqlens_without_seq_idx": ("seq_idx", dict(cu_seqlens=torch.tensor([0, 8, 20]))),
+        "cu_seqlens_float": ("cu_seqlens", dict(seq_idx=seq, cu_seqlens=torch.tensor([0.0, 8.0, 20.0]))),
+        "cu_seqlens_not_increasing": ("cu_seqlens", dict(seq_idx=seq, cu_seqlens=torch.tensor([0, 8, 8, 20]))),
+        "cu_seqlens_not_ending_at_L": ("cu_seqlens", dict(seq_idx=seq, cu_seqlens=torch.tensor([0, 8, 19]))),
+        "cu_seqlens_disagree_with_seq_idx": ("cu_seqlens", dict(seq_idx=seq, cu_seqlens=torch.tensor([0, 9, 20]),
+                                                                return_varlen_states=True)),
+        "cu_seqlens_batch_2": ("x", dict(x=torch.cat([x, x]), dt=torch.cat([ok["dt"]] * 2),
+                                         B=torch.cat([B, B]), C=torch.cat([ok["C"]] * 2),
+                                         seq_idx=torch.cat([seq, seq]), cu_seqlens=torch.tensor([0, 8, 20]))),
     }, ok
 
 

@@ -1080,10 +1080,26 @@ def _capturing(t):
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-def _host_checks(t):
-    """Whether checks that read device values on the host may run: not while a CUDA graph is
-    captured (the eager calls before capture have run them)."""
-    return not _capturing(t)
+def _check_document_values(seq_idx, cu_seqlens=None):
+    """The checks that read device values on the host (a synchronisation): seq_idx non-decreasing,
+    and cu_seqlens bounding the documents that seq_idx marks (shapes checked before). They run
+    where the values are used, so under torch.compile too, but not while a CUDA graph is captured
+    (the eager calls before capture have run them)."""
+    if seq_idx is None or _capturing(seq_idx):
+        return
+    _expect(bool((seq_idx[:, 1:] >= seq_idx[:, :-1]).all()), "seq_idx", "a decreasing step",
+            "non-decreasing document ids along each row")
+    if cu_seqlens is None:
+        return
+    l = seq_idx.shape[1]
+    cu = cu_seqlens.tolist()
+    _expect(cu[0] == 0 and cu[-1] == l, "cu_seqlens", f"bounds from {cu[0]} to {cu[-1]}", f"from 0 to seqlen = {l}")
+    _expect(all(a < b for a, b in zip(cu, cu[1:])), "cu_seqlens", "bounds that do not increase",
+            "strictly increasing bounds (every document holds a token)")
+    starts = torch.zeros(l, dtype=torch.bool, device=seq_idx.device)
+    starts[cu_seqlens[1:-1].long()] = True
+    _expect(torch.equal(seq_idx[0, 1:] != seq_idx[0, :-1], starts[1:]), "cu_seqlens", "document bounds that differ "
+            "from seq_idx's", "the positions where seq_idx changes, and no others")
 
 
 def _check_tensor(t, name, shape, ref, *, dtypes=None, allow_none=True):
@@ -1109,8 +1125,6 @@ def _check_options(chunk_size, seq_idx, dt_limit, tokens, ref):
             "chunk_size", chunk_size, "a power of two >= 16")
     if seq_idx is not None:
         _check_tensor(seq_idx, "seq_idx", tokens, ref, dtypes=(torch.int32, torch.int64))
-        _expect(_capturing(seq_idx) or bool((seq_idx[:, 1:] >= seq_idx[:, :-1]).all()), "seq_idx",
-                "a decreasing step", "non-decreasing document ids along each row")
     _expect(isinstance(dt_limit, (tuple, list)) and len(dt_limit) == 2 and dt_limit[0] <= dt_limit[1],
             "dt_limit", dt_limit, "a pair (dt_min, dt_max) with dt_min <= dt_max")
 
@@ -1563,6 +1577,77 @@ def ssd_grads(x, dt, A, B, C, D, z, dt_bias, seq_idx, summary, grad_pass, dy, en
     return (*grads, dentry)
 
 
+# torch.compile. The forward and the backward are each one opaque custom op (torch.library):
+# the compiler records the call and its output shapes (from the fake functions below), and the
+# kernels run as they do eagerly, on the tensors they were given. Traced instead, the Triton
+# calls would be re-planned around the compiler's own buffers, while their stride arguments
+# still describe ours; in the interpreter the compiler would trace NumPy. Absent outputs are
+# empty tensors (an op returns tensors only), and so are absent gradients.
+
+Tensor = torch.Tensor
+Optional = __import__("typing").Optional
+
+
+def _none_if_empty(t):
+    return None if t is None or t.numel() == 0 else t
+
+
+def _empty_if_none(t, ref, dtype=None):
+    return ref.new_empty(0, dtype=dtype or ref.dtype) if t is None else t
+
+
+@torch.library.custom_op("mamba_cp::chunk_scan_fwd", mutates_args=())
+def _chunk_scan_fwd(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size: int, D: Optional[Tensor],
+                    z: Optional[Tensor], dt_bias: Optional[Tensor], initial_states: Optional[Tensor],
+                    seq_idx: Optional[Tensor], dt_softplus: bool, dt_min: float, dt_max: float, need_final: bool,
+                    state_dtype: Optional[torch.dtype], cu_seqlens: Optional[Tensor],
+                    need_doc_states: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """y, the final state (empty unless need_final) and each packed document's end state (empty
+    unless need_doc_states)."""
+    _check_document_values(seq_idx, cu_seqlens)
+    k = _Launch(x, B, min(chunk_size, MAX_CHUNK_FWD), dt_bias, dt_softplus, (dt_min, dt_max), seq_idx, state_dtype)
+    entry = None if initial_states is None else initial_states.float()
+    summary = Summary(x, dt, A, B, dt_bias, seq_idx, k)
+    y, final = ssd_output(x, dt, A, B, C, D, z, dt_bias, seq_idx, summary, entry, need_exit=need_final)
+    doc_states = document_end_states(x, dt, A, B, dt_bias, summary, cu_seqlens, entry) if need_doc_states else None
+    return y, _empty_if_none(final, y, torch.float32), _empty_if_none(doc_states, y, torch.float32)
+
+
+@_chunk_scan_fwd.register_fake
+def _(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_softplus, dt_min, dt_max, need_final,
+      state_dtype, cu_seqlens, need_doc_states):
+    b, _, h, p = x.shape
+    n = B.shape[3]
+    f32 = dict(device=x.device, dtype=torch.float32)
+    return (torch.empty(x.shape, device=x.device, dtype=x.dtype), torch.empty((b, h, p, n) if need_final else 0, **f32),
+            torch.empty((cu_seqlens.shape[0] - 1, h, p, n) if need_doc_states else 0, **f32))
+
+
+@torch.library.custom_op("mamba_cp::chunk_scan_bwd", mutates_args=())
+def _chunk_scan_bwd(dy: Tensor, dfinal: Optional[Tensor], x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
+                    chunk_size: int, D: Optional[Tensor], z: Optional[Tensor], dt_bias: Optional[Tensor],
+                    initial_states: Optional[Tensor], seq_idx: Optional[Tensor], dt_softplus: bool, dt_min: float,
+                    dt_max: float, state_dtype: Optional[torch.dtype]) -> list[Tensor]:
+    """[dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinitial_states], absent ones empty."""
+    k = _Launch(x, B, min(chunk_size, MAX_CHUNK_BWD), dt_bias, dt_softplus, (dt_min, dt_max), seq_idx, state_dtype)
+    entry = None if initial_states is None else initial_states.float()
+    grad_pass = GradPass(dy, z, C, dt, A, dt_bias, seq_idx, k)
+    summary = Summary(x, dt, A, B, dt_bias, seq_idx, k)
+    dx, dB, dC, ddt, dz, dA, dD, dinit = ssd_grads(x, dt, A, B, C, D, z, dt_bias, seq_idx, summary,
+                                                   grad_pass, dy, entry, dfinal)
+    ddt_bias = ddt.sum(dim=(0, 1)).to(dt_bias.dtype) if dt_bias is not None else None
+    grads = [dx, ddt.to(dt.dtype), dA.to(A.dtype), dB, dC, None if D is None else dD.to(D.dtype), dz, ddt_bias,
+             None if initial_states is None else dinit.to(initial_states.dtype)]
+    return [_empty_if_none(g, x) for g in grads]
+
+
+@_chunk_scan_bwd.register_fake
+def _(dy, dfinal, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_softplus, dt_min, dt_max,
+      state_dtype):
+    like = (x, dt, A, B, C, D, z, dt_bias, initial_states)
+    return [x.new_empty(0) if t is None else torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in like]
+
+
 class _ChunkScanFn(torch.autograd.Function):
     """Single device: the whole sequence is one CP shard whose entry state is initial_states.
     Backward recomputes the chunk states (they are as large as x, so they are not kept).
@@ -1572,13 +1657,10 @@ class _ChunkScanFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_softplus, dt_limit,
-                need_final, state_dtype, cu_seqlens):
-        k = _Launch(x, B, min(chunk_size, MAX_CHUNK_FWD), dt_bias, dt_softplus, dt_limit, seq_idx, state_dtype)
-        entry = None if initial_states is None else initial_states.float()
-        summary = Summary(x, dt, A, B, dt_bias, seq_idx, k)
-        y, final = ssd_output(x, dt, A, B, C, D, z, dt_bias, seq_idx, summary, entry, need_exit=need_final)
-        doc_states = None if cu_seqlens is None else document_end_states(x, dt, A, B, dt_bias, summary,
-                                                                         cu_seqlens, entry)
+                need_final, state_dtype, cu_seqlens, need_doc_states):
+        y, final, doc_states = _chunk_scan_fwd(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
+                                               dt_softplus, dt_limit[0], dt_limit[1], need_final, state_dtype,
+                                               cu_seqlens, need_doc_states)
         ctx.save_for_backward(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx)
         ctx.args = (chunk_size, dt_softplus, dt_limit, state_dtype)
         ctx.set_materialize_grads(False)      # an unused output's gradient stays None
@@ -1586,48 +1668,32 @@ class _ChunkScanFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, dfinal, ddoc_states):
-        if ddoc_states is not None:
+        if _none_if_empty(ddoc_states) is not None:   # compiled, unused gradients arrive as zeros: see README
             raise RuntimeError("mamba_chunk_scan_combined: the states returned with return_varlen_states=True have "
                                "no backward (as in mamba_ssm); detach them before they reach the loss")
         x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx = ctx.saved_tensors
         chunk_size, dt_softplus, dt_limit, state_dtype = ctx.args
         dy = torch.zeros_like(x) if dy is None else dy
-        k = _Launch(x, B, min(chunk_size, MAX_CHUNK_BWD), dt_bias, dt_softplus, dt_limit, seq_idx, state_dtype)
-        entry = None if initial_states is None else initial_states.float()
-        grad_pass = GradPass(dy, z, C, dt, A, dt_bias, seq_idx, k)
-        summary = Summary(x, dt, A, B, dt_bias, seq_idx, k)
-        dx, dB, dC, ddt, dz, dA, dD, dinit = ssd_grads(x, dt, A, B, C, D, z, dt_bias, seq_idx, summary,
-                                                       grad_pass, dy, entry, dfinal)
-        ddt_bias = ddt.sum(dim=(0, 1)).to(dt_bias.dtype) if dt_bias is not None else None
-        return (dx, ddt.to(dt.dtype), dA.to(A.dtype), dB, dC, None, None if dD is None else dD.to(D.dtype),
-                dz, ddt_bias, None if initial_states is None else dinit.to(initial_states.dtype),
-                None, None, None, None, None, None)
+        grads = _chunk_scan_bwd(dy, _none_if_empty(dfinal), x, dt, A, B, C, chunk_size, D, z, dt_bias,
+                                initial_states, seq_idx, dt_softplus, dt_limit[0], dt_limit[1], state_dtype)
+        dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinit = (_none_if_empty(g) for g in grads)
+        return (dx, ddt, dA, dB, dC, None, dD, dz, ddt_bias, dinit, None, None, None, None, None, None, None)
 
 
 _STATE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
 
 
 def _check_varlen(cu_seqlens, return_varlen_states, seq_idx, x):
-    """cu_seqlens (num_docs + 1,) must bound the same documents as seq_idx, in one batch row."""
+    """cu_seqlens (num_docs + 1,) in one batch row, with seq_idx (their values: in the op)."""
     _expect(cu_seqlens is not None or not return_varlen_states, "cu_seqlens", "None with return_varlen_states=True",
             "the packed documents' bounds, an integer tensor (num_docs + 1,)")
     if cu_seqlens is None:
         return
     _check_tensor(cu_seqlens, "cu_seqlens", (None,), x, dtypes=_INTS)
-    b, l = x.shape[:2]
     _expect(cu_seqlens.shape[0] >= 2, "cu_seqlens", f"shape {tuple(cu_seqlens.shape)}", "(num_docs + 1,), num_docs >= 1")
-    _expect(b == 1, "x", f"batch {b} with cu_seqlens", "batch 1 (cu_seqlens packs the documents into one row)")
+    _expect(x.shape[0] == 1, "x", f"batch {x.shape[0]} with cu_seqlens", "batch 1 (cu_seqlens packs the documents "
+            "into one row)")
     _expect(seq_idx is not None, "seq_idx", "None with cu_seqlens", "the documents of cu_seqlens as ids (1, seqlen)")
-    if not _host_checks(x):
-        return
-    cu = cu_seqlens.tolist()
-    _expect(cu[0] == 0 and cu[-1] == l, "cu_seqlens", f"bounds from {cu[0]} to {cu[-1]}", f"from 0 to seqlen = {l}")
-    _expect(all(a < b for a, b in zip(cu, cu[1:])), "cu_seqlens", "bounds that do not increase",
-            "strictly increasing bounds (every document holds a token)")
-    starts = torch.zeros(l, dtype=torch.bool, device=x.device)
-    starts[cu_seqlens[1:-1].long()] = True
-    _expect(torch.equal(seq_idx[0, 1:] != seq_idx[0, :-1], starts[1:]), "cu_seqlens", "document bounds that differ "
-            "from seq_idx's", "the positions where seq_idx changes, and no others")
 
 
 def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
@@ -1652,7 +1718,7 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
         seq_idx = seq_idx.to(torch.int32)
     y, final, doc_states = _ChunkScanFn.apply(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
                                               dt_softplus, tuple(dt_limit), return_final_states, state_dtype,
-                                              cu_seqlens if return_varlen_states else None)
+                                              cu_seqlens, return_varlen_states)
     out = (y,) + ((final,) if return_final_states else ()) + ((doc_states,) if return_varlen_states else ())
     return out[0] if len(out) == 1 else out
 
@@ -2158,6 +2224,8 @@ def _check_cp_inputs(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size,
     _expect(n <= 256 and headdim <= 256, "xBC", f"headdim {headdim}, dstate {n}", "headdim and dstate <= 256")
     _check_tensor(initial_states, "initial_states", (b, h, headdim, n), xBC)
     _check_options(chunk_size, seq_idx, dt_limit, (b, l), xBC)
+    if not torch.compiler.is_compiling():   # compiled, the forward op checks them when it runs
+        _check_document_values(seq_idx)
     _expect(l % per_row == 0, "xBC", f"local length {l}",
             f"a multiple of {per_row} (load_balancing={load_balancing!r} holds {per_row} equal pieces)")
     seg = l // 2 if load_balancing == "virtual" else l     # the permute layouts compute one segment

@@ -148,6 +148,24 @@ def _entry_term(entry_ptr, gamma_ptr, b, c, h, offs_p, offs_n, mask_pn, chunks_p
     return gamma * S.to(tl.float32)
 
 
+@triton.jit
+def _true_chunk_edge(stored_ptr, seg_ptr, decay_ptr, b64, c, h, offs_p, offs_n, mask_pn, chunks_per_seg,
+                     stride_st_b, stride_st_c, stride_st_h, stride_st_p, stride_st_n,
+                     stride_en_b, stride_en_s, stride_en_h, stride_en_p, stride_en_n,
+                     stride_ga_b, stride_ga_c, stride_ga_h, HAS_SEG: tl.constexpr):
+    """A (BP, BN) float32 tile of chunk c's true entry state (or exit gradient): the value a state
+    pass stored from a zero segment entry (exit), plus, with HAS_SEG, gamma(c) times the
+    segment's entry state (rho(c) times the gradient at its exit)."""
+    v = tl.load(stored_ptr + b64 * stride_st_b + tl.cast(c, tl.int64) * stride_st_c + h * stride_st_h
+                + offs_p[:, None] * stride_st_p + offs_n[None, :] * stride_st_n,
+                mask=mask_pn, other=0.0).to(tl.float32)
+    if HAS_SEG:
+        v += _entry_term(seg_ptr, decay_ptr, b64, c, h, offs_p, offs_n, mask_pn, chunks_per_seg,
+                         stride_en_b, stride_en_s, stride_en_h, stride_en_p, stride_en_n,
+                         stride_ga_b, stride_ga_c, stride_ga_h)
+    return v
+
+
 # ---------------------------------------------------------------------------------------------
 # 2. The causal conv1d (DESIGN.md section 4), forward and backward kernels
 #
@@ -665,13 +683,10 @@ def _document_end_state_kernel(
     xw = (x.to(tl.float32) * w[:, None]).to(x.dtype)
     S = tl.dot(tl.trans(xw), Bm, input_precision=DOT_PRECISION)                 # (BP, BN)
     if (first < start) | (first == 0):   # c's entry state reaches e (initial_states reach document 0)
-        S_in = tl.load(states_ptr + tl.cast(c, tl.int64) * stride_st_c + h * stride_st_h
-                       + offs_p[:, None] * stride_st_p + offs_n[None, :] * stride_st_n,
-                       mask=mask_pn, other=0.0).to(tl.float32)
-        if HAS_ENTRY:
-            S_in += _entry_term(entry_ptr, gamma_ptr, zero, c, h, offs_p, offs_n, mask_pn, chunks_per_seg,
-                                stride_en_b, stride_en_s, stride_en_h, stride_en_p, stride_en_n,
-                                stride_ga_b, stride_ga_c, stride_ga_h)
+        S_in = _true_chunk_edge(states_ptr, entry_ptr, gamma_ptr, zero.to(tl.int64), c, h, offs_p, offs_n, mask_pn,
+                                chunks_per_seg, 0, stride_st_c, stride_st_h, stride_st_p, stride_st_n,
+                                  stride_en_b, stride_en_s, stride_en_h, stride_en_p, stride_en_n,
+                                  stride_ga_b, stride_ga_c, stride_ga_h, HAS_ENTRY)
         S += tl.exp(cs_e.to(tl.float32)) * S_in
     tl.store(out_ptr + d.to(tl.int64) * stride_o_d + h * stride_o_h + offs_p[:, None] * stride_o_p
              + offs_n[None, :] * stride_o_n, S, mask=mask_pn)
@@ -820,21 +835,14 @@ def _chunk_edge_states(states_ptr, dstates_ptr, entry_ptr, gamma_ptr, dexit_ptr,
                        HAS_ENTRY: tl.constexpr, HAS_EXIT: tl.constexpr):
     """Chunk c's true entry state S_in and the true gradient dS_out at its exit, (BP, BN) fp32:
     the state passes' values from a zero segment entry (exit), plus the segment's own term."""
-    c64 = tl.cast(c, tl.int64)
-    S_in = tl.load(states_ptr + b64 * stride_st_b + c64 * stride_st_c + h * stride_st_h
-                   + offs_p[:, None] * stride_st_p + offs_n[None, :] * stride_st_n,
-                   mask=mask_pn, other=0.0).to(tl.float32)
-    dS_out = tl.load(dstates_ptr + b64 * stride_ds_b + c64 * stride_ds_c + h * stride_ds_h
-                     + offs_p[:, None] * stride_ds_p + offs_n[None, :] * stride_ds_n,
-                     mask=mask_pn, other=0.0).to(tl.float32)
-    if HAS_ENTRY:
-        S_in += _entry_term(entry_ptr, gamma_ptr, b64, c, h, offs_p, offs_n, mask_pn, chunks_per_seg,
+    S_in = _true_chunk_edge(states_ptr, entry_ptr, gamma_ptr, b64, c, h, offs_p, offs_n, mask_pn, chunks_per_seg,
+                            stride_st_b, stride_st_c, stride_st_h, stride_st_p, stride_st_n,
                             stride_en_b, stride_en_s, stride_en_h, stride_en_p, stride_en_n,
-                            stride_ga_b, stride_ga_c, stride_ga_h)
-    if HAS_EXIT:
-        dS_out += _entry_term(dexit_ptr, rho_ptr, b64, c, h, offs_p, offs_n, mask_pn, chunks_per_seg,
+                            stride_ga_b, stride_ga_c, stride_ga_h, HAS_ENTRY)
+    dS_out = _true_chunk_edge(dstates_ptr, dexit_ptr, rho_ptr, b64, c, h, offs_p, offs_n, mask_pn, chunks_per_seg,
+                              stride_ds_b, stride_ds_c, stride_ds_h, stride_ds_p, stride_ds_n,
                               stride_dex_b, stride_dex_s, stride_dex_h, stride_dex_p, stride_dex_n,
-                              stride_rho_b, stride_rho_c, stride_rho_h)
+                              stride_rho_b, stride_rho_c, stride_rho_h, HAS_EXIT)
     return S_in, dS_out
 
 
@@ -1668,7 +1676,7 @@ class _ChunkScanFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, dfinal, ddoc_states):
-        if _none_if_empty(ddoc_states) is not None:   # compiled, unused gradients arrive as zeros: see README
+        if _none_if_empty(ddoc_states) is not None:   # compiled, an absent output's gradient is empty, not None
             raise RuntimeError("mamba_chunk_scan_combined: the states returned with return_varlen_states=True have "
                                "no backward (as in mamba_ssm); detach them before they reach the loss")
         x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx = ctx.saved_tensors
@@ -1849,13 +1857,14 @@ def _agree(signature, names, local_error, cp_group, device):
 
 def _validate_everywhere(check, cp_group, world, ref, **signature_args):
     """Run the local checks, then (in a world of several, outside CUDA-graph capture) agree
-    with the other ranks before anything else is sent."""
+    with the other ranks before anything else is sent. While torch.compile traces, the check
+    sees shapes only: the CP forward op agrees when it runs."""
     try:
         check()
         local_error = None
     except ValueError as e:
         local_error = e
-    if world > 1 and not _capturing(ref):
+    if world > 1 and not _capturing(ref) and not torch.compiler.is_compiling():
         values, names = _signature(**signature_args)
         _agree(values, names, local_error, cp_group, ref.device)
     elif local_error is not None:
@@ -1990,34 +1999,34 @@ def _zigzag_and_contiguous(world):
     return zig, con
 
 
-def _permute(t, cfg, to_contiguous):
+def _permute(t, group, load_balancing, to_contiguous):
     """Move the two pieces of a (b, 2s, ...) shard between the zigzag and contiguous layouts,
     with point-to-point sends ("permute_p2p") or one all_to_all_single ("permute_a2a")."""
-    if cfg.world == 1:
-        return t
-    zig, con = _zigzag_and_contiguous(cfg.world)
+    me, world = dist.get_rank(group), dist.get_world_size(group)
+    if world == 1:
+        return t.clone()
+    zig, con = _zigzag_and_contiguous(world)
     src, dst = (zig, con) if to_contiguous else (con, zig)
-    me = cfg.rank
     mine = {src_slot: piece for piece, (r, src_slot) in src.items() if r == me}   # slot -> piece
     wanted = {dst[piece][1]: piece for piece in src if dst[piece][0] == me}       # slot -> piece
     pieces = t.chunk(2, dim=1)
     out = torch.empty_like(t, memory_format=torch.contiguous_format)
     out_pieces = out.chunk(2, dim=1)
-    if cfg.load_balancing == "permute_p2p":
+    if load_balancing == "permute_p2p":
         ops, landing = [], []
         for slot, piece in mine.items():
             to = dst[piece][0]
             if to == me:
                 out_pieces[dst[piece][1]].copy_(pieces[slot])
             else:
-                ops.append(dist.P2POp(dist.isend, pieces[slot].contiguous(), dist.get_global_rank(cfg.group, to)
-                                      if cfg.group is not None else to, cfg.group))
+                ops.append(dist.P2POp(dist.isend, pieces[slot].contiguous(), dist.get_global_rank(group, to)
+                                      if group is not None else to, group))
         for slot, piece in wanted.items():
             frm = src[piece][0]
             if frm != me:
                 buf = torch.empty_like(pieces[0], memory_format=torch.contiguous_format)
-                ops.append(dist.P2POp(dist.irecv, buf, dist.get_global_rank(cfg.group, frm)
-                                      if cfg.group is not None else frm, cfg.group))
+                ops.append(dist.P2POp(dist.irecv, buf, dist.get_global_rank(group, frm)
+                                      if group is not None else frm, group))
                 landing.append((slot, buf))
         for work in dist.batch_isend_irecv(ops) if ops else []:
             work.wait()
@@ -2028,27 +2037,85 @@ def _permute(t, cfg, to_contiguous):
     s = t.shape[1] // 2
     send_order = sorted(mine.items(), key=lambda kv: dst[kv[1]])                  # by (dst rank, dst slot)
     send = torch.cat([pieces[slot].transpose(0, 1) for slot, _ in send_order]).contiguous()
-    counts_to = [sum(1 for _, piece in send_order if dst[piece][0] == r) for r in range(cfg.world)]
+    counts_to = [sum(1 for _, piece in send_order if dst[piece][0] == r) for r in range(world)]
     recv_order = sorted(wanted.items(), key=lambda kv: (src[kv[1]][0], kv[0]))   # by src rank, then slot
-    counts_from = [sum(1 for _, piece in recv_order if src[piece][0] == r) for r in range(cfg.world)]
+    counts_from = [sum(1 for _, piece in recv_order if src[piece][0] == r) for r in range(world)]
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, [c * s for c in counts_from], [c * s for c in counts_to], group=cfg.group)
+    dist.all_to_all_single(recv, send, [c * s for c in counts_from], [c * s for c in counts_to], group=group)
     for i, (slot, _) in enumerate(recv_order):
         out_pieces[slot].copy_(recv[i * s:(i + 1) * s].transpose(0, 1))
     return out
+
+
+# Every collective of the module runs inside a custom op (see _chunk_scan_fwd for why): the
+# compiler records the call, and the ops' own code runs the NCCL or gloo calls, which the
+# compiler never traces. A group travels to an op by its registered name.
+
+def _group_name(group):
+    return "" if group is None else group.group_name
+
+
+def _resolve_group(name):
+    return None if name == "" else dist.distributed_c10d._resolve_process_group(name)
+
+
+@torch.library.custom_op("mamba_cp::permute", mutates_args=())
+def _permute_op(t: Tensor, group: str, load_balancing: str, to_contiguous: bool) -> Tensor:
+    return _permute(t, _resolve_group(group), load_balancing, to_contiguous)
+
+
+@_permute_op.register_fake
+def _(t, group, load_balancing, to_contiguous):
+    return torch.empty(t.shape, device=t.device, dtype=t.dtype)
+
+
+@torch.library.custom_op("mamba_cp::all_to_all", mutates_args=())
+def _all_to_all_op(t: Tensor, group: str) -> Tensor:
+    """Equal-block all_to_all_single along dim 0."""
+    out = torch.empty(t.shape, device=t.device, dtype=t.dtype)
+    dist.all_to_all_single(out, t.contiguous(), group=_resolve_group(group))
+    return out
+
+
+@_all_to_all_op.register_fake
+def _(t, group):
+    return torch.empty(t.shape, device=t.device, dtype=t.dtype)
+
+
+@torch.library.custom_op("mamba_cp::all_gather", mutates_args=())
+def _all_gather_op(t: Tensor, group: str) -> Tensor:
+    return _all_gather(t, _resolve_group(group))
+
+
+@_all_gather_op.register_fake
+def _(t, group):
+    return t.new_empty((dist.get_world_size(_resolve_group(group)), *t.shape))
+
+
+@torch.library.custom_op("mamba_cp::all_reduce", mutates_args=())
+def _all_reduce_op(t: Tensor, group: str) -> Tensor:
+    out = t.contiguous().clone()
+    dist.all_reduce(out, group=_resolve_group(group))
+    return out
+
+
+@_all_reduce_op.register_fake
+def _(t, group):
+    return torch.empty(t.shape, device=t.device, dtype=t.dtype)
 
 
 class _PermuteFn(torch.autograd.Function):
     """Zigzag <-> contiguous, autograd-aware: the gradient travels the inverse permutation."""
 
     @staticmethod
-    def forward(ctx, t, cfg, to_contiguous):
-        ctx.cfg, ctx.to_contiguous = cfg, to_contiguous
-        return _permute(t, cfg, to_contiguous)
+    def forward(ctx, t, group, load_balancing, to_contiguous):
+        ctx.args = (_group_name(group), load_balancing, to_contiguous)
+        return _permute_op(t, *ctx.args)
 
     @staticmethod
     def backward(ctx, grad):
-        return _permute(grad, ctx.cfg, not ctx.to_contiguous), None, None
+        group, load_balancing, to_contiguous = ctx.args
+        return _permute_op(grad, group, load_balancing, not to_contiguous), None, None, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -2056,10 +2123,10 @@ class _PermuteFn(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------
 
 
-def _conv_channels(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, u, ch):
-    """The conv of channels `ch` (a slice), written into the same channels of u."""
-    conv1d_fwd(xBC[..., ch], conv_weight[ch], None if conv_bias is None else conv_bias[ch],
-               None if halo is None else halo[..., ch], seq_idx, halo_seq, out=u[..., ch])
+def _conv_channels(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, ch):
+    """The conv of channels `ch` (a slice) alone, (rows, s, channels)."""
+    return conv1d_fwd(xBC[..., ch], conv_weight[ch], None if conv_bias is None else conv_bias[ch],
+                      None if halo is None else halo[..., ch], seq_idx, halo_seq)
 
 
 def _split_xBC(u, cfg):
@@ -2072,82 +2139,151 @@ def _split_xBC(u, cfg):
     return x, B, C
 
 
+def _cp_config(xBC, dt, conv_weight, group, load_balancing, batch, chunk_size, headdim, ngroups, dt_limit):
+    """The _CPConfig of an op's call: xBC and dt hold one segment per row."""
+    group = _resolve_group(group)
+    rank, world = (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
+    return _CPConfig(xBC, dt, conv_weight, chunk_size, headdim, ngroups, group, rank, world, load_balancing,
+                     dt_limit, batch=batch)
+
+
+@torch.library.custom_op("mamba_cp::conv1d_ssd_cp_fwd", mutates_args=())
+def _conv1d_ssd_cp_fwd(xBC: Tensor, dt: Tensor, conv_weight: Tensor, conv_bias: Optional[Tensor],
+                       dt_bias: Optional[Tensor], A: Tensor, D: Optional[Tensor], initial_states: Optional[Tensor],
+                       seq_idx: Optional[Tensor], group: str, load_balancing: str, batch: int, chunk_size: int,
+                       headdim: int, ngroups: int, dt_min: float, dt_max: float, agree: bool) -> list[Tensor]:
+    """Forward of one causal segment per row: xBC (rows, s, conv_dim), dt (rows, s, h), seq_idx
+    (rows, s). Returns [y, final state, and what backward needs: halo, halo_seq, entries, a_all,
+    e] (absent ones empty). With agree (a compiled call), the checks that read device values and
+    the ranks' agreement run here first, where an eager call has run them before.
+
+    Halo exchange, conv of the x and B channels, the state pass from a zero entry (the segment's
+    summary), the summary all-gather (overlapped with the conv of the C channels, which the
+    summary does not need; in a world of one all channels are convolved at once) and exclusive
+    scan (true entry states and the global final state), the outputs with the entry state folded
+    in. Nothing kept for backward grows with length beyond the inputs."""
+    cfg = _cp_config(xBC, dt, conv_weight, group, load_balancing, batch, chunk_size, headdim, ngroups,
+                     (dt_min, dt_max))
+    if agree:
+        _validate_everywhere(lambda: _check_document_values(seq_idx), cfg.group, cfg.world, xBC,
+                             **_op_signature(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx,
+                                             chunk_size, headdim, ngroups))
+    halo, halo_seq = _exchange_halo(xBC, seq_idx, cfg)
+    x_ch, B_ch = cfg.nheads * cfg.headdim, cfg.ngroups * cfg.dstate
+    if cfg.world > 1:   # the summaries need x and B only: C's conv runs while they travel
+        uxB = _conv_channels(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, slice(0, x_ch + B_ch))
+        x = uxB[..., :x_ch].unflatten(-1, (cfg.nheads, cfg.headdim))
+        B = uxB[..., x_ch:].unflatten(-1, (cfg.ngroups, cfg.dstate))
+    else:
+        u = conv1d_fwd(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq)      # (rows, s, conv_dim)
+        x, B, C = _split_xBC(u, cfg)
+    k = _Launch(x, B, min(cfg.chunk, MAX_CHUNK_FWD), dt_bias, True, cfg.dt_limit, seq_idx)
+    summary = Summary(x, dt, A, B, dt_bias, seq_idx, k)
+    S_ext, a = summary.affine()                                                 # (rows, h, p, n), (rows, h)
+    every, work = _gather_summaries(S_ext, a, seq_idx, cfg)
+    if work is not None:
+        C = _conv_channels(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, slice(x_ch + B_ch, None))
+        C = C.unflatten(-1, (cfg.ngroups, cfg.dstate))
+        work.wait()
+    entries, final, a_all, e = _scan_shards(every, initial_states, seq_idx is not None, cfg)
+    y, _ = ssd_output(x, dt, A, B, C, D, None, dt_bias, seq_idx, summary, entries)
+    f32 = dict(device=xBC.device, dtype=torch.float32)
+    return [y, final, halo.clone(), torch.empty(0, device=xBC.device, dtype=torch.int32) if halo_seq is None
+            else halo_seq.clone(), entries.contiguous(), a_all.clone(), torch.empty(0, **f32) if e is None else e]
+
+
+@_conv1d_ssd_cp_fwd.register_fake
+def _(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, group, load_balancing, batch,
+      chunk_size, headdim, ngroups, dt_min, dt_max, agree):
+    cfg = _cp_config(xBC, dt, conv_weight, group, load_balancing, batch, chunk_size, headdim, ngroups,
+                     (dt_min, dt_max))
+    rows, s, conv_dim = xBC.shape
+    h, p, n = cfg.state_shape
+    K = cfg.segs.count
+    f32 = dict(device=xBC.device, dtype=torch.float32)
+    return [torch.empty((rows, s, h, p), device=xBC.device, dtype=xBC.dtype), torch.empty((batch, h, p, n), **f32),
+            torch.empty((rows, cfg.d_conv - 1, conv_dim), device=xBC.device, dtype=xBC.dtype),
+            torch.empty((rows, cfg.d_conv - 1) if seq_idx is not None else 0, device=xBC.device, dtype=torch.int32),
+            torch.empty((rows, h, p, n), **f32), torch.empty((batch, K, h), **f32),
+            torch.empty((batch, K) if seq_idx is not None else 0, **f32)]
+
+
+@torch.library.custom_op("mamba_cp::conv1d_ssd_cp_bwd", mutates_args=())
+def _conv1d_ssd_cp_bwd(dy: Tensor, dfinal: Optional[Tensor], xBC: Tensor, dt: Tensor, conv_weight: Tensor,
+                       conv_bias: Optional[Tensor], dt_bias: Optional[Tensor], A: Tensor, D: Optional[Tensor],
+                       initial_states: Optional[Tensor], seq_idx: Optional[Tensor], halo: Tensor, halo_seq: Tensor,
+                       entries: Tensor, a_all: Tensor, e: Tensor, group: str, load_balancing: str, batch: int,
+                       chunk_size: int, headdim: int, ngroups: int, dt_min: float, dt_max: float) -> list[Tensor]:
+    """[dxBC, ddt, dconv_weight, dconv_bias, ddt_bias, dA, dD, dinitial_states] (absent ones empty).
+
+    Recompute the conv; the reverse state pass from a zero exit gradient gives G; its all-gather
+    runs while the forward state pass is recomputed; the reverse scan gives each segment's exit
+    gradient; one fused chunk backward writes dx, dB, dC straight into the conv backward's input;
+    the halo's gradient goes back to its owner."""
+    cfg = _cp_config(xBC, dt, conv_weight, group, load_balancing, batch, chunk_size, headdim, ngroups,
+                     (dt_min, dt_max))
+    halo_seq, e = _none_if_empty(halo_seq), _none_if_empty(e)
+    u = conv1d_fwd(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq)
+    x, B, C = _split_xBC(u, cfg)
+    k = _Launch(x, B, min(cfg.chunk, MAX_CHUNK_BWD), dt_bias, True, cfg.dt_limit, seq_idx)
+    grad_pass = GradPass(dy, None, C, dt, A, dt_bias, seq_idx, k)
+    every, work = _gather_G(grad_pass.G, dfinal, cfg)
+    summary = Summary(x, dt, A, B, dt_bias, seq_idx, k)                        # overlaps the gather
+    if work is not None:
+        work.wait()
+    dexit, dinit = _scan_shards_bwd(every, a_all, e, cfg)
+
+    du = torch.empty_like(u)
+    dx, dB, dC = _split_xBC(du, cfg)
+    _, _, _, ddt, _, dA, dD, _ = ssd_grads(x, dt, A, B, C, D, None, dt_bias, seq_idx, summary, grad_pass,
+                                           dy, entries, dexit, dx=dx, dB=dB, dC=dC)
+    dxBC, dhalo, dweight, dbias = conv1d_bwd(du, xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq)
+    _return_halo_grad(dxBC, dhalo, cfg)
+    dinit = dinit if cfg.holds_first else torch.zeros_like(dinit)               # one rank contributes it
+    grads = [dxBC, ddt.to(dt.dtype), dweight.to(conv_weight.dtype),
+             None if conv_bias is None else dbias.to(conv_bias.dtype),
+             None if dt_bias is None else ddt.sum(dim=(0, 1)).to(dt_bias.dtype), dA.to(A.dtype),
+             None if D is None else dD.to(D.dtype), None if initial_states is None else dinit.to(initial_states.dtype)]
+    return [_empty_if_none(g, xBC) for g in grads]
+
+
+@_conv1d_ssd_cp_bwd.register_fake
+def _(dy, dfinal, xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, halo, halo_seq, entries,
+      a_all, e, group, load_balancing, batch, chunk_size, headdim, ngroups, dt_min, dt_max):
+    like = (xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states)
+    return [xBC.new_empty(0) if t is None else torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in like]
+
+
 class _Conv1dSSDCPFn(torch.autograd.Function):
-    """One causal segment per row: xBC (rows, s, conv_dim), dt (rows, s, h), seq_idx (rows, s).
-
-    Forward: halo exchange, conv of the x and B channels, the state pass from a zero entry (the
-    segment's summary), the summary all-gather (overlapped with the conv of the C channels, which
-    the summary does not need; in a world of one all channels are convolved at once) and
-    exclusive scan (true entry states and the global final state), the outputs with the entry
-    state folded in. Saved: the inputs, the halo, and per-segment entry states and decays;
-    nothing that grows with length beyond the inputs.
-
-    Backward: recompute the conv; the reverse state pass from a zero exit gradient gives G; its
-    all-gather runs while the forward state pass is recomputed; the reverse scan gives each
-    segment's exit gradient; one fused chunk backward writes dx, dB, dC straight into the conv
-    backward's input; the halo's gradient goes back to its owner."""
+    """The fused conv1d + SSD with state-passing CP, one causal segment per row (the ops above)."""
 
     @staticmethod
-    def forward(ctx, xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, cfg):
-        halo, halo_seq = _exchange_halo(xBC, seq_idx, cfg)
-        u = torch.empty(xBC.shape, device=xBC.device, dtype=xBC.dtype)               # (rows, s, conv_dim)
-        # the summaries need x and B only: with other ranks, C's conv runs while they travel
-        xB = cfg.nheads * cfg.headdim + cfg.ngroups * cfg.dstate if cfg.world > 1 else xBC.shape[2]
-        _conv_channels(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, u, slice(0, xB))
-        x, B, C = _split_xBC(u, cfg)
-        k = _Launch(x, B, min(cfg.chunk, MAX_CHUNK_FWD), dt_bias, True, cfg.dt_limit, seq_idx)
-        summary = Summary(x, dt, A, B, dt_bias, seq_idx, k)
-        S_ext, a = summary.affine()                                                 # (rows, h, p, n), (rows, h)
-        every, work = _gather_summaries(S_ext, a, seq_idx, cfg)
-        if work is not None:
-            _conv_channels(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, u, slice(xB, xBC.shape[2]))
-            work.wait()
-        entries, final, a_all, e = _scan_shards(every, initial_states, seq_idx is not None, cfg)
-        y, _ = ssd_output(x, dt, A, B, C, D, None, dt_bias, seq_idx, summary, entries)
+    def forward(ctx, xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, group, load_balancing,
+                batch, chunk_size, headdim, ngroups, dt_limit, agree):
+        opts = (group, load_balancing, batch, chunk_size, headdim, ngroups, dt_limit[0], dt_limit[1])
+        y, final, halo, halo_seq, entries, a_all, e = _conv1d_ssd_cp_fwd(
+            xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, *opts, agree)
         ctx.save_for_backward(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx,
                               halo, halo_seq, entries, a_all, e)
-        ctx.cfg = cfg
+        ctx.opts = opts
         return y, final
 
     @staticmethod
     def backward(ctx, dy, dfinal):
-        (xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx,
-         halo, halo_seq, entries, a_all, e) = ctx.saved_tensors
-        cfg = ctx.cfg
-        u = conv1d_fwd(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq)
-        x, B, C = _split_xBC(u, cfg)
-        k = _Launch(x, B, min(cfg.chunk, MAX_CHUNK_BWD), dt_bias, True, cfg.dt_limit, seq_idx)
-        grad_pass = GradPass(dy, None, C, dt, A, dt_bias, seq_idx, k)
-        every, work = _gather_G(grad_pass.G, dfinal, cfg)
-        summary = Summary(x, dt, A, B, dt_bias, seq_idx, k)                        # overlaps the gather
-        if work is not None:
-            work.wait()
-        dexit, dinit = _scan_shards_bwd(every, a_all, e, cfg)
-
-        du = torch.empty_like(u)
-        dx, dB, dC = _split_xBC(du, cfg)
-        _, _, _, ddt, _, dA, dD, _ = ssd_grads(x, dt, A, B, C, D, None, dt_bias, seq_idx, summary, grad_pass,
-                                               dy, entries, dexit, dx=dx, dB=dB, dC=dC)
-        dxBC, dhalo, dweight, dbias = conv1d_bwd(du, xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq)
-        _return_halo_grad(dxBC, dhalo, cfg)
-        dinit = dinit if cfg.holds_first else torch.zeros_like(dinit)               # one rank contributes it
-        return (dxBC, ddt.to(dt.dtype), dweight.to(conv_weight.dtype),
-                None if conv_bias is None else dbias.to(conv_bias.dtype),
-                None if dt_bias is None else ddt.sum(dim=(0, 1)).to(dt_bias.dtype), dA.to(A.dtype),
-                None if D is None else dD.to(D.dtype),
-                None if initial_states is None else dinit.to(initial_states.dtype), None, None)
+        grads = _conv1d_ssd_cp_bwd(dy, dfinal, *ctx.saved_tensors, *ctx.opts)
+        return (*(_none_if_empty(g) for g in grads), None, None, None, None, None, None, None, None, None)
 
 
 class _CPConfig:
     """What the CP function derives once per call from its arguments and the group."""
 
     def __init__(self, xBC, dt, conv_weight, chunk_size, headdim, ngroups, cp_group, rank, world,
-                 load_balancing, dt_limit):
+                 load_balancing, dt_limit, batch=None):
         self.group, self.rank, self.world = cp_group, rank, world
         self.load_balancing = load_balancing
         self.segs = _Segments(rank, world, load_balancing)
         self.holds_first = 0 in self.segs.ids
-        self.batch = xBC.shape[0]
+        self.batch = xBC.shape[0] if batch is None else batch
         self.d_conv = conv_weight.shape[1]
         self.chunk = chunk_size
         self.nheads, self.headdim, self.ngroups = dt.shape[2], headdim, ngroups
@@ -2173,6 +2309,14 @@ def _signature(**tensors_and_options):
             values.append(int(v))
             names.append(name)
     return values, names
+
+
+def _op_signature(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, chunk_size, headdim,
+                  ngroups):
+    """What the ranks of a compiled call agree on inside the forward op (rows of segments)."""
+    return dict(xBC=xBC, dt=dt, conv_weight=conv_weight, conv_bias=conv_bias, dt_bias=dt_bias, A=A, D=D,
+                seq_idx=seq_idx, initial_states=initial_states, chunk_size=chunk_size, headdim=headdim,
+                ngroups=ngroups)
 
 
 def _call_signature(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size, headdim, ngroups, seq_idx,
@@ -2258,16 +2402,18 @@ def mamba_conv1d_ssd_cp(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_si
                     load_balancing, dt_limit)
     if seq_idx is not None:
         seq_idx = seq_idx.to(torch.int32)
-    permuted = load_balancing.startswith("permute")
+    permuted = load_balancing.startswith("permute") and world > 1
     if permuted:
-        xBC, dt = _PermuteFn.apply(xBC, cfg, True), _PermuteFn.apply(dt, cfg, True)
-        seq_idx = None if seq_idx is None else _permute(seq_idx, cfg, True)
+        xBC, dt = (_PermuteFn.apply(t, cp_group, load_balancing, True) for t in (xBC, dt))
+        seq_idx = None if seq_idx is None else _permute_op(seq_idx, _group_name(cp_group), load_balancing, True)
     rows = cfg.segs.to_rows
-    y, final = _Conv1dSSDCPFn.apply(rows(xBC), rows(dt), conv_weight, conv_bias, dt_bias, A, D, initial_states,
-                                    None if seq_idx is None else rows(seq_idx).contiguous(), cfg)
+    y, final = _Conv1dSSDCPFn.apply(
+        rows(xBC), rows(dt), conv_weight, conv_bias, dt_bias, A, D, initial_states,
+        None if seq_idx is None else rows(seq_idx).contiguous(), _group_name(cp_group), load_balancing, cfg.batch,
+        chunk_size, headdim, ngroups, tuple(dt_limit), world > 1 and torch.compiler.is_compiling())
     y = cfg.segs.from_rows(y, cfg.batch)
     if permuted:
-        y = _PermuteFn.apply(y, cfg, False)
+        y = _PermuteFn.apply(y, cp_group, load_balancing, False)
     return (y, final) if return_final_states else y
 
 
@@ -2281,16 +2427,12 @@ class _AllToAllFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, t, group):
-        ctx.group = group
-        out = torch.empty_like(t, memory_format=torch.contiguous_format)
-        dist.all_to_all_single(out, t.contiguous(), group=group)
-        return out
+        ctx.group = _group_name(group)
+        return _all_to_all_op(t, ctx.group)
 
     @staticmethod
     def backward(ctx, grad):
-        out = torch.empty_like(grad, memory_format=torch.contiguous_format)
-        dist.all_to_all_single(out, grad.contiguous(), group=ctx.group)
-        return out, None
+        return _all_to_all_op(grad, ctx.group), None
 
 
 class _GatherHeadsFn(torch.autograd.Function):
@@ -2299,15 +2441,13 @@ class _GatherHeadsFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, block, group, rank):
-        ctx.group, ctx.rank = group, rank
-        every = _all_gather(block, group)                                          # (W, b, hW, p, n)
+        ctx.group, ctx.rank, ctx.world = _group_name(group), rank, dist.get_world_size(group)
+        every = _all_gather_op(block, ctx.group)                                   # (W, b, hW, p, n)
         return torch.cat(list(every.unbind(0)), dim=1)
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad.chunk(dist.get_world_size(ctx.group), dim=1)[ctx.rank], None, None
+        return _all_reduce_op(grad, ctx.group).chunk(ctx.world, dim=1)[ctx.rank], None, None
 
 
 def _a2a_heads(nheads, ngroups, world, rank):
@@ -2395,7 +2535,8 @@ def mamba_conv1d_ssd_a2a(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_s
     send_dt = torch.stack([dt[..., plan[r][0][0]:plan[r][0][-1] + 1] for r in range(world)])
     xBC_mine = _to_global_order(_AllToAllFn.apply(send_x, cp_group), cfg)        # (b, L, c_loc)
     dt_mine = _to_global_order(_AllToAllFn.apply(send_dt, cp_group), cfg)        # (b, L, hW)
-    seq_full = None if seq_idx is None else _to_global_order(_all_gather(seq_idx.to(torch.int32), cp_group), cfg)
+    seq_full = None if seq_idx is None else _to_global_order(_all_gather_op(seq_idx.to(torch.int32),
+                                                                            _group_name(cp_group)), cfg)
 
     heads, groups = plan[rank]
     h0, h1 = heads[0], heads[-1] + 1

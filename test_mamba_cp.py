@@ -34,6 +34,7 @@ CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"  # without CUDA the kernels run in the Triton interpreter
 FP32_BOUND = 1e-5
 BF16_BOUND = 1e-2
+gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA (these shapes are too large for the interpreter)")
 
 
 def rel_rms(got, want):
@@ -859,13 +860,11 @@ def cp_round_trip_errors(rank, world, group, device):
     """zigzag -> contiguous -> zigzag must be bitwise exact, forward and backward, both backends."""
     errs = {}
     for backend in ("permute_p2p", "permute_a2a"):
-        cfg = mamba_cp._CPConfig(torch.empty(2, 2 * 6, 9), torch.empty(2, 12, 1), torch.empty(9, 4), 16, 1, 1,
-                                 group, rank, world, backend, (0.0, float("inf")))
         full = torch.randn(2, 2 * world * 6, 3, generator=torch.Generator().manual_seed(5)).to(device)
         x = mamba_cp.shard(full, rank, world, "virtual").requires_grad_(True)
-        contiguous = mamba_cp._PermuteFn.apply(x, cfg, True)
+        contiguous = mamba_cp._PermuteFn.apply(x, group, backend, True)
         want = mamba_cp.shard(full, rank, world, "none")
-        back = mamba_cp._PermuteFn.apply(contiguous, cfg, False)
+        back = mamba_cp._PermuteFn.apply(contiguous, group, backend, False)
         g = torch.autograd.grad((back * full[:1, :x.shape[1]]).sum(), x)[0]
         errs[f"{backend} to contiguous"] = 0.0 if torch.equal(contiguous, want) else float("inf")
         errs[f"{backend} round trip"] = 0.0 if torch.equal(back, x) else float("inf")
@@ -1095,6 +1094,136 @@ def test_cp_bad_input_raises_on_every_rank():
 
 
 # ---------------------------------------------------------------------------------------------
+# torch.compile: every public entry point, default and fullgraph=True, forward and backward,
+# against the same call eager. The kernels run inside opaque custom ops, so on CPUs the
+# compiler runs them in the interpreter too; results must be bitwise those of eager.
+# ---------------------------------------------------------------------------------------------
+
+def compiled_vs_eager(fn, leaves, fullgraph, seed=0):
+    """{output or gradient index: error} of fn compiled (inductor, the default) against fn
+    eager, 0.0 where bitwise equal, else the relative RMS. Gradients of every leaf under the
+    same random weights of every output."""
+    def run(f):
+        ins = [t.detach().clone().requires_grad_(True) for t in leaves]
+        outs = f(*ins)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        g = torch.Generator().manual_seed(seed)
+        weights = [torch.randn(o.shape, generator=g).to(o.device, o.dtype) for o in outs]
+        pulled = [(o, w) for o, w in zip(outs, weights) if o.requires_grad]
+        outs_pulled, weights_pulled = zip(*pulled)
+        return [o.detach() for o in outs] + list(torch.autograd.grad(outs_pulled, ins, weights_pulled))
+
+    eager = run(fn)
+    compiled = run(torch.compile(fn, fullgraph=fullgraph))
+    return {i: 0.0 if torch.equal(a, b) else rel_rms(b, a) for i, (a, b) in enumerate(zip(eager, compiled))}
+
+
+def compile_cases(device, world=1, group=None, rank=0):
+    """(name, fn, leaves) for each entry point: the single-device SSD with every option and
+    varlen states, and the fused core on every layout and the all-to-all baseline."""
+    inputs = make_inputs(15, **SMALL, **OPTIONS["all"], device=device)
+    seq, chunk = inputs["seq_idx"], inputs["chunk_size"]
+    names = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
+
+    def ssd(x, dt, A, B, C, D, z, dt_bias, init):
+        return mamba_cp.mamba_chunk_scan_combined(x, dt, A, B, C, chunk, D=D, z=z, dt_bias=dt_bias,
+                                                  initial_states=init, seq_idx=seq, dt_softplus=True,
+                                                  dt_limit=(0.05, 1.5), return_final_states=True)
+
+    cases = [("mamba_chunk_scan_combined", ssd, [inputs[k] for k in names])] if world == 1 else []
+    if world == 1:
+        v = make_inputs(16, batch=1, seqlen=45, nheads=2, headdim=8, ngroups=1, dstate=8, chunk=16, seq_idx=[20],
+                        device=device)
+        cu = torch.tensor([0, 20, 45], dtype=torch.int32, device=device)
+
+        def varlen(x, dt, B, C):
+            y, states = mamba_cp.mamba_chunk_scan_combined(x, dt, v["A"], B, C, 16, seq_idx=v["seq_idx"],
+                                                           cu_seqlens=cu, return_varlen_states=True)
+            return y, states.detach()
+
+        cases.append(("mamba_chunk_scan_combined varlen", varlen, [v[k] for k in ("x", "dt", "B", "C")]))
+    full, opts = cp_inputs(17, world, **CP_SMALL, seq=[3, 40, 74], device=device)
+    cp_names = ("xBC", "dt", "conv_weight", "conv_bias", "dt_bias", "A", "D", "initial_states")
+    paths = [("cp", layout) for layout in mamba_cp.LAYOUTS] if world > 1 else [("cp", "none")]
+    paths.append(("a2a", "none"))
+    for path, layout in paths:
+        local = {k: mamba_cp.shard(v, rank, world, layout) if k in CP_ACTIVATIONS + ("seq_idx",) else v
+                 for k, v in full.items()}
+        entry = mamba_cp.mamba_conv1d_ssd_cp if path == "cp" else mamba_cp.mamba_conv1d_ssd_a2a
+
+        def core(xBC, dt, w, b, dt_bias, A, D, init, entry=entry, layout=layout, seq=local["seq_idx"]):
+            return entry(xBC, dt, w, b, dt_bias, A, D, opts["chunk_size"], headdim=opts["headdim"],
+                         ngroups=opts["ngroups"], cp_group=group, load_balancing=layout, seq_idx=seq,
+                         initial_states=init, return_final_states=True)
+
+        cases.append((f"{'mamba_conv1d_ssd_' + path} {layout}", core, [local[k] for k in cp_names]))
+    return cases
+
+
+def compile_errors(device, world=1, group=None, rank=0):
+    """{case: {index: error}} of every compile case, default and fullgraph=True."""
+    errs = {}
+    for name, fn, leaves in compile_cases(device, world, group, rank):
+        for fullgraph in (False, True):
+            try:
+                errs[f"{name}, fullgraph={fullgraph}"] = compiled_vs_eager(fn, leaves, fullgraph)
+            except Exception as e:  # noqa: BLE001 - a failure on one rank must still reach the verdict
+                errs[f"{name}, fullgraph={fullgraph}"] = {"exception: " + repr(e)[:300]: float("inf")}
+    return errs
+
+
+def test_torch_compile_single_process():
+    """Every entry point in one process (the fused core and the baseline without a group)."""
+    errs = compile_errors(DEVICE)
+    bad = {case: e for case, e in errs.items() if any(v != 0.0 for v in e.values())}
+    assert not bad, f"compiled differs from eager: {bad}"
+
+
+@gpu
+def test_torch_compile_fused_core_bf16():
+    """The call that crashed under inductor (an illegal memory access): the fused core in a world
+    of one, bf16 (1, 2048, 768), a loss computed inside the compiled function."""
+    g = torch.Generator().manual_seed(18)
+    h, p, ng, n, L = 8, 64, 2, 64, 2048
+    conv_dim = h * p + 2 * ng * n
+    leaves = [torch.randn(1, L, conv_dim, generator=g).bfloat16(), (torch.randn(1, L, h, generator=g) * 0.5 - 1).bfloat16(),
+              torch.randn(conv_dim, 4, generator=g) * 0.3, torch.randn(conv_dim, generator=g) * 0.1,
+              torch.rand(h, generator=g) * 0.5, -torch.rand(h, generator=g) - 0.5, torch.ones(h)]
+    leaves = [t.cuda() for t in leaves]
+
+    def step(xBC, dt, w, b, dt_bias, A, D):
+        y = mamba_cp.mamba_conv1d_ssd_cp(xBC, dt, w, b, dt_bias, A, D, 128, headdim=p, ngroups=ng)
+        return y, y.float().square().mean()
+
+    for fullgraph in (False, True):
+        errs = compiled_vs_eager(step, leaves, fullgraph)
+        print(f"fullgraph={fullgraph}: {errs}")
+        assert errs[0] == 0.0 and all(e <= BF16_BOUND for e in errs.values()), errs
+
+
+def compile_world_check(rank, world, group, device):
+    """The compile cases of a world of ranks, the errors reduced (MAX) over the group."""
+    errs = compile_errors(device, world, group, rank)
+    names = sorted((c, str(i)) for c, e in errs.items() for i in e)
+    flat = {(c, str(i)): v for c, e in errs.items() for i, v in e.items()}
+    count = torch.tensor([len(names)], device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+    vec = torch.tensor([flat[k] for k in names], dtype=torch.float64, device=device)
+    if count.item() == len(names):
+        dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
+    return {f"{c} [{i}]": v for (c, i), v in zip(names, vec.tolist())}
+
+
+def test_torch_compile_two_ranks():
+    """Every layout of the fused core and the baseline, compiled on two gloo ranks."""
+    per_rank = spawn_world(2, "compile_world_check", timeout=900)
+    errors = [v for status, v in per_rank if status != "ok"]
+    assert not errors, errors[0]
+    bad = {k: v for k, v in per_rank[0][1].items() if v != 0.0}
+    assert not bad, f"compiled differs from eager: {bad}"
+
+
+# ---------------------------------------------------------------------------------------------
 # Vendoring, run: a tiny Mamba2 mixer built around the fused CP core trains a few steps with
 # W = 2 and with W = 1 from the same seed and data; the losses must agree step by step (the
 # loss-parity check a training user runs before trusting CP).
@@ -1191,17 +1320,30 @@ def test_mixer_loss_parity():
 # ---------------------------------------------------------------------------------------------
 
 RECORD = dict(nheads=64, headdim=64, ngroups=8, dstate=128, chunk=128)
-gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA (these shapes are too large for the interpreter)")
 
 
 @gpu
-@pytest.mark.parametrize("opts", [dict(), OPTIONS["all"]], ids=["plain", "all"])
+@pytest.mark.parametrize("opts", [dict(), OPTIONS["all"], dict(OPTIONS["all"], state_dtype=torch.float32),
+                                  dict(growth=0.02, D="hp", z=True, initial_states=True, seq_idx=[16, 40, 41])],
+                         ids=["plain", "all", "all_fp32_states", "growth"])
 def test_bf16_record_shape(opts):
     """bf16 kernels against the oracle fed the same bf16-rounded values (chunked float64 form)."""
     inputs = make_inputs(9, batch=2, seqlen=1000, **RECORD, dtype=torch.bfloat16, **opts)
     oracle_inputs = {k: (v.float() if isinstance(v, torch.Tensor) and v.dtype == torch.bfloat16 else v)
                      for k, v in inputs.items()}
     assert_close(run_both(inputs, oracle_inputs, chunked=True), BF16_BOUND)
+
+
+@gpu
+def test_varlen_states_bf16_record_shape():
+    """Documents of 1, 127, 129 and 743 tokens (one ending at a kernel-chunk boundary, 128)."""
+    cu = torch.tensor([0, 1, 128, 257, 1000], dtype=torch.int32)
+    inputs = make_inputs(19, batch=1, seqlen=1000, **RECORD, dtype=torch.bfloat16, seq_idx=cu[1:-1].tolist(),
+                         initial_states=True, dt_bias=True, dt_softplus=True)
+    _, states = mamba_cp.mamba_chunk_scan_combined(**inputs, cu_seqlens=cu.cuda(), return_varlen_states=True)
+    oracle = {k: (v.float() if isinstance(v, torch.Tensor) and v.dtype == torch.bfloat16 else v)
+              for k, v in inputs.items()}
+    assert_close({"varlen_states": (states, document_end_oracle(oracle, cu))}, BF16_BOUND)
 
 
 @gpu
@@ -1328,6 +1470,13 @@ def main():
         for check, ok in graph_capture_check(rank, world, dist.group.WORLD, device).items():
             passed, failed = passed + ok, failed + (not ok)
             print(f"[rank {rank}] {'PASS' if ok else 'FAIL'} W={world} CUDA graph: {check}", flush=True)
+    # torch.compile, default and fullgraph, of every CP path (float32, small shapes)
+    for check, err in compile_world_check(rank, world, dist.group.WORLD, device).items() if world > 1 else []:
+        ok = err == 0.0
+        passed, failed = passed + ok, failed + (not ok)
+        if not ok or check.endswith("[0]"):
+            print(f"[rank {rank}] {'PASS' if ok else 'FAIL'} W={world} torch.compile {check}: "
+                  f"{'bitwise' if ok else err}", flush=True)
     # the vendoring example: a tiny mixer trains on W ranks and on one, losses step by step
     mixer = _mixer_parity_failures(mixer_parity_losses(rank, world, dist.group.WORLD, device, L=24 * world))
     for layout in MIXER_LAYOUTS:

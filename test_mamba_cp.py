@@ -1328,7 +1328,9 @@ RECORD = dict(nheads=64, headdim=64, ngroups=8, dstate=128, chunk=128)
                          ids=["plain", "all", "all_fp32_states", "growth"])
 def test_bf16_record_shape(opts):
     """bf16 kernels against the oracle fed the same bf16-rounded values (chunked float64 form)."""
-    inputs = make_inputs(9, batch=2, seqlen=1000, **RECORD, dtype=torch.bfloat16, **opts)
+    opts = dict(opts)
+    state_dtype = opts.pop("state_dtype", None)
+    inputs = dict(make_inputs(9, batch=2, seqlen=1000, **RECORD, dtype=torch.bfloat16, **opts), state_dtype=state_dtype)
     oracle_inputs = {k: (v.float() if isinstance(v, torch.Tensor) and v.dtype == torch.bfloat16 else v)
                      for k, v in inputs.items()}
     assert_close(run_both(inputs, oracle_inputs, chunked=True), BF16_BOUND)

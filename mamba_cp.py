@@ -32,11 +32,15 @@ ones are removed by selection before exp, never multiplied by 0, so no inf * 0 a
 
 On a machine without a GPU the same kernels run in the Triton interpreter
 (TRITON_INTERPRET=1 is set below when CUDA is absent), so the code can be stepped through.
+Under torch.compile the forward and backward of each autograd function, and every collective,
+are opaque custom ops (mamba_cp::...): see the comment above _chunk_scan_fwd.
 """
 
 import os
+from typing import Optional
 
 import torch
+from torch import Tensor
 
 if not torch.cuda.is_available():  # must precede the triton import: the interpreter is chosen then
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -1587,13 +1591,12 @@ def ssd_grads(x, dt, A, B, C, D, z, dt_bias, seq_idx, summary, grad_pass, dy, en
 
 # torch.compile. The forward and the backward are each one opaque custom op (torch.library):
 # the compiler records the call and its output shapes (from the fake functions below), and the
-# kernels run as they do eagerly, on the tensors they were given. Traced instead, the Triton
-# calls would be re-planned around the compiler's own buffers, while their stride arguments
-# still describe ours; in the interpreter the compiler would trace NumPy. Absent outputs are
-# empty tensors (an op returns tensors only), and so are absent gradients.
-
-Tensor = torch.Tensor
-Optional = __import__("typing").Optional
+# kernels run as they do eagerly, on the tensors they were given. Traced instead, a kernel's
+# writes into views (the fused backward writes dx, dB, dC into channel slices of one buffer)
+# become inductor's copies of those views and back, and at torch 2.11 such a copy read past its
+# source: the illegal memory access of README "torch.compile". In the interpreter the compiler
+# would trace NumPy. Absent outputs are empty tensors (an op returns tensors only), and so are
+# absent gradients.
 
 
 def _none_if_empty(t):

@@ -272,8 +272,9 @@ def _dpre(do_row0, do_col, stride_do_l,
           x_row0, x_col, stride_x_l, h_row0, h_col, stride_h_l, w_col, stride_w_k, bias,
           s_row0, stride_s_l, hs_row0, stride_hs_l, r0, mask_c, seqlen,
           R: tl.constexpr, BC: tl.constexpr, D: tl.constexpr,
-          HAS_HALO: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_HALO_SEQ: tl.constexpr):
-    """g = dL/dpre (R, BC) fp32 at output rows r0 + [0, R): dout * silu'(pre); 0 off [0, seqlen)."""
+          HAS_HALO: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_HALO_SEQ: tl.constexpr, SILU: tl.constexpr):
+    """g = dL/dpre (R, BC) fp32 at output rows r0 + [0, R): dout * silu'(pre) (dout without SiLU);
+    0 off [0, seqlen)."""
     p = _preact(x_row0, x_col, stride_x_l, h_row0, h_col, stride_h_l, w_col, stride_w_k, bias,
                 s_row0, stride_s_l, hs_row0, stride_hs_l, r0, mask_c, seqlen,
                 R, BC, D, HAS_HALO, HAS_SEQ, HAS_HALO_SEQ)
@@ -281,6 +282,8 @@ def _dpre(do_row0, do_col, stride_do_l,
     valid = (rows >= 0) & (rows < seqlen)
     do = tl.load(do_row0 + rows.to(tl.int64)[:, None] * stride_do_l + do_col[None, :],
                  mask=valid[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
+    if not SILU:
+        return do
     sig = tl.sigmoid(p)
     return do * sig * (1.0 + p * (1.0 - sig))      # silu'(p) = sig(p) (1 + p (1 - sig(p)))
 
@@ -307,8 +310,10 @@ def _conv_fwd_kernel(
     stride_o_b, stride_o_l, stride_o_c,
     D: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_HALO_SEQ: tl.constexpr,
+    SILU: tl.constexpr,
 ):
-    """One (BT tokens, BC channels) tile of one batch row: out = silu(pre-activation)."""
+    """One (BT tokens, BC channels) tile of one batch row: out = silu(pre-activation), or the
+    pre-activation itself without SILU."""
     pid_t = tl.program_id(0)
     pid_c = tl.program_id(1)
     bb = tl.program_id(2).to(tl.int64)
@@ -323,7 +328,7 @@ def _conv_fwd_kernel(
                 w_ptr + offs_c * stride_w_c, stride_w_k, bias,
                 seq_ptr + bb * stride_s_b, stride_s_l, hseq_ptr + bb * stride_hs_b, stride_hs_l,
                 t0, mask_c, seqlen, BT, BC, D, HAS_HALO, HAS_SEQ, HAS_HALO_SEQ)  # (BT, BC)
-    out = p * tl.sigmoid(p)
+    out = p * tl.sigmoid(p) if SILU else p
     tl.store(out_ptr + bb * stride_o_b + rows.to(tl.int64)[:, None] * stride_o_l + offs_c[None, :] * stride_o_c,
              out.to(out_ptr.dtype.element_ty), mask=(rows < seqlen)[:, None] & mask_c[None, :])
 
@@ -346,7 +351,7 @@ def _conv_bwd_kernel(
     D: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HB: tl.constexpr, DP: tl.constexpr,
     SHIFT: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_HALO_SEQ: tl.constexpr,
-    NEED_DHALO: tl.constexpr,
+    NEED_DHALO: tl.constexpr, SILU: tl.constexpr,
 ):
     """n_inner consecutive (BT, BC) tiles of rows s of [halo, xBC] (starting at s = -SHIFT; SHIFT
     is D-1 with a halo) in one batch row: du per tile (into dx, or dhalo for s < 0), and
@@ -381,10 +386,10 @@ def _conv_bwd_kernel(
         s0 = (pid_g * n_inner + i) * BT - SHIFT
         g = _dpre(do_row0, do_col, stride_do_l, x_row0, x_col, stride_x_l, h_row0, h_col, stride_h_l,
                   w_col, stride_w_k, bias, s_row0, stride_s_l, hs_row0, stride_hs_l, s0, mask_c, seqlen,
-                  BT, BC, D, HAS_HALO, HAS_SEQ, HAS_HALO_SEQ)                   # (BT, BC)
+                  BT, BC, D, HAS_HALO, HAS_SEQ, HAS_HALO_SEQ, SILU)             # (BT, BC)
         g_next = _dpre(do_row0, do_col, stride_do_l, x_row0, x_col, stride_x_l, h_row0, h_col, stride_h_l,
                        w_col, stride_w_k, bias, s_row0, stride_s_l, hs_row0, stride_hs_l, s0 + BT, mask_c,
-                       seqlen, HB, BC, D, HAS_HALO, HAS_SEQ, HAS_HALO_SEQ)      # (HB, BC): outputs past the tile
+                       seqlen, HB, BC, D, HAS_HALO, HAS_SEQ, HAS_HALO_SEQ, SILU)  # (HB, BC): rows past the tile
         db_acc += tl.sum(g, axis=0)
         tl.debug_barrier()       # every thread is done reading the previous tile's g
         tl.store(slot + sl_r[:, None] * BC + sl_c[None, :], g)
@@ -1228,22 +1233,23 @@ def _or(t, placeholder):
     return placeholder if t is None else t
 
 
-def _conv_flags(bias, halo, seq_idx):
+def _conv_flags(bias, halo, seq_idx, silu):
     has_seq = seq_idx is not None
     return dict(HAS_BIAS=bias is not None, HAS_HALO=halo is not None, HAS_SEQ=has_seq,
-                HAS_HALO_SEQ=has_seq and halo is not None)   # without a halo its ids don't matter
+                HAS_HALO_SEQ=has_seq and halo is not None, SILU=bool(silu))  # without a halo its ids don't matter
 
 
-def conv1d_fwd(xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=None, out=None):
-    """silu(causal depthwise conv(xBC) + bias), (b, l, dim) in xBC's dtype (contiguous, or
-    written into `out`, any strides: a channel slice of a larger buffer, say).
+def conv1d_fwd(xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=None, out=None, silu=True):
+    """silu(causal depthwise conv(xBC) + bias) (without silu: the conv alone), (b, l, dim) in
+    xBC's dtype (contiguous, or written into `out`, any strides: a channel slice of a larger
+    buffer, say).
 
     xBC (b, l, dim) any strides; weight (dim, d_conv); bias (dim,); halo (b, d_conv-1, dim): the
     d_conv-1 pre-conv tokens before the shard, None for zeros; seq_idx (b, l) and halo_seq
     (b, d_conv-1) integer document ids (halo_seq needed when both halo and seq_idx are given).
     """
     b, l, dim, d = _check_conv_inputs(xBC, weight, bias, halo, seq_idx, halo_seq)
-    flags = _conv_flags(bias, halo, seq_idx)
+    flags = _conv_flags(bias, halo, seq_idx, silu)
     halo_seq = halo_seq.to(seq_idx.dtype) if flags["HAS_HALO_SEQ"] else None   # one id type in the kernel
     if out is None:
         out = torch.empty((b, l, dim), device=xBC.device, dtype=xBC.dtype)
@@ -1258,7 +1264,7 @@ def conv1d_fwd(xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=None, o
     return out
 
 
-def conv1d_bwd(dout, xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=None, need_dhalo=True):
+def conv1d_bwd(dout, xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=None, need_dhalo=True, silu=True):
     """Gradients of conv1d_fwd: (dxBC, dhalo, dweight, dbias).
 
     dxBC (b, l, dim) in xBC's dtype; dhalo (b, d_conv-1, dim) fp32, None without a halo or with
@@ -1267,7 +1273,7 @@ def conv1d_bwd(dout, xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=N
     """
     b, l, dim, d = _check_conv_inputs(xBC, weight, bias, halo, seq_idx, halo_seq)
     _check_tensor(dout, "dout", (b, l, dim), xBC, dtypes=_FLOATS, allow_none=False)
-    flags = _conv_flags(bias, halo, seq_idx)
+    flags = _conv_flags(bias, halo, seq_idx, silu)
     halo_seq = halo_seq.to(seq_idx.dtype) if flags["HAS_HALO_SEQ"] else None   # one id type in the kernel
     need_dhalo = bool(need_dhalo) and halo is not None
     shift = d - 1 if halo is not None else 0    # tiles start at the halo: its rows feed dweight
@@ -2126,10 +2132,10 @@ class _PermuteFn(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------
 
 
-def _conv_channels(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, ch):
+def _conv_channels(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, ch, silu):
     """The conv of channels `ch` (a slice) alone, (rows, s, channels)."""
     return conv1d_fwd(xBC[..., ch], conv_weight[ch], None if conv_bias is None else conv_bias[ch],
-                      None if halo is None else halo[..., ch], seq_idx, halo_seq)
+                      None if halo is None else halo[..., ch], seq_idx, halo_seq, silu=silu)
 
 
 def _split_xBC(u, cfg):
@@ -2154,7 +2160,8 @@ def _cp_config(xBC, dt, conv_weight, group, load_balancing, batch, chunk_size, h
 def _conv1d_ssd_cp_fwd(xBC: Tensor, dt: Tensor, conv_weight: Tensor, conv_bias: Optional[Tensor],
                        dt_bias: Optional[Tensor], A: Tensor, D: Optional[Tensor], initial_states: Optional[Tensor],
                        seq_idx: Optional[Tensor], group: str, load_balancing: str, batch: int, chunk_size: int,
-                       headdim: int, ngroups: int, dt_min: float, dt_max: float, agree: bool) -> list[Tensor]:
+                       headdim: int, ngroups: int, dt_min: float, dt_max: float, silu: bool,
+                       state_dtype: Optional[torch.dtype], agree: bool) -> list[Tensor]:
     """Forward of one causal segment per row: xBC (rows, s, conv_dim), dt (rows, s, h), seq_idx
     (rows, s). Returns [y, final state, and what backward needs: halo, halo_seq, entries, a_all,
     e] (absent ones empty). With agree (a compiled call), the checks that read device values and
@@ -2174,18 +2181,18 @@ def _conv1d_ssd_cp_fwd(xBC: Tensor, dt: Tensor, conv_weight: Tensor, conv_bias: 
     halo, halo_seq = _exchange_halo(xBC, seq_idx, cfg)
     x_ch, B_ch = cfg.nheads * cfg.headdim, cfg.ngroups * cfg.dstate
     if cfg.world > 1:   # the summaries need x and B only: C's conv runs while they travel
-        uxB = _conv_channels(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, slice(0, x_ch + B_ch))
+        uxB = _conv_channels(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, slice(0, x_ch + B_ch), silu)
         x = uxB[..., :x_ch].unflatten(-1, (cfg.nheads, cfg.headdim))
         B = uxB[..., x_ch:].unflatten(-1, (cfg.ngroups, cfg.dstate))
     else:
-        u = conv1d_fwd(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq)      # (rows, s, conv_dim)
+        u = conv1d_fwd(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, silu=silu)  # (rows, s, conv_dim)
         x, B, C = _split_xBC(u, cfg)
-    k = _Launch(x, B, min(cfg.chunk, MAX_CHUNK_FWD), dt_bias, True, cfg.dt_limit, seq_idx)
+    k = _Launch(x, B, min(cfg.chunk, MAX_CHUNK_FWD), dt_bias, True, cfg.dt_limit, seq_idx, state_dtype)
     summary = Summary(x, dt, A, B, dt_bias, seq_idx, k)
     S_ext, a = summary.affine()                                                 # (rows, h, p, n), (rows, h)
     every, work = _gather_summaries(S_ext, a, seq_idx, cfg)
     if work is not None:
-        C = _conv_channels(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, slice(x_ch + B_ch, None))
+        C = _conv_channels(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, slice(x_ch + B_ch, None), silu)
         C = C.unflatten(-1, (cfg.ngroups, cfg.dstate))
         work.wait()
     entries, final, a_all, e = _scan_shards(every, initial_states, seq_idx is not None, cfg)
@@ -2197,7 +2204,7 @@ def _conv1d_ssd_cp_fwd(xBC: Tensor, dt: Tensor, conv_weight: Tensor, conv_bias: 
 
 @_conv1d_ssd_cp_fwd.register_fake
 def _(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, group, load_balancing, batch,
-      chunk_size, headdim, ngroups, dt_min, dt_max, agree):
+      chunk_size, headdim, ngroups, dt_min, dt_max, silu, state_dtype, agree):
     cfg = _cp_config(xBC, dt, conv_weight, group, load_balancing, batch, chunk_size, headdim, ngroups,
                      (dt_min, dt_max))
     rows, s, conv_dim = xBC.shape
@@ -2216,7 +2223,8 @@ def _conv1d_ssd_cp_bwd(dy: Tensor, dfinal: Optional[Tensor], xBC: Tensor, dt: Te
                        conv_bias: Optional[Tensor], dt_bias: Optional[Tensor], A: Tensor, D: Optional[Tensor],
                        initial_states: Optional[Tensor], seq_idx: Optional[Tensor], halo: Tensor, halo_seq: Tensor,
                        entries: Tensor, a_all: Tensor, e: Tensor, group: str, load_balancing: str, batch: int,
-                       chunk_size: int, headdim: int, ngroups: int, dt_min: float, dt_max: float) -> list[Tensor]:
+                       chunk_size: int, headdim: int, ngroups: int, dt_min: float, dt_max: float, silu: bool,
+                       state_dtype: Optional[torch.dtype]) -> list[Tensor]:
     """[dxBC, ddt, dconv_weight, dconv_bias, ddt_bias, dA, dD, dinitial_states] (absent ones empty).
 
     Recompute the conv; the reverse state pass from a zero exit gradient gives G; its all-gather
@@ -2226,9 +2234,9 @@ def _conv1d_ssd_cp_bwd(dy: Tensor, dfinal: Optional[Tensor], xBC: Tensor, dt: Te
     cfg = _cp_config(xBC, dt, conv_weight, group, load_balancing, batch, chunk_size, headdim, ngroups,
                      (dt_min, dt_max))
     halo_seq, e = _none_if_empty(halo_seq), _none_if_empty(e)
-    u = conv1d_fwd(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq)
+    u = conv1d_fwd(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, silu=silu)
     x, B, C = _split_xBC(u, cfg)
-    k = _Launch(x, B, min(cfg.chunk, MAX_CHUNK_BWD), dt_bias, True, cfg.dt_limit, seq_idx)
+    k = _Launch(x, B, min(cfg.chunk, MAX_CHUNK_BWD), dt_bias, True, cfg.dt_limit, seq_idx, state_dtype)
     grad_pass = GradPass(dy, None, C, dt, A, dt_bias, seq_idx, k)
     every, work = _gather_G(grad_pass.G, dfinal, cfg)
     summary = Summary(x, dt, A, B, dt_bias, seq_idx, k)                        # overlaps the gather
@@ -2240,7 +2248,7 @@ def _conv1d_ssd_cp_bwd(dy: Tensor, dfinal: Optional[Tensor], xBC: Tensor, dt: Te
     dx, dB, dC = _split_xBC(du, cfg)
     _, _, _, ddt, _, dA, dD, _ = ssd_grads(x, dt, A, B, C, D, None, dt_bias, seq_idx, summary, grad_pass,
                                            dy, entries, dexit, dx=dx, dB=dB, dC=dC)
-    dxBC, dhalo, dweight, dbias = conv1d_bwd(du, xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq)
+    dxBC, dhalo, dweight, dbias = conv1d_bwd(du, xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, silu=silu)
     _return_halo_grad(dxBC, dhalo, cfg)
     dinit = dinit if cfg.holds_first else torch.zeros_like(dinit)               # one rank contributes it
     grads = [dxBC, ddt.to(dt.dtype), dweight.to(conv_weight.dtype),
@@ -2252,7 +2260,7 @@ def _conv1d_ssd_cp_bwd(dy: Tensor, dfinal: Optional[Tensor], xBC: Tensor, dt: Te
 
 @_conv1d_ssd_cp_bwd.register_fake
 def _(dy, dfinal, xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, halo, halo_seq, entries,
-      a_all, e, group, load_balancing, batch, chunk_size, headdim, ngroups, dt_min, dt_max):
+      a_all, e, group, load_balancing, batch, chunk_size, headdim, ngroups, dt_min, dt_max, silu, state_dtype):
     like = (xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states)
     return [xBC.new_empty(0) if t is None else torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in like]
 
@@ -2262,8 +2270,8 @@ class _Conv1dSSDCPFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, group, load_balancing,
-                batch, chunk_size, headdim, ngroups, dt_limit, agree):
-        opts = (group, load_balancing, batch, chunk_size, headdim, ngroups, dt_limit[0], dt_limit[1])
+                batch, chunk_size, headdim, ngroups, dt_limit, silu, state_dtype, agree):
+        opts = (group, load_balancing, batch, chunk_size, headdim, ngroups, dt_limit[0], dt_limit[1], silu, state_dtype)
         y, final, halo, halo_seq, entries, a_all, e = _conv1d_ssd_cp_fwd(
             xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, *opts, agree)
         ctx.save_for_backward(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx,
@@ -2274,7 +2282,7 @@ class _Conv1dSSDCPFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, dfinal):
         grads = _conv1d_ssd_cp_bwd(dy, dfinal, *ctx.saved_tensors, *ctx.opts)
-        return (*(_none_if_empty(g) for g in grads), None, None, None, None, None, None, None, None, None)
+        return (*(_none_if_empty(g) for g in grads), *([None] * 11))
 
 
 class _CPConfig:
@@ -2337,9 +2345,14 @@ def _call_signature(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size, 
                 return_final_states=bool(return_final_states))
 
 
+_ACTIVATIONS = ("silu", "swish", None)
+
+
 def _check_cp_inputs(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size, headdim, ngroups,
-                     seq_idx, initial_states, load_balancing, dt_limit):
+                     seq_idx, initial_states, load_balancing, dt_limit, activation="silu", state_dtype=None):
     _check_layout(load_balancing)
+    _expect(activation in _ACTIVATIONS, "activation", repr(activation), f"one of {_ACTIVATIONS}")
+    _expect(state_dtype in _STATE_DTYPES, "state_dtype", state_dtype, f"one of {_STATE_DTYPES}")
     per_row = 1 if load_balancing == "none" else 2
     _expect(isinstance(xBC, torch.Tensor) and xBC.dim() == 3, "xBC",
             tuple(xBC.shape) if isinstance(xBC, torch.Tensor) else type(xBC).__name__,
@@ -2382,7 +2395,8 @@ def _check_cp_inputs(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size,
 
 def mamba_conv1d_ssd_cp(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size, *, headdim, ngroups,
                         cp_group=None, load_balancing="none", seq_idx=None, initial_states=None,
-                        dt_limit=(0.0, float("inf")), return_final_states=False):
+                        dt_limit=(0.0, float("inf")), return_final_states=False, activation="silu",
+                        state_dtype=None):
     """Mamba2's post-projection core, conv1d + SSD, with state-passing context parallelism.
 
     xBC (b, l_local, nheads*headdim + 2*ngroups*dstate) pre-conv; dt (b, l_local, nheads) raw
@@ -2393,12 +2407,14 @@ def mamba_conv1d_ssd_cp(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_si
     Returns y (b, l_local, nheads, headdim) in the same layout, and with return_final_states
     the fp32 state after the whole global sequence, identical on every rank.
     Parameter and initial_states gradients are this rank's contribution (sum them over the
-    group, as over data parallelism); the final state's gradients from every rank add up."""
+    group, as over data parallelism); the final state's gradients from every rank add up.
+    activation: "silu" (or "swish") after the conv, or None; state_dtype as in
+    mamba_chunk_scan_combined."""
     ref = xBC if isinstance(xBC, torch.Tensor) else torch.empty(0)
     rank, world = _group_info(cp_group, ref)
     _validate_everywhere(
         lambda: _check_cp_inputs(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size, headdim, ngroups,
-                                 seq_idx, initial_states, load_balancing, dt_limit),
+                                 seq_idx, initial_states, load_balancing, dt_limit, activation, state_dtype),
         cp_group, world, ref, **_call_signature(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size, headdim,
                                                 ngroups, seq_idx, initial_states, load_balancing, return_final_states))
     cfg = _CPConfig(xBC, dt, conv_weight, chunk_size, headdim, ngroups, cp_group, rank, world,
@@ -2413,7 +2429,8 @@ def mamba_conv1d_ssd_cp(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_si
     y, final = _Conv1dSSDCPFn.apply(
         rows(xBC), rows(dt), conv_weight, conv_bias, dt_bias, A, D, initial_states,
         None if seq_idx is None else rows(seq_idx).contiguous(), _group_name(cp_group), load_balancing, cfg.batch,
-        chunk_size, headdim, ngroups, tuple(dt_limit), world > 1 and torch.compiler.is_compiling())
+        chunk_size, headdim, ngroups, tuple(dt_limit), activation is not None, state_dtype,
+        world > 1 and torch.compiler.is_compiling())
     y = cfg.segs.from_rows(y, cfg.batch)
     if permuted:
         y = _PermuteFn.apply(y, cp_group, load_balancing, False)
@@ -2506,7 +2523,8 @@ def _to_local_order(full, cfg):
 
 def mamba_conv1d_ssd_a2a(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size, *, headdim, ngroups,
                          cp_group=None, load_balancing="none", seq_idx=None, initial_states=None,
-                         dt_limit=(0.0, float("inf")), return_final_states=False):
+                         dt_limit=(0.0, float("inf")), return_final_states=False, activation="silu",
+                         state_dtype=None):
     """The same arguments and results as mamba_conv1d_ssd_cp, computed the usual way: an
     all-to-all gives every rank the whole sequence for nheads/W heads, it runs the single-device
     conv + SSD, and a second all-to-all returns the outputs to their tokens. Exists to be
@@ -2516,7 +2534,7 @@ def mamba_conv1d_ssd_a2a(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_s
 
     def check():
         _check_cp_inputs(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size, headdim, ngroups,
-                         seq_idx, initial_states, load_balancing, dt_limit)
+                         seq_idx, initial_states, load_balancing, dt_limit, activation, state_dtype)
         _expect(dt.shape[2] % world == 0, "dt", f"nheads={dt.shape[2]} with W={world}",
                 "nheads divisible by the CP world size (the all-to-all baseline splits heads)")
 
@@ -2529,7 +2547,8 @@ def mamba_conv1d_ssd_a2a(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_s
     if world == 1:
         return mamba_conv1d_ssd_cp(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size, headdim=headdim,
                                    ngroups=ngroups, seq_idx=seq_idx, initial_states=initial_states,
-                                   dt_limit=dt_limit, return_final_states=return_final_states)
+                                   dt_limit=dt_limit, return_final_states=return_final_states,
+                                   activation=activation, state_dtype=state_dtype)
 
     # forward all-to-all: block j of what this rank sends holds rank j's channels of its tokens
     plan = [_a2a_heads(nheads, ngroups, world, r) for r in range(world)]
@@ -2549,7 +2568,8 @@ def mamba_conv1d_ssd_a2a(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_s
         xBC_mine, dt_mine, conv_weight.index_select(0, chan[rank]),
         None if conv_bias is None else conv_bias.index_select(0, chan[rank]),
         None if dt_bias is None else dt_bias[h0:h1], A[h0:h1], D_mine, chunk_size, headdim=headdim,
-        ngroups=len(groups), seq_idx=seq_full, initial_states=init_mine, dt_limit=dt_limit, return_final_states=True)
+        ngroups=len(groups), seq_idx=seq_full, initial_states=init_mine, dt_limit=dt_limit, return_final_states=True,
+        activation=activation, state_dtype=state_dtype)
 
     # backward all-to-all: block j of what this rank sends holds rank j's tokens of its heads
     y = _AllToAllFn.apply(_to_local_order(y_mine, cfg), cp_group)                # (W, b, l, hW, p)

@@ -143,8 +143,9 @@ def ssd_reference_chunked(x, dt, A, B, C, D=None, z=None, dt_bias=None, initial_
     return _epilogue(y, x, D, z), S
 
 
-def causal_conv1d_reference(xBC, weight, bias=None, seq_idx=None):
-    """Depthwise causal conv + SiLU. xBC (b, l, dim); weight (dim, d_conv); bias (dim,)."""
+def causal_conv1d_reference(xBC, weight, bias=None, seq_idx=None, silu=True):
+    """Depthwise causal conv + SiLU (or the conv alone). xBC (b, l, dim); weight (dim, d_conv);
+    bias (dim,)."""
     b, l, dim = xBC.shape
     K = weight.shape[1]
     xp = F.pad(xBC.double(), (0, 0, K - 1, 0))  # (b, l+K-1, dim): zeros for s < 0
@@ -158,13 +159,14 @@ def causal_conv1d_reference(xBC, weight, bias=None, seq_idx=None):
         if seq_idx is not None:  # a tap never crosses a document boundary
             tap = torch.where((seqp[:, k:k + l] == seq_idx)[..., None], tap, torch.zeros_like(tap))
         out = out + w[:, k] * tap
-    return F.silu(out)
+    return F.silu(out) if silu else out
 
 
 def conv1d_ssd_reference(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, *, headdim, ngroups,
                          seq_idx=None, initial_states=None, dt_limit=_NO_LIMIT, chunked=False,
-                         chunk_size=64):
-    """Fused Mamba2 core: conv over [x | B | C], then SSD with softplus(dt + dt_bias)."""
+                         chunk_size=64, activation="silu"):
+    """Fused Mamba2 core: conv over [x | B | C] (SiLU unless activation is None), then SSD with
+    softplus(dt + dt_bias)."""
     b, l, dim = xBC.shape
     nheads = dt.shape[-1]
     d_x = nheads * headdim
@@ -175,7 +177,7 @@ def conv1d_ssd_reference(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, *, head
     if conv_weight.shape[0] != dim:
         raise ValueError(f"conv_weight has shape {tuple(conv_weight.shape)}; expected ({dim}, d_conv)")
     dstate = rest // (2 * ngroups)
-    u = causal_conv1d_reference(xBC, conv_weight, conv_bias, seq_idx)  # (b, l, dim)
+    u = causal_conv1d_reference(xBC, conv_weight, conv_bias, seq_idx, silu=activation is not None)  # (b, l, dim)
     x, B, C = torch.split(u, [d_x, ngroups * dstate, ngroups * dstate], dim=-1)
     x = x.reshape(b, l, nheads, headdim)
     B = B.reshape(b, l, ngroups, dstate)

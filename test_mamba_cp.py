@@ -826,7 +826,8 @@ def cp_case_errors(case, rank, world, group, device):
         ref_kw["xBC"], ref_kw["dt"], ref_kw["conv_weight"], ref_kw["conv_bias"], ref_kw["dt_bias"],
         ref_kw["A"], ref_kw["D"], headdim=opts["headdim"], ngroups=opts["ngroups"], seq_idx=full["seq_idx"],
         initial_states=ref_kw["initial_states"], dt_limit=opts["dt_limit"],
-        chunked=device != "cpu", chunk_size=64)                  # the loop is too slow at GPU shapes
+        chunked=device != "cpu", chunk_size=64,                  # the loop is too slow at GPU shapes
+        activation=case.get("activation", "silu"))
     loss = (y_ref * wy_full.double()).sum() + (f_ref * wf_all.sum(0).double()).sum()
     g_ref = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
 
@@ -839,7 +840,7 @@ def cp_case_errors(case, rank, world, group, device):
     y, f = fn(kw["xBC"], kw["dt"], kw["conv_weight"], kw["conv_bias"], kw["dt_bias"], kw["A"], kw["D"],
               opts["chunk_size"], headdim=opts["headdim"], ngroups=opts["ngroups"], cp_group=group,
               load_balancing=layout, seq_idx=kw["seq_idx"], initial_states=kw["initial_states"],
-              dt_limit=opts["dt_limit"], return_final_states=True)
+              dt_limit=opts["dt_limit"], return_final_states=True, activation=case.get("activation", "silu"))
     wy = mamba_cp.shard(wy_full, rank, world, layout)
     grads = dict(zip(mine, torch.autograd.grad((y.float() * wy).sum() + (f * wf_all[rank]).sum(),
                                                list(mine.values()))))
@@ -892,6 +893,9 @@ def cp_cases(world, gpu=False):
             cases.append(dict(base, name=f"a2a {layout}", layout=layout, path="a2a", seq=docs, seed=2))
     # growth (A > 0): exponents of positive sign through the summaries and the scan
     cases.append(dict(base, name="virtual growth", layout="virtual", seq=docs, growth=True, seed=4))
+    if not gpu:  # the conv without its SiLU (activation=None)
+        cases.append(dict(base, name="none, conv without activation", layout="none", seq=docs, activation=None,
+                          seed=5))
     if world == 3 and not gpu:  # 2 heads per rank straddle the 3-head groups: per-head group copies
         cases.append(dict(base, name="a2a none, heads straddle groups", layout="none", path="a2a",
                           nheads=6, ngroups=2, seed=3))

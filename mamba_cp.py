@@ -1824,6 +1824,7 @@ class _Segments:
 # ---------------------------------------------------------------------------------------------
 
 import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 
 def _group_info(cp_group, ref):
@@ -2435,6 +2436,243 @@ def mamba_conv1d_ssd_cp(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_si
     if permuted:
         y = _PermuteFn.apply(y, cp_group, load_balancing, False)
     return (y, final) if return_final_states else y
+
+
+# ---------------------------------------------------------------------------------------------
+# 9b. mamba_ssm's fused entry, the one Mamba2 mixers call: mamba_split_conv1d_scan_combined
+#
+# zxbcdt = [z0 | x0 | z | xBC | dt] (widths d_nonssm, d_nonssm, dim, conv_dim, nheads). The core
+# (conv + SSD, with CP) runs on the xBC and dt channels; everything else is per token and stays
+# local: the gate y * silu(z) or the gated RMSNorm, the SwiGLU channels silu(z0) * x0 in front,
+# the out projection. One autograd function for all of it, so the gradient of zxbcdt is one
+# buffer whose channel slices are filled in place (autograd would otherwise add a zxbcdt-sized
+# zero buffer per slice).
+#
+# Gated RMSNorm over groups of c = dim / ngroups channels, r = (mean_group(v^2) + eps)^-1/2:
+#     norm_before_gate: out = (y r) w silu(z)          else: v = y silu(z), out = (v r) w
+# and its gradient through n = v r:  dv = r (dn - n mean_group(n dn)).
+# ---------------------------------------------------------------------------------------------
+
+
+def _silu_grad(z):
+    sig = torch.sigmoid(z)
+    return sig * (1.0 + z * (1.0 - sig))
+
+
+def _rms_normalise(v, group_size, eps):
+    """(v r, r) over groups of group_size channels of the last dim; float32."""
+    g = v.unflatten(-1, (-1, group_size))
+    r = torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
+    return (g * r).flatten(-2), r
+
+
+def _rms_normalise_grad(n, r, dn, group_size):
+    gn, gdn = n.unflatten(-1, (-1, group_size)), dn.unflatten(-1, (-1, group_size))
+    return (r * (gdn - gn * (gn * gdn).mean(-1, keepdim=True))).flatten(-2)
+
+
+class _Epilogue:
+    """The per-token part after the core: y (b, l, dim) pre-gate -> the output before the out
+    projection, (b, l, d_nonssm + dim), and its gradient. float32 inside."""
+
+    def __init__(self, rmsnorm_weight, eps, group_size, norm_before_gate):
+        self.w, self.eps, self.c, self.before = rmsnorm_weight, eps, group_size, norm_before_gate
+
+    def forward(self, y, z, z0, x0):
+        y, z = y.float(), z.float()
+        gate = z * torch.sigmoid(z)
+        if self.w is None:
+            o = y * gate
+        elif self.before:
+            o = _rms_normalise(y, self.c, self.eps)[0] * self.w.float() * gate
+        else:
+            o = _rms_normalise(y * gate, self.c, self.eps)[0] * self.w.float()
+        if z0 is not None:
+            o = torch.cat([z0.float() * torch.sigmoid(z0.float()) * x0.float(), o], dim=-1)
+        return o
+
+    def backward(self, do, y, z, z0, x0):
+        """(dy, dz, dz0, dx0, drmsnorm_weight) from the gradient do of forward's output."""
+        y, z = y.float(), z.float()
+        d_nonssm = 0 if z0 is None else z0.shape[-1]
+        ds, do = do[..., :d_nonssm].float(), do[..., d_nonssm:].float()
+        gate = z * torch.sigmoid(z)
+        dw = None
+        if self.w is None:
+            dy, dgate = do * gate, do * y
+        elif self.before:
+            n, r = _rms_normalise(y, self.c, self.eps)
+            dw = (do * n * gate).sum(dim=(0, 1))
+            dy = _rms_normalise_grad(n, r, do * self.w.float() * gate, self.c)
+            dgate = do * n * self.w.float()
+        else:
+            v = y * gate
+            n, r = _rms_normalise(v, self.c, self.eps)
+            dw = (do * n).sum(dim=(0, 1))
+            dv = _rms_normalise_grad(n, r, do * self.w.float(), self.c)
+            dy, dgate = dv * gate, dv * y
+        dz0 = dx0 = None
+        if z0 is not None:
+            z0f, x0f = z0.float(), x0.float()
+            dz0, dx0 = ds * x0f * _silu_grad(z0f), ds * z0f * torch.sigmoid(z0f)
+        return dy, dgate * _silu_grad(z), dz0, dx0, dw
+
+
+class _SplitConv1dScanFn(torch.autograd.Function):
+    """zxbcdt (b, l, width) -> out (b, l, d_out), the final state; see the section comment."""
+
+    @staticmethod
+    def forward(ctx, zxbcdt, conv_weight, conv_bias, dt_bias, A, D, initial_states, rmsnorm_weight, outproj_weight,
+                outproj_bias, seq_idx, widths, core_opts, epilogue_opts, permute):
+        z0, x0, z, xBC, dt = zxbcdt.split(widths, dim=-1)
+        group, load_balancing, batch, chunk, headdim, ngroups = core_opts[:6]
+        rows = _Segments(*_rank_world(group), load_balancing).to_rows
+        if permute:
+            xBC, dt = (_permute_op(t, group, load_balancing, True) for t in (xBC, dt))
+        xBC, dt = rows(xBC), rows(dt)              # views of zxbcdt, unless permuted
+        y, final, *saved = _conv1d_ssd_cp_fwd(xBC, dt, conv_weight, conv_bias, dt_bias, A, D,
+                                              initial_states, seq_idx, *core_opts)
+        y = y.reshape(batch, -1, y.shape[2] * y.shape[3])                           # (b, l, dim)
+        if permute:
+            y = _permute_op(y, group, load_balancing, False)
+        epilogue = _Epilogue(rmsnorm_weight, *epilogue_opts)
+        out = epilogue.forward(y, z, z0 if widths[0] else None, x0)
+        if outproj_weight is not None:
+            out = F.linear(out.to(outproj_weight.dtype), outproj_weight, outproj_bias)
+        else:
+            out = out.to(zxbcdt.dtype)
+        ctx.save_for_backward(zxbcdt, xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, rmsnorm_weight,
+                              outproj_weight, outproj_bias, seq_idx, y, *saved)
+        ctx.args = (widths, core_opts, epilogue_opts, permute)
+        return out, final
+
+    @staticmethod
+    def backward(ctx, dout, dfinal):
+        (zxbcdt, xBC_rows, dt_rows, conv_weight, conv_bias, dt_bias, A, D, initial_states, rmsnorm_weight,
+         outproj_weight, outproj_bias, seq_idx, y, *saved) = ctx.saved_tensors
+        widths, core_opts, epilogue_opts, permute = ctx.args
+        group, load_balancing, batch = core_opts[:3]
+        segs = _Segments(*_rank_world(group), load_balancing)
+        z0, x0, z, _, _ = zxbcdt.split(widths, dim=-1)
+        has_z0 = widths[0] > 0
+        epilogue = _Epilogue(rmsnorm_weight, *epilogue_opts)
+        dW = db = None
+        if outproj_weight is not None:
+            pre = epilogue.forward(y, z, z0 if has_z0 else None, x0).to(outproj_weight.dtype)
+            dW = dout.flatten(0, 1).t().mm(pre.flatten(0, 1)).to(outproj_weight.dtype)
+            db = None if outproj_bias is None else dout.sum(dim=(0, 1)).to(outproj_bias.dtype)
+            dout = dout.matmul(outproj_weight)
+        dy, dz, dz0, dx0, dw = epilogue.backward(dout, y, z, z0 if has_z0 else None, x0)
+        dy = dy.to(zxbcdt.dtype)
+        if permute:
+            dy = _permute_op(dy, group, load_balancing, True)
+        nheads = widths[4]
+        dy = segs.to_rows(dy.unflatten(-1, (nheads, -1)))
+        grads = _conv1d_ssd_cp_bwd(dy, dfinal, xBC_rows, dt_rows, conv_weight, conv_bias, dt_bias, A, D,
+                                   initial_states, seq_idx, *saved, *core_opts[:-1])
+        dxBC, ddt, dconv_w, dconv_b, ddt_bias, dA, dD, dinit = (_none_if_empty(g) for g in grads)
+        dxBC, ddt = segs.from_rows(dxBC, batch), segs.from_rows(ddt, batch)
+        if permute:
+            dxBC, ddt = (_permute_op(t, group, load_balancing, False) for t in (dxBC, ddt))
+        dzxbcdt = torch.empty(zxbcdt.shape, device=zxbcdt.device, dtype=zxbcdt.dtype)
+        parts = dzxbcdt.split(widths, dim=-1)
+        for part, g in zip(parts, (dz0, dx0, dz, dxBC, ddt)):
+            if part.shape[-1]:
+                part.copy_(g)
+        return (dzxbcdt, dconv_w, dconv_b, ddt_bias, dA, dD, dinit,
+                None if dw is None else dw.to(rmsnorm_weight.dtype), dW, db, *([None] * 5))
+
+
+def _rank_world(group_name):
+    group = _resolve_group(group_name)
+    return (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
+
+
+def _split_widths(zxbcdt, conv1d_weight, A, D, headdim, ngroups):
+    """(d_nonssm, d_nonssm, dim, conv_dim, nheads), headdim and dstate of a call, checked."""
+    _expect(isinstance(zxbcdt, torch.Tensor) and zxbcdt.dim() == 3, "zxbcdt",
+            tuple(zxbcdt.shape) if isinstance(zxbcdt, torch.Tensor) else type(zxbcdt).__name__,
+            "a 3-dim tensor (batch, seqlen_local, 2*d_nonssm + 2*dim + 2*ngroups*dstate + nheads)")
+    _expect(isinstance(A, torch.Tensor) and A.dim() == 1, "A", tuple(A.shape) if isinstance(A, torch.Tensor)
+            else type(A).__name__, "(nheads,)")
+    nheads = A.shape[0]
+    if D is not None and D.dim() == 2:
+        _expect(headdim is None or headdim == D.shape[1], "headdim", headdim, f"None or D.shape[1] = {D.shape[1]}")
+        headdim = D.shape[1]
+    _expect(isinstance(headdim, int) and headdim >= 1, "headdim", headdim,
+            "a positive int (or None with D of shape (nheads, headdim))")
+    _expect(isinstance(conv1d_weight, torch.Tensor) and conv1d_weight.dim() == 2, "conv1d_weight",
+            tuple(conv1d_weight.shape) if isinstance(conv1d_weight, torch.Tensor) else type(conv1d_weight).__name__,
+            "(conv_dim, d_conv)")
+    dim, conv_dim = nheads * headdim, conv1d_weight.shape[0]
+    _expect(isinstance(ngroups, int) and ngroups >= 1 and (conv_dim - dim) > 0 and (conv_dim - dim) % (2 * ngroups) == 0,
+            "conv1d_weight", f"{conv_dim} channels with ngroups={ngroups}", f"dim + 2*ngroups*dstate, dim = {dim}")
+    rest = zxbcdt.shape[2] - dim - conv_dim - nheads
+    _expect(rest >= 0 and rest % 2 == 0, "zxbcdt", f"width {zxbcdt.shape[2]}",
+            f"2*d_nonssm + dim + conv_dim + nheads = 2*d_nonssm + {dim} + {conv_dim} + {nheads}, d_nonssm >= 0")
+    return (rest // 2, rest // 2, dim, conv_dim, nheads), headdim
+
+
+def _check_split_options(widths, activation, rmsnorm_weight, rmsnorm_eps, outproj_weight, outproj_bias, ngroups, ref):
+    d_nonssm, _, dim = widths[:3]
+    _expect(activation in _ACTIVATIONS, "activation", repr(activation), f"one of {_ACTIVATIONS}")
+    if rmsnorm_weight is not None:
+        _check_tensor(rmsnorm_weight, "rmsnorm_weight", (dim,), ref)
+        _expect(dim % ngroups == 0, "ngroups", ngroups, f"a divisor of dim = {dim} (the norm's groups)")
+        _expect(float(rmsnorm_eps) > 0, "rmsnorm_eps", rmsnorm_eps, "a positive float")
+    if outproj_weight is not None:
+        _check_tensor(outproj_weight, "outproj_weight", (None, d_nonssm + dim), ref)
+        _check_tensor(outproj_bias, "outproj_bias", (outproj_weight.shape[0],), ref)
+    else:
+        _expect(outproj_bias is None, "outproj_bias", "a tensor with outproj_weight=None", "None")
+
+
+def mamba_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size,
+                                     initial_states=None, seq_idx=None, dt_limit=(0.0, float("inf")),
+                                     return_final_states=False, activation="silu", rmsnorm_weight=None,
+                                     rmsnorm_eps=1e-6, outproj_weight=None, outproj_bias=None, headdim=None,
+                                     ngroups=1, norm_before_gate=True, state_dtype=None, *, cp_group=None,
+                                     load_balancing="none"):
+    """mamba_ssm's fused Mamba2 entry, with state-passing CP; the same signature and results.
+
+    zxbcdt (b, l_local, 2*d_nonssm + 2*dim + 2*ngroups*dstate + nheads) = [z0 | x0 | z | xBC | dt],
+    dim = nheads*headdim (headdim from D when D is (nheads, headdim)); conv1d_weight (conv_dim,
+    d_conv); dt raw (dt_bias, softplus and dt_limit inside). Returns out (b, l_local, d_nonssm +
+    dim), or out_features with outproj_weight, in the layout `load_balancing`: silu(z0) * x0,
+    then y * silu(z) or the gated RMSNorm (groups of dim / ngroups channels); with
+    return_final_states also the fp32 state after the whole global sequence. Gradient ownership
+    as in mamba_conv1d_ssd_cp: parameters get this rank's contribution."""
+    ref = zxbcdt if isinstance(zxbcdt, torch.Tensor) else torch.empty(0)
+    rank, world = _group_info(cp_group, ref)
+    found = {}
+
+    def check():
+        widths, found["headdim"] = _split_widths(zxbcdt, conv1d_weight, A, D, headdim, ngroups)
+        found["widths"] = widths
+        _check_split_options(widths, activation, rmsnorm_weight, rmsnorm_eps, outproj_weight, outproj_bias,
+                             ngroups, zxbcdt)
+        _, _, z, xBC, dt = zxbcdt.split(widths, dim=-1)
+        _check_cp_inputs(xBC, dt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, found["headdim"], ngroups,
+                         seq_idx, initial_states, load_balancing, dt_limit, activation, state_dtype)
+
+    _validate_everywhere(check, cp_group, world, ref, **_call_signature(
+        zxbcdt, None, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, headdim, ngroups, seq_idx,
+        initial_states, load_balancing, return_final_states))
+    widths, p = found["widths"], found["headdim"]
+    if seq_idx is not None:
+        seq_idx = seq_idx.to(torch.int32)
+    permute = load_balancing.startswith("permute") and world > 1
+    segs = _Segments(rank, world, load_balancing)
+    if permute:
+        seq_idx = None if seq_idx is None else _permute_op(seq_idx, _group_name(cp_group), load_balancing, True)
+    core_opts = (_group_name(cp_group), load_balancing, zxbcdt.shape[0], chunk_size, p, ngroups,
+                 float(dt_limit[0]), float(dt_limit[1]), activation is not None, state_dtype,
+                 world > 1 and torch.compiler.is_compiling())
+    out, final = _SplitConv1dScanFn.apply(
+        zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, initial_states, rmsnorm_weight, outproj_weight,
+        outproj_bias, None if seq_idx is None else segs.to_rows(seq_idx).contiguous(), widths, core_opts,
+        (float(rmsnorm_eps), widths[2] // ngroups, bool(norm_before_gate)), permute)
+    return (out, final) if return_final_states else out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -187,3 +187,41 @@ def conv1d_ssd_reference(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, *, head
     if chunked:
         return ssd_reference_chunked(x, dt, A, B, C, chunk_size=chunk_size, **kw)
     return ssd_reference(x, dt, A, B, C, **kw)
+
+
+def gated_rmsnorm_reference(y, z, weight, eps, group_size, norm_before_gate=True):
+    """mamba_ssm's gated RMSNorm over groups of `group_size` channels of the last dim: with
+    norm_before_gate rmsnorm(y) * weight * silu(z), else rmsnorm(y * silu(z)) * weight. float64."""
+    y, z = y.double(), z.double()
+    if not norm_before_gate:
+        y = y * F.silu(z)
+    g = y.unflatten(-1, (-1, group_size))                          # (..., groups, group_size)
+    n = (g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)).flatten(-2)
+    out = n * weight.double()
+    return out * F.silu(z) if norm_before_gate else out
+
+
+def split_conv1d_scan_reference(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, *, headdim, ngroups,
+                                initial_states=None, seq_idx=None, dt_limit=_NO_LIMIT, activation="silu",
+                                rmsnorm_weight=None, rmsnorm_eps=1e-6, outproj_weight=None, outproj_bias=None,
+                                norm_before_gate=True, chunked=False, chunk_size=64):
+    """mamba_ssm's mamba_split_conv1d_scan_combined in float64: zxbcdt = [z0 | x0 | z | xBC | dt]
+    (widths d_nonssm, d_nonssm, dim, conv_dim, nheads); conv + SSD on xBC and dt; then y * silu(z)
+    or the gated RMSNorm (groups of dim / ngroups); silu(z0) * x0 in front; the out projection."""
+    nheads = dt_bias.shape[0] if dt_bias is not None else A.shape[0]
+    dim, conv_dim = nheads * headdim, conv1d_weight.shape[0]
+    d_nonssm = (zxbcdt.shape[-1] - dim - conv_dim - nheads) // 2
+    z0, x0, z, xBC, dt = torch.split(zxbcdt, [d_nonssm, d_nonssm, dim, conv_dim, nheads], dim=-1)
+    y, final = conv1d_ssd_reference(xBC, dt, conv1d_weight, conv1d_bias, dt_bias, A, D, headdim=headdim,
+                                    ngroups=ngroups, seq_idx=seq_idx, initial_states=initial_states,
+                                    dt_limit=dt_limit, chunked=chunked, chunk_size=chunk_size, activation=activation)
+    y = y.flatten(-2)                                               # (b, l, dim)
+    if rmsnorm_weight is None:
+        out = y * F.silu(z.double())
+    else:
+        out = gated_rmsnorm_reference(y, z, rmsnorm_weight, rmsnorm_eps, dim // ngroups, norm_before_gate)
+    if d_nonssm:
+        out = torch.cat([F.silu(z0.double()) * x0.double(), out], dim=-1)
+    if outproj_weight is not None:
+        out = F.linear(out, outproj_weight.double(), None if outproj_bias is None else outproj_bias.double())
+    return out, final

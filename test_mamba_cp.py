@@ -1098,6 +1098,157 @@ def test_cp_bad_input_raises_on_every_rank():
 
 
 # ---------------------------------------------------------------------------------------------
+# mamba_split_conv1d_scan_combined: zxbcdt = [z0 | x0 | z | xBC | dt] in, the gated (or gated-
+# RMSNorm'd, optionally out-projected) output out, against the float64 oracle on the whole
+# sequence, rank by rank.
+# ---------------------------------------------------------------------------------------------
+
+SPLIT_SMALL = dict(batch=2, nheads=4, headdim=8, ngroups=2, dstate=8, d_conv=4, chunk=16, piece=19)
+SPLIT_LEAVES = ("zxbcdt", "conv1d_weight", "conv1d_bias", "dt_bias", "A", "D", "initial_states", "rmsnorm_weight",
+                "outproj_weight", "outproj_bias")
+
+
+def split_inputs(seed, world, *, batch, nheads, headdim, ngroups, dstate, d_conv, chunk, piece, d_nonssm=3,
+                 activation="silu", norm=False, norm_before_gate=True, D="hp", outproj=None, init=True, seq=None,
+                 dt_limit=(0.0, float("inf")), dtype=torch.float32, device="cpu", **_):
+    """Full-sequence inputs (L = 2 * W * piece tokens) and options of one call. outproj: None,
+    "weight" or "bias"; seq: None or global document starts."""
+    g = torch.Generator().manual_seed(seed)
+    L, dim = 2 * world * piece, nheads * headdim
+    conv_dim = dim + 2 * ngroups * dstate
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(device)
+
+    zxbcdt = rnd(batch, L, 2 * d_nonssm + dim + conv_dim + nheads)
+    zxbcdt[..., -nheads:] = zxbcdt[..., -nheads:] * 0.5 - 1.0                      # raw dt
+    full = dict(zxbcdt=zxbcdt.to(dtype), conv1d_weight=rnd(conv_dim, d_conv, scale=0.5),
+                conv1d_bias=rnd(conv_dim, scale=0.2), dt_bias=rnd(nheads, scale=0.3),
+                A=-torch.exp(torch.rand(nheads, generator=g) * 1.5 - 1.0).to(device),
+                D=rnd(nheads, headdim) if D == "hp" else rnd(nheads),
+                initial_states=rnd(batch, nheads, headdim, dstate) if init else None,
+                rmsnorm_weight=rnd(dim, scale=0.5) + 1.0 if norm else None,
+                outproj_weight=rnd(5, d_nonssm + dim, scale=0.2) if outproj else None,
+                outproj_bias=rnd(5) if outproj == "bias" else None, seq_idx=None)
+    if seq is not None:
+        ids = torch.zeros(batch, L, dtype=torch.int32)
+        for start in seq:
+            ids[:, start:] += 1
+        full["seq_idx"] = ids.to(device)
+    opts = dict(chunk_size=chunk, headdim=None if D == "hp" else headdim, ngroups=ngroups, dt_limit=dt_limit,
+                activation=activation, norm_before_gate=norm_before_gate)
+    return full, opts
+
+
+def split_case_errors(case, rank, world, group, device):
+    """Relative RMS errors of one mamba_split_conv1d_scan_combined case on this rank."""
+    full, opts = split_inputs(case.get("seed", 0), world, device=device, **{k: v for k, v in case.items() if k != "seed"})
+    layout = case["layout"]
+    per_token = ("zxbcdt", "seq_idx")
+    wg = torch.Generator().manual_seed(98)
+    leaves = {k: full[k].detach().clone().requires_grad_(True) for k in SPLIT_LEAVES if full[k] is not None}
+    ref_kw = {k: leaves.get(k, full[k]) for k in full}
+    p = opts["headdim"] or full["D"].shape[1]
+    out_ref, f_ref = ref.split_conv1d_scan_reference(
+        **{k: v for k, v in ref_kw.items() if k not in ("seq_idx",)}, seq_idx=full["seq_idx"], headdim=p,
+        ngroups=opts["ngroups"], dt_limit=opts["dt_limit"], activation=opts["activation"],
+        norm_before_gate=opts["norm_before_gate"], chunked=device != "cpu", chunk_size=64)
+    w_full = torch.randn(out_ref.shape, generator=wg).to(device)
+    wf_all = torch.randn(world, *f_ref.shape, generator=wg).to(device)
+    g_ref = dict(zip(leaves, torch.autograd.grad((out_ref * w_full.double()).sum()
+                                                 + (f_ref * wf_all.sum(0).double()).sum(), list(leaves.values()))))
+
+    local = {k: mamba_cp.shard(v, rank, world, layout) if k in per_token and v is not None else v
+             for k, v in full.items()}
+    mine = {k: local[k].detach().clone().requires_grad_(True) for k in leaves}
+    out, f = mamba_cp.mamba_split_conv1d_scan_combined(
+        **{**local, **mine}, **opts, return_final_states=True, cp_group=group, load_balancing=layout)
+    w = mamba_cp.shard(w_full, rank, world, layout)
+    grads = dict(zip(mine, torch.autograd.grad((out.float() * w).sum() + (f * wf_all[rank]).sum(),
+                                               list(mine.values()))))
+    errs = {"out": rel_rms(out, mamba_cp.shard(out_ref.detach(), rank, world, layout)),
+            "final_states": rel_rms(f, f_ref.detach())}
+    for k, gk in grads.items():
+        if k in per_token:
+            errs["d" + k] = rel_rms(gk, mamba_cp.shard(g_ref[k], rank, world, layout))
+        else:
+            total = gk.detach().clone().float()
+            if world > 1:
+                dist.all_reduce(total, group=group)
+            errs["d" + k] = rel_rms(total, g_ref[k])
+    return errs
+
+
+SPLIT_OPTIONS = {
+    "gate": dict(),
+    "norm": dict(norm=True),
+    "norm_after_gate": dict(norm=True, norm_before_gate=False),
+    "no_swiglu_no_activation_D_h": dict(d_nonssm=0, activation=None, D="h"),
+    "outproj_bias_documents": dict(norm=True, outproj="bias", seq=[5, 40]),
+    "outproj_dt_limit_no_init": dict(outproj="weight", dt_limit=(0.05, 2.0), init=False),
+}
+
+
+@pytest.mark.parametrize("name", list(SPLIT_OPTIONS))
+def test_split_conv1d_scan_single_device(name):
+    errs = split_case_errors(dict(SPLIT_SMALL, layout="none", seed=1, **SPLIT_OPTIONS[name]), 0, 1, None, DEVICE)
+    bad = {k: e for k, e in errs.items() if not e <= FP32_BOUND}
+    assert not bad, f"relative RMS above {FP32_BOUND:g}: {bad} (all: {errs})"
+
+
+def split_world_check(rank, world, group, device):
+    """Every layout with every option combined (documents across rank boundaries), and the plain
+    gate; errors reduced (MAX) over the group."""
+    piece = SPLIT_SMALL["piece"]
+    everything = dict(norm=True, norm_before_gate=False, outproj="bias", D="h", seq=[3, piece, piece + 5, 3 * piece + 2],
+                      dt_limit=(0.05, 2.0))
+    cases = [dict(SPLIT_SMALL, layout=layout, seed=2, name=f"{layout} all options", **everything)
+             for layout in mamba_cp.LAYOUTS]
+    cases.append(dict(SPLIT_SMALL, layout="virtual", seed=3, name="virtual gate, no activation", activation=None))
+    results = {}
+    for case in cases:
+        try:
+            results[case["name"]] = split_case_errors(case, rank, world, group, device)
+        except Exception as e:  # noqa: BLE001 - a failure on one rank must still reach the reduction
+            results[case["name"]] = {"exception: " + repr(e)[:200]: float("inf")}
+    names = sorted((c, t) for c, errs in results.items() for t in errs)
+    count = torch.tensor([len(names)], device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+    vec = torch.tensor([results[c][t] for c, t in names], dtype=torch.float64, device=device)
+    if count.item() == len(names):
+        dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
+    return {f"{c}: {t}": v for (c, t), v in zip(names, vec.tolist())}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_split_conv1d_scan_cp(world):
+    per_rank = spawn_world(world, "split_world_check")
+    errors = [v for status, v in per_rank if status != "ok"]
+    assert not errors, errors[0]
+    verdict = per_rank[0][1]
+    assert all(v == verdict for _, v in per_rank), "ranks reached different verdicts"
+    bad = {k: e for k, e in verdict.items() if not e <= FP32_BOUND}
+    assert not bad, f"relative RMS above {FP32_BOUND:g}: {bad}"
+
+
+def test_split_conv1d_scan_bad_inputs():
+    full, opts = split_inputs(0, 1, **SPLIT_SMALL, norm=True, outproj="bias")
+    call = dict(full, **opts)
+    cases = {
+        "zxbcdt": dict(zxbcdt=full["zxbcdt"][..., 1:]),                         # no d_nonssm fits
+        "rmsnorm_weight": dict(rmsnorm_weight=full["rmsnorm_weight"][:-1]),
+        "conv1d_weight": dict(ngroups=3),          # (the norm's groups always divide dim: ngroups divides nheads)
+        "outproj_weight": dict(outproj_weight=full["outproj_weight"][:, 1:]),
+        "outproj_bias": dict(outproj_weight=None),
+        "activation": dict(activation="gelu"),
+        "headdim": dict(D=full["D"][:, 0], headdim=None),
+    }
+    for name, change in cases.items():
+        with pytest.raises(ValueError, match=rf"^{name}: got .*, expected "):
+            mamba_cp.mamba_split_conv1d_scan_combined(**dict(call, **change))
+
+
+# ---------------------------------------------------------------------------------------------
 # torch.compile: every public entry point, default and fullgraph=True, forward and backward,
 # against the same call eager. The kernels run inside opaque custom ops, so on CPUs the
 # compiler runs them in the interpreter too; results must be bitwise those of eager.

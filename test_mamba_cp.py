@@ -1196,15 +1196,21 @@ def test_split_conv1d_scan_single_device(name):
     assert not bad, f"relative RMS above {FP32_BOUND:g}: {bad} (all: {errs})"
 
 
-def split_world_check(rank, world, group, device):
+SPLIT_RECORD = dict(batch=1, nheads=64, headdim=64, ngroups=8, dstate=128, d_conv=4, chunk=128, piece=1000,
+                    dtype=torch.bfloat16)
+
+
+def split_world_check(rank, world, group, device, gpu=False):
     """Every layout with every option combined (documents across rank boundaries), and the plain
-    gate; errors reduced (MAX) over the group."""
-    piece = SPLIT_SMALL["piece"]
+    gate (CPU); errors reduced (MAX) over the group. gpu: bf16 at the shape of record."""
+    base = SPLIT_RECORD if gpu else SPLIT_SMALL
+    piece = base["piece"]
     everything = dict(norm=True, norm_before_gate=False, outproj="bias", D="h", seq=[3, piece, piece + 5, 3 * piece + 2],
                       dt_limit=(0.05, 2.0))
-    cases = [dict(SPLIT_SMALL, layout=layout, seed=2, name=f"{layout} all options", **everything)
+    cases = [dict(base, layout=layout, seed=2, name=f"{layout} all options", **everything)
              for layout in mamba_cp.LAYOUTS]
-    cases.append(dict(SPLIT_SMALL, layout="virtual", seed=3, name="virtual gate, no activation", activation=None))
+    if not gpu:
+        cases.append(dict(base, layout="virtual", seed=3, name="virtual gate, no activation", activation=None))
     results = {}
     for case in cases:
         try:
@@ -1312,6 +1318,18 @@ def compile_cases(device, world=1, group=None, rank=0):
                          initial_states=init, return_final_states=True)
 
         cases.append((f"{'mamba_conv1d_ssd_' + path} {layout}", core, [local[k] for k in cp_names]))
+    split, sopts = split_inputs(20, world, **SPLIT_SMALL, norm=True, outproj="bias", seq=[3, 40], device=device)
+    for layout in ("none", "virtual") if world > 1 else ("none",):
+        local = {k: mamba_cp.shard(v, rank, world, layout) if k in ("zxbcdt", "seq_idx") else v
+                 for k, v in split.items()}
+
+        def mixer(*leaves, layout=layout, seq=local["seq_idx"]):
+            return mamba_cp.mamba_split_conv1d_scan_combined(
+                *leaves[:6], initial_states=leaves[6], rmsnorm_weight=leaves[7], outproj_weight=leaves[8],
+                outproj_bias=leaves[9], seq_idx=seq, return_final_states=True, cp_group=group, load_balancing=layout,
+                **sopts)
+
+        cases.append((f"mamba_split_conv1d_scan_combined {layout}", mixer, [local[k] for k in SPLIT_LEAVES]))
     return cases
 
 
@@ -1327,10 +1345,16 @@ def compile_errors(device, world=1, group=None, rank=0):
     return errs
 
 
+def compile_bound(case):
+    """0 (bitwise) where only our ops run; the mixer's per-token epilogue (torch code) is
+    compiled by inductor, which rounds differently: the float32 criterion there."""
+    return FP32_BOUND if case.startswith("mamba_split_conv1d_scan_combined") else 0.0
+
+
 def test_torch_compile_single_process():
     """Every entry point in one process (the fused core and the baseline without a group)."""
     errs = compile_errors(DEVICE)
-    bad = {case: e for case, e in errs.items() if any(v != 0.0 for v in e.values())}
+    bad = {case: e for case, e in errs.items() if any(not v <= compile_bound(case) for v in e.values())}
     assert not bad, f"compiled differs from eager: {bad}"
 
 
@@ -1374,7 +1398,7 @@ def test_torch_compile_two_ranks():
     per_rank = spawn_world(2, "compile_world_check", timeout=900)
     errors = [v for status, v in per_rank if status != "ok"]
     assert not errors, errors[0]
-    bad = {k: v for k, v in per_rank[0][1].items() if v != 0.0}
+    bad = {k: v for k, v in per_rank[0][1].items() if not v <= compile_bound(k)}
     assert not bad, f"compiled differs from eager: {bad}"
 
 
@@ -1504,6 +1528,56 @@ def test_varlen_states_bf16_record_shape():
 
 
 @gpu
+def test_split_conv1d_scan_bf16_record_shape():
+    """The fused entry in a world of one, bf16 at the shape of record, every option."""
+    case = dict(SPLIT_RECORD, layout="none", seed=4, norm=True, outproj="bias", seq=[3, 700], dt_limit=(0.05, 2.0))
+    errs = split_case_errors(case, 0, 1, None, "cuda")
+    print(errs)
+    assert all(e <= BF16_BOUND for e in errs.values()), errs
+
+
+def _peer_split():
+    """mamba_ssm's own mamba_split_conv1d_scan_combined where it can be imported (../shared/peer
+    lays it out in .peer/, with causal_conv1d's CUDA conv built into .peer/lib), else None."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for path in (os.path.join(here, ".peer"), os.path.join(here, ".peer", "lib")):
+        if os.path.isdir(path) and path not in sys.path:
+            sys.path.append(path)
+    try:
+        from mamba_ssm.ops.triton.ssd_combined import mamba_split_conv1d_scan_combined as peer
+        import causal_conv1d_cuda  # noqa: F401 - the peer's conv; without it the peer cannot run
+    except ImportError:
+        return None
+    return peer
+
+
+@gpu
+@pytest.mark.parametrize("norm", [False, True], ids=["gate", "rmsnorm"])
+def test_split_conv1d_scan_matches_mamba_ssm(norm):
+    """Differential: the same inputs through mamba_ssm's function, output and every gradient
+    within the bf16 criterion (a check beside the oracle's, for users switching over)."""
+    peer = _peer_split()
+    if peer is None:
+        pytest.skip("mamba_ssm's mamba_split_conv1d_scan_combined (with causal_conv1d's CUDA conv) is not importable")
+    full, opts = split_inputs(21, 1, **dict(SPLIT_RECORD, piece=2048), norm=norm, outproj="bias", D="h", device="cuda")
+    for k in ("outproj_weight", "outproj_bias"):       # a bf16 model's projection (mamba_ssm needs one dtype)
+        full[k] = full[k].bfloat16()
+    leaves = [k for k in SPLIT_LEAVES if full[k] is not None]
+    results = []
+    for fn in (mamba_cp.mamba_split_conv1d_scan_combined, peer):
+        mine = {k: full[k].detach().clone().requires_grad_(True) for k in leaves}
+        out, f = fn(**{**full, **mine}, **opts, return_final_states=True)
+        g = torch.Generator(device="cuda").manual_seed(5)
+        w = torch.randn(out.shape, generator=g, device="cuda", dtype=out.dtype)
+        results.append([out.detach(), f.detach(), *torch.autograd.grad([out, f], list(mine.values()),
+                                                                        [w, torch.ones_like(f)])])
+    names = ["out", "final_states"] + ["d" + k for k in leaves]
+    errs = {n: rel_rms(a, b) for n, a, b in zip(names, *results)}
+    print(errs)
+    assert all(e <= BF16_BOUND for e in errs.values()), errs
+
+
+@gpu
 def test_two_to_the_twenty_tokens():
     """x holds 2^32 elements: every offset must be int64. Checked against the same sequence
     run as two halves joined through initial_states. Memory: one set of inputs, shared by both
@@ -1627,9 +1701,15 @@ def main():
         for check, ok in graph_capture_check(rank, world, dist.group.WORLD, device).items():
             passed, failed = passed + ok, failed + (not ok)
             print(f"[rank {rank}] {'PASS' if ok else 'FAIL'} W={world} CUDA graph: {check}", flush=True)
+    # mamba_split_conv1d_scan_combined on every layout (bf16 at the record shape on GPUs)
+    for check, err in split_world_check(rank, world, dist.group.WORLD, device, gpu=CUDA).items():
+        ok = err <= bound
+        passed, failed = passed + ok, failed + (not ok)
+        print(f"[rank {rank}] {'PASS' if ok else 'FAIL'} W={world} mamba_split_conv1d_scan_combined {check}: "
+              f"{err:.2e}", flush=True)
     # torch.compile, default and fullgraph, of every CP path (float32, small shapes)
     for check, err in compile_world_check(rank, world, dist.group.WORLD, device).items() if world > 1 else []:
-        ok = err == 0.0
+        ok = err <= compile_bound(check)
         passed, failed = passed + ok, failed + (not ok)
         if not ok or check.endswith("[0]"):
             print(f"[rank {rank}] {'PASS' if ok else 'FAIL'} W={world} torch.compile {check}: "

@@ -2204,8 +2204,9 @@ def _conv1d_ssd_cp_fwd(xBC: Tensor, dt: Tensor, conv_weight: Tensor, conv_bias: 
 
 
 @_conv1d_ssd_cp_fwd.register_fake
-def _(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, group, load_balancing, batch,
-      chunk_size, headdim, ngroups, dt_min, dt_max, silu, state_dtype, agree):
+def _conv1d_ssd_cp_fwd_fake(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, group,
+                            load_balancing, batch, chunk_size, headdim, ngroups, dt_min, dt_max, silu, state_dtype,
+                            agree):
     cfg = _cp_config(xBC, dt, conv_weight, group, load_balancing, batch, chunk_size, headdim, ngroups,
                      (dt_min, dt_max))
     rows, s, conv_dim = xBC.shape
@@ -2454,133 +2455,274 @@ def mamba_conv1d_ssd_cp(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_si
 # ---------------------------------------------------------------------------------------------
 
 
-def _silu_grad(z):
-    sig = torch.sigmoid(z)
-    return sig * (1.0 + z * (1.0 - sig))
+@triton.jit
+def _gate_norm_tile(y_ptr, z_ptr, w_ptr, b, t, cols, mask, col_mask, stride_y_b, stride_y_l, stride_z_b, stride_z_l,
+                    group_size, eps, NORM: tl.constexpr, BEFORE: tl.constexpr):
+    """A (BR rows, BG channels) tile: y, z, silu(z), and with NORM the weight w (BG,), the
+    normalised input v (y, or y silu(z) after the gate), n = v r and r (BR,), all float32; masked
+    entries are 0."""
+    y = tl.load(y_ptr + b[:, None] * stride_y_b + t[:, None] * stride_y_l + cols[None, :], mask=mask, other=0.0)
+    z = tl.load(z_ptr + b[:, None] * stride_z_b + t[:, None] * stride_z_l + cols[None, :], mask=mask, other=0.0)
+    y, z = y.to(tl.float32), z.to(tl.float32)
+    gate = z * tl.sigmoid(z)
+    w = tl.zeros_like(cols.to(tl.float32))
+    n = y
+    r = tl.zeros_like(b.to(tl.float32))
+    if NORM:
+        w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        v = y if BEFORE else y * gate
+        r = tl.rsqrt(tl.sum(v * v, axis=1) / group_size + eps)
+        n = v * r[:, None]
+    return y, z, gate, w[None, :], n, r
 
 
-def _rms_normalise(v, group_size, eps):
-    """(v r, r) over groups of group_size channels of the last dim; float32."""
-    g = v.unflatten(-1, (-1, group_size))
-    r = torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
-    return (g * r).flatten(-2), r
+@triton.jit
+def _gate_norm_fwd_kernel(y_ptr, z_ptr, w_ptr, out_ptr, n_rows, seqlen, dim, group_size, eps,
+                          stride_y_b, stride_y_l, stride_z_b, stride_z_l, stride_o_b, stride_o_l,
+                          BR: tl.constexpr, BG: tl.constexpr, NORM: tl.constexpr, BEFORE: tl.constexpr):
+    """out = y silu(z), or the gated RMSNorm of one group of channels, for BR token rows."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = tl.program_id(1) * group_size + tl.arange(0, BG)
+    col_mask = (tl.arange(0, BG) < group_size) & (cols < dim)
+    mask = (rows < n_rows)[:, None] & col_mask[None, :]
+    b, t = (rows // seqlen).to(tl.int64), (rows % seqlen).to(tl.int64)
+    y, z, gate, w, n, r = _gate_norm_tile(y_ptr, z_ptr, w_ptr, b, t, cols, mask, col_mask, stride_y_b, stride_y_l,
+                                          stride_z_b, stride_z_l, group_size, eps, NORM, BEFORE)
+    o = y * gate
+    if NORM:
+        o = n * w * gate if BEFORE else n * w
+    tl.store(out_ptr + b[:, None] * stride_o_b + t[:, None] * stride_o_l + cols[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _rms_normalise_grad(n, r, dn, group_size):
-    gn, gdn = n.unflatten(-1, (-1, group_size)), dn.unflatten(-1, (-1, group_size))
-    return (r * (gdn - gn * (gn * gdn).mean(-1, keepdim=True))).flatten(-2)
+@triton.jit
+def _gate_norm_bwd_kernel(do_ptr, y_ptr, z_ptr, w_ptr, dy_ptr, dz_ptr, dw_part_ptr, n_rows, seqlen, dim, group_size,
+                          eps, n_inner, stride_do_b, stride_do_l, stride_y_b, stride_y_l, stride_z_b, stride_z_l,
+                          stride_dy_b, stride_dy_l, stride_dz_b, stride_dz_l, stride_dw_r,
+                          BR: tl.constexpr, BG: tl.constexpr, NORM: tl.constexpr, BEFORE: tl.constexpr):
+    """dy and dz of n_inner blocks of BR token rows, one group of channels; the norm weight's
+    gradient summed over those rows into this program's own partial row (no atomics).
+    Through n = v r:  dv = r (dn - n mean_group(n dn))."""
+    cols = tl.program_id(1) * group_size + tl.arange(0, BG)
+    in_group = (tl.arange(0, BG) < group_size) & (cols < dim)
+    dw = tl.zeros((BG,), dtype=tl.float32)
+    for i in range(n_inner):
+        rows = (tl.program_id(0) * n_inner + i) * BR + tl.arange(0, BR)
+        mask = (rows < n_rows)[:, None] & in_group[None, :]
+        b, t = (rows // seqlen).to(tl.int64), (rows % seqlen).to(tl.int64)
+        y, z, gate, w, n, r = _gate_norm_tile(y_ptr, z_ptr, w_ptr, b, t, cols, mask, in_group, stride_y_b,
+                                              stride_y_l, stride_z_b, stride_z_l, group_size, eps, NORM, BEFORE)
+        do = tl.load(do_ptr + b[:, None] * stride_do_b + t[:, None] * stride_do_l + cols[None, :],
+                     mask=mask, other=0.0).to(tl.float32)
+        dy = do * gate
+        dgate = do * y
+        if NORM:
+            dn = do * w * gate if BEFORE else do * w
+            dw += tl.sum(do * n * gate if BEFORE else do * n, axis=0)
+            dv = r[:, None] * (dn - n * (tl.sum(n * dn, axis=1) / group_size)[:, None])
+            dy = dv if BEFORE else dv * gate
+            dgate = do * n * w if BEFORE else dv * y
+        sig = tl.sigmoid(z)
+        dz = dgate * sig * (1.0 + z * (1.0 - sig))
+        tl.store(dy_ptr + b[:, None] * stride_dy_b + t[:, None] * stride_dy_l + cols[None, :],
+                 dy.to(dy_ptr.dtype.element_ty), mask=mask)
+        tl.store(dz_ptr + b[:, None] * stride_dz_b + t[:, None] * stride_dz_l + cols[None, :],
+                 dz.to(dz_ptr.dtype.element_ty), mask=mask)
+    if NORM:
+        tl.store(dw_part_ptr + tl.program_id(0).to(tl.int64) * stride_dw_r + cols, dw, mask=in_group)
 
 
-class _Epilogue:
-    """The per-token part after the core: y (b, l, dim) pre-gate -> the output before the out
-    projection, (b, l, d_nonssm + dim), and its gradient. float32 inside."""
+# (token rows, channels) per program: the interpreter pays per program, the GPU wants many of them
+_GATE_PROGRAMS = 4096
+
+
+class _GateNorm:
+    """The gate y * silu(z), or the gated RMSNorm, over (b, l, dim) tensors (any strides with a
+    unit channel stride), and its gradient; launches the two kernels above."""
 
     def __init__(self, rmsnorm_weight, eps, group_size, norm_before_gate):
-        self.w, self.eps, self.c, self.before = rmsnorm_weight, eps, group_size, norm_before_gate
+        self.w, self.eps, self.group_size, self.before = rmsnorm_weight, eps, group_size, norm_before_gate
+        self.norm = rmsnorm_weight is not None
 
-    def forward(self, y, z, z0, x0):
-        y, z = y.float(), z.float()
-        gate = z * torch.sigmoid(z)
-        if self.w is None:
-            o = y * gate
-        elif self.before:
-            o = _rms_normalise(y, self.c, self.eps)[0] * self.w.float() * gate
-        else:
-            o = _rms_normalise(y * gate, self.c, self.eps)[0] * self.w.float()
-        if z0 is not None:
-            o = torch.cat([z0.float() * torch.sigmoid(z0.float()) * x0.float(), o], dim=-1)
-        return o
+    def tiles(self, dim):
+        """(channels per program, their power-of-two tile, token rows per program)."""
+        group_size = self.group_size
+        gs = group_size if self.norm else min(dim, 1024)
+        BG = _next_pow2(gs)
+        BR = max(1, (64 if INTERPRET else 4096) // BG)
+        return gs, BG, BR
 
-    def backward(self, do, y, z, z0, x0):
-        """(dy, dz, dz0, dx0, drmsnorm_weight) from the gradient do of forward's output."""
-        y, z = y.float(), z.float()
-        d_nonssm = 0 if z0 is None else z0.shape[-1]
-        ds, do = do[..., :d_nonssm].float(), do[..., d_nonssm:].float()
-        gate = z * torch.sigmoid(z)
-        dw = None
-        if self.w is None:
-            dy, dgate = do * gate, do * y
-        elif self.before:
-            n, r = _rms_normalise(y, self.c, self.eps)
-            dw = (do * n * gate).sum(dim=(0, 1))
-            dy = _rms_normalise_grad(n, r, do * self.w.float() * gate, self.c)
-            dgate = do * n * self.w.float()
-        else:
-            v = y * gate
-            n, r = _rms_normalise(v, self.c, self.eps)
-            dw = (do * n).sum(dim=(0, 1))
-            dv = _rms_normalise_grad(n, r, do * self.w.float(), self.c)
-            dy, dgate = dv * gate, dv * y
-        dz0 = dx0 = None
-        if z0 is not None:
-            z0f, x0f = z0.float(), x0.float()
-            dz0, dx0 = ds * x0f * _silu_grad(z0f), ds * z0f * torch.sigmoid(z0f)
-        return dy, dgate * _silu_grad(z), dz0, dx0, dw
+    def forward(self, y, z, out):
+        """Writes the gated output into out (b, l, dim), a view."""
+        b, l, dim = y.shape
+        gs, BG, BR = self.tiles(dim)
+        grid = (_cdiv(b * l, BR), _cdiv(dim, gs))
+        _gate_norm_fwd_kernel[grid](y, z, self.w if self.norm else y, out, b * l, l, dim, gs, self.eps,
+                                    y.stride(0), y.stride(1), z.stride(0), z.stride(1), out.stride(0), out.stride(1),
+                                    BR=BR, BG=BG, NORM=self.norm, BEFORE=self.before)
+
+    def backward(self, do, y, z, dz):
+        """dy (b, l, dim) in y's dtype, dz written into dz (a view), and drmsnorm_weight (fp32)."""
+        b, l, dim = y.shape
+        gs, BG, BR = self.tiles(dim)
+        n_blocks, n_cols = _cdiv(b * l, BR), _cdiv(dim, gs)
+        n_inner = max(1, _cdiv(n_blocks * n_cols, _GATE_PROGRAMS))
+        n_row_progs = _cdiv(n_blocks, n_inner)
+        dy = torch.empty(y.shape, device=y.device, dtype=y.dtype)
+        dw_part = torch.empty((n_row_progs, dim), device=y.device, dtype=torch.float32) if self.norm else None
+        _gate_norm_bwd_kernel[(n_row_progs, n_cols)](
+            do, y, z, self.w if self.norm else y, dy, dz, dw_part if self.norm else dy, b * l, l, dim, gs, self.eps,
+            n_inner, do.stride(0), do.stride(1), y.stride(0), y.stride(1), z.stride(0), z.stride(1),
+            dy.stride(0), dy.stride(1), dz.stride(0), dz.stride(1), dw_part.stride(0) if self.norm else 0,
+            BR=BR, BG=BG, NORM=self.norm, BEFORE=self.before)
+        return dy, (dw_part.sum(0) if self.norm else None)
+
+
+def _swiglu(z0, x0):
+    return (z0.float() * torch.sigmoid(z0.float()) * x0.float())
+
+
+def _swiglu_grad(ds, z0, x0):
+    z0f, x0f = z0.float(), x0.float()
+    sig = torch.sigmoid(z0f)
+    return ds * x0f * sig * (1.0 + z0f * (1.0 - sig)), ds * z0f * sig
+
+
+@torch.library.custom_op("mamba_cp::split_conv1d_scan_fwd", mutates_args=())
+def _split_conv1d_scan_fwd(zxbcdt: Tensor, conv_weight: Tensor, conv_bias: Optional[Tensor], dt_bias: Optional[Tensor],
+                           A: Tensor, D: Optional[Tensor], initial_states: Optional[Tensor],
+                           rmsnorm_weight: Optional[Tensor], outproj_weight: Optional[Tensor],
+                           outproj_bias: Optional[Tensor], seq_idx: Optional[Tensor], widths: list[int],
+                           core_opts: list[float], group: str, load_balancing: str, state_dtype: Optional[torch.dtype],
+                           agree: bool, eps: float, group_size: int, norm_before_gate: bool,
+                           permute: bool) -> list[Tensor]:
+    """[out, final state, y (b, l, dim) before the gate, the permuted xBC and dt rows (empty
+    unless permute), and the core's saved tensors]. core_opts: batch, chunk_size, headdim,
+    ngroups, dt_min, dt_max, silu (numbers; the op schema has no mixed lists)."""
+    batch, chunk, headdim, ngroups, dt_min, dt_max, silu = core_opts
+    opts = (group, load_balancing, int(batch), int(chunk), int(headdim), int(ngroups), dt_min, dt_max, bool(silu),
+            state_dtype)
+    z0, x0, z, xBC, dt = zxbcdt.split(widths, dim=-1)
+    rows = _Segments(*_rank_world(group), load_balancing).to_rows
+    if permute:
+        xBC, dt = (_permute(t, _resolve_group(group), load_balancing, True) for t in (xBC, dt))
+    y, final, *saved = _conv1d_ssd_cp_fwd(rows(xBC), rows(dt), conv_weight, conv_bias, dt_bias, A, D, initial_states,
+                                          seq_idx, *opts, agree)
+    y = y.reshape(int(batch), -1, y.shape[2] * y.shape[3])                      # (b, l, dim)
+    if permute:
+        y = _permute(y, _resolve_group(group), load_balancing, False)
+    out = _split_output(y, z, z0, x0, _GateNorm(rmsnorm_weight, eps, group_size, norm_before_gate), widths)
+    if outproj_weight is not None:
+        out = F.linear(out.to(outproj_weight.dtype), outproj_weight, outproj_bias)
+    kept = (rows(xBC), rows(dt)) if permute else (zxbcdt.new_empty(0), zxbcdt.new_empty(0))
+    return [out, final, y, *kept, *saved]
+
+
+@_split_conv1d_scan_fwd.register_fake
+def _(zxbcdt, conv_weight, conv_bias, dt_bias, A, D, initial_states, rmsnorm_weight, outproj_weight, outproj_bias,
+      seq_idx, widths, core_opts, group, load_balancing, state_dtype, agree, eps, group_size, norm_before_gate, permute):
+    batch, chunk, headdim, ngroups, dt_min, dt_max, silu = core_opts
+    segs = _Segments(*_rank_world(group), load_balancing)
+    b, l, _ = zxbcdt.shape
+    xBC, dt = (segs.to_rows(torch.empty((b, l, w), device=zxbcdt.device, dtype=zxbcdt.dtype)) for w in widths[3:])
+    y, final, *saved = _conv1d_ssd_cp_fwd_fake(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx,
+                                               group, load_balancing, int(batch), int(chunk), int(headdim),
+                                               int(ngroups), dt_min, dt_max, bool(silu), state_dtype, agree)
+    d_out = outproj_weight.shape[0] if outproj_weight is not None else widths[0] + widths[2]
+    out_dtype = outproj_weight.dtype if outproj_weight is not None else zxbcdt.dtype
+    kept = (xBC, dt) if permute else (zxbcdt.new_empty(0), zxbcdt.new_empty(0))
+    return [torch.empty((b, l, d_out), device=zxbcdt.device, dtype=out_dtype), final,
+            torch.empty((b, l, widths[2]), device=zxbcdt.device, dtype=zxbcdt.dtype), *kept, *saved]
+
+
+@torch.library.custom_op("mamba_cp::split_conv1d_scan_bwd", mutates_args=())
+def _split_conv1d_scan_bwd(dout: Tensor, dfinal: Optional[Tensor], zxbcdt: Tensor, conv_weight: Tensor,
+                           conv_bias: Optional[Tensor], dt_bias: Optional[Tensor], A: Tensor, D: Optional[Tensor],
+                           initial_states: Optional[Tensor], rmsnorm_weight: Optional[Tensor],
+                           outproj_weight: Optional[Tensor], outproj_bias: Optional[Tensor], seq_idx: Optional[Tensor],
+                           y: Tensor, xBC_rows: Tensor, dt_rows: Tensor, halo: Tensor, halo_seq: Tensor,
+                           entries: Tensor, a_all: Tensor, e: Tensor, widths: list[int], core_opts: list[float],
+                           group: str, load_balancing: str, state_dtype: Optional[torch.dtype], eps: float,
+                           group_size: int, norm_before_gate: bool, permute: bool) -> list[Tensor]:
+    """[dzxbcdt, dconv_weight, dconv_bias, ddt_bias, dA, dD, dinitial_states, drmsnorm_weight,
+    doutproj_weight, doutproj_bias] (absent ones empty); dzxbcdt is one buffer, its channel
+    slices written in place (the gate's kernel writes dz there directly)."""
+    batch, chunk, headdim, ngroups, dt_min, dt_max, silu = core_opts
+    opts = (group, load_balancing, int(batch), int(chunk), int(headdim), int(ngroups), dt_min, dt_max, bool(silu),
+            state_dtype)
+    segs = _Segments(*_rank_world(group), load_balancing)
+    dout = dout.contiguous()                       # the gate's kernels take unit channel strides
+    z0, x0, z, xBC, dt = zxbcdt.split(widths, dim=-1)
+    if not permute:
+        xBC_rows, dt_rows = segs.to_rows(xBC), segs.to_rows(dt)
+    gate_norm = _GateNorm(rmsnorm_weight, eps, group_size, norm_before_gate)
+    dW = db = None
+    if outproj_weight is not None:
+        pre = _split_output(y, z, z0, x0, gate_norm, widths).to(outproj_weight.dtype)
+        dW = dout.flatten(0, 1).t().mm(pre.flatten(0, 1)).to(outproj_weight.dtype)
+        db = None if outproj_bias is None else dout.sum(dim=(0, 1)).to(outproj_bias.dtype)
+        dout = dout.matmul(outproj_weight)
+    dzxbcdt = torch.empty(zxbcdt.shape, device=zxbcdt.device, dtype=zxbcdt.dtype)
+    dz0, dx0, dz, dxBC_out, ddt_out = dzxbcdt.split(widths, dim=-1)
+    d_nonssm = widths[0]
+    if d_nonssm:
+        for part, g in zip((dz0, dx0), _swiglu_grad(dout[..., :d_nonssm].float(), z0, x0)):
+            part.copy_(g)
+    dy, dw = gate_norm.backward(dout[..., d_nonssm:], y, z, dz)                # dz written into dzxbcdt
+    if permute:
+        dy = _permute(dy, _resolve_group(group), load_balancing, True)
+    dy = segs.to_rows(dy.unflatten(-1, (widths[4], -1)))
+    grads = _conv1d_ssd_cp_bwd(dy, dfinal, xBC_rows, dt_rows, conv_weight, conv_bias, dt_bias, A, D, initial_states,
+                               seq_idx, halo, halo_seq, entries, a_all, e, *opts)
+    dxBC, ddt, dconv_w, dconv_b, ddt_bias, dA, dD, dinit = grads
+    dxBC, ddt = segs.from_rows(dxBC, int(batch)), segs.from_rows(ddt, int(batch))
+    if permute:
+        dxBC, ddt = (_permute(t, _resolve_group(group), load_balancing, False) for t in (dxBC, ddt))
+    dxBC_out.copy_(dxBC)
+    ddt_out.copy_(ddt)
+    return [dzxbcdt, dconv_w, dconv_b, ddt_bias, dA, dD, dinit,
+            _empty_if_none(None if dw is None else dw.to(rmsnorm_weight.dtype), zxbcdt),
+            _empty_if_none(dW, zxbcdt), _empty_if_none(db, zxbcdt)]
+
+
+@_split_conv1d_scan_bwd.register_fake
+def _(dout, dfinal, zxbcdt, conv_weight, conv_bias, dt_bias, A, D, initial_states, rmsnorm_weight, outproj_weight,
+      outproj_bias, seq_idx, y, xBC_rows, dt_rows, halo, halo_seq, entries, a_all, e, widths, core_opts, group,
+      load_balancing, state_dtype, eps, group_size, norm_before_gate, permute):
+    like = (zxbcdt, conv_weight, conv_bias, dt_bias, A, D, initial_states, rmsnorm_weight, outproj_weight, outproj_bias)
+    return [zxbcdt.new_empty(0) if t is None else torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in like]
 
 
 class _SplitConv1dScanFn(torch.autograd.Function):
-    """zxbcdt (b, l, width) -> out (b, l, d_out), the final state; see the section comment."""
+    """zxbcdt (b, l, width) -> out (b, l, d_out), the final state (the two ops above)."""
 
     @staticmethod
     def forward(ctx, zxbcdt, conv_weight, conv_bias, dt_bias, A, D, initial_states, rmsnorm_weight, outproj_weight,
-                outproj_bias, seq_idx, widths, core_opts, epilogue_opts, permute):
-        z0, x0, z, xBC, dt = zxbcdt.split(widths, dim=-1)
-        group, load_balancing, batch, chunk, headdim, ngroups = core_opts[:6]
-        rows = _Segments(*_rank_world(group), load_balancing).to_rows
-        if permute:
-            xBC, dt = (_permute_op(t, group, load_balancing, True) for t in (xBC, dt))
-        xBC, dt = rows(xBC), rows(dt)              # views of zxbcdt, unless permuted
-        y, final, *saved = _conv1d_ssd_cp_fwd(xBC, dt, conv_weight, conv_bias, dt_bias, A, D,
-                                              initial_states, seq_idx, *core_opts)
-        y = y.reshape(batch, -1, y.shape[2] * y.shape[3])                           # (b, l, dim)
-        if permute:
-            y = _permute_op(y, group, load_balancing, False)
-        epilogue = _Epilogue(rmsnorm_weight, *epilogue_opts)
-        out = epilogue.forward(y, z, z0 if widths[0] else None, x0)
-        if outproj_weight is not None:
-            out = F.linear(out.to(outproj_weight.dtype), outproj_weight, outproj_bias)
-        else:
-            out = out.to(zxbcdt.dtype)
-        ctx.save_for_backward(zxbcdt, xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, rmsnorm_weight,
-                              outproj_weight, outproj_bias, seq_idx, y, *saved)
-        ctx.args = (widths, core_opts, epilogue_opts, permute)
+                outproj_bias, seq_idx, widths, core_opts, names, agree, epilogue_opts, permute):
+        out, final, *saved = _split_conv1d_scan_fwd(
+            zxbcdt, conv_weight, conv_bias, dt_bias, A, D, initial_states, rmsnorm_weight, outproj_weight,
+            outproj_bias, seq_idx, widths, core_opts, *names, agree, *epilogue_opts, permute)
+        ctx.save_for_backward(zxbcdt, conv_weight, conv_bias, dt_bias, A, D, initial_states, rmsnorm_weight,
+                              outproj_weight, outproj_bias, seq_idx, *saved)
+        ctx.args = (widths, core_opts, names, epilogue_opts, permute)
         return out, final
 
     @staticmethod
     def backward(ctx, dout, dfinal):
-        (zxbcdt, xBC_rows, dt_rows, conv_weight, conv_bias, dt_bias, A, D, initial_states, rmsnorm_weight,
-         outproj_weight, outproj_bias, seq_idx, y, *saved) = ctx.saved_tensors
-        widths, core_opts, epilogue_opts, permute = ctx.args
-        group, load_balancing, batch = core_opts[:3]
-        segs = _Segments(*_rank_world(group), load_balancing)
-        z0, x0, z, _, _ = zxbcdt.split(widths, dim=-1)
-        has_z0 = widths[0] > 0
-        epilogue = _Epilogue(rmsnorm_weight, *epilogue_opts)
-        dW = db = None
-        if outproj_weight is not None:
-            pre = epilogue.forward(y, z, z0 if has_z0 else None, x0).to(outproj_weight.dtype)
-            dW = dout.flatten(0, 1).t().mm(pre.flatten(0, 1)).to(outproj_weight.dtype)
-            db = None if outproj_bias is None else dout.sum(dim=(0, 1)).to(outproj_bias.dtype)
-            dout = dout.matmul(outproj_weight)
-        dy, dz, dz0, dx0, dw = epilogue.backward(dout, y, z, z0 if has_z0 else None, x0)
-        dy = dy.to(zxbcdt.dtype)
-        if permute:
-            dy = _permute_op(dy, group, load_balancing, True)
-        nheads = widths[4]
-        dy = segs.to_rows(dy.unflatten(-1, (nheads, -1)))
-        grads = _conv1d_ssd_cp_bwd(dy, dfinal, xBC_rows, dt_rows, conv_weight, conv_bias, dt_bias, A, D,
-                                   initial_states, seq_idx, *saved, *core_opts[:-1])
-        dxBC, ddt, dconv_w, dconv_b, ddt_bias, dA, dD, dinit = (_none_if_empty(g) for g in grads)
-        dxBC, ddt = segs.from_rows(dxBC, batch), segs.from_rows(ddt, batch)
-        if permute:
-            dxBC, ddt = (_permute_op(t, group, load_balancing, False) for t in (dxBC, ddt))
-        dzxbcdt = torch.empty(zxbcdt.shape, device=zxbcdt.device, dtype=zxbcdt.dtype)
-        parts = dzxbcdt.split(widths, dim=-1)
-        for part, g in zip(parts, (dz0, dx0, dz, dxBC, ddt)):
-            if part.shape[-1]:
-                part.copy_(g)
-        return (dzxbcdt, dconv_w, dconv_b, ddt_bias, dA, dD, dinit,
-                None if dw is None else dw.to(rmsnorm_weight.dtype), dW, db, *([None] * 5))
+        widths, core_opts, names, epilogue_opts, permute = ctx.args
+        grads = _split_conv1d_scan_bwd(dout, dfinal, *ctx.saved_tensors, widths, core_opts, *names, *epilogue_opts,
+                                       permute)
+        return (*(_none_if_empty(g) for g in grads), *([None] * 7))
+
+
+def _split_output(y, z, z0, x0, gate_norm, widths):
+    """[silu(z0) x0 | the gate or the gated RMSNorm of y], (b, l, d_nonssm + dim) in y's dtype."""
+    d_nonssm = widths[0]
+    out = torch.empty((*y.shape[:2], d_nonssm + y.shape[2]), device=y.device, dtype=y.dtype)
+    if d_nonssm:
+        out[..., :d_nonssm] = _swiglu(z0, x0)
+    gate_norm.forward(y, z, out[..., d_nonssm:])
+    return out
 
 
 def _rank_world(group_name):
@@ -2659,18 +2801,20 @@ def mamba_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias
         zxbcdt, None, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, headdim, ngroups, seq_idx,
         initial_states, load_balancing, return_final_states))
     widths, p = found["widths"], found["headdim"]
+    if zxbcdt.stride(-1) != 1:                     # the gate's kernels take unit channel strides
+        zxbcdt = zxbcdt.contiguous()
     if seq_idx is not None:
         seq_idx = seq_idx.to(torch.int32)
     permute = load_balancing.startswith("permute") and world > 1
     segs = _Segments(rank, world, load_balancing)
     if permute:
         seq_idx = None if seq_idx is None else _permute_op(seq_idx, _group_name(cp_group), load_balancing, True)
-    core_opts = (_group_name(cp_group), load_balancing, zxbcdt.shape[0], chunk_size, p, ngroups,
-                 float(dt_limit[0]), float(dt_limit[1]), activation is not None, state_dtype,
-                 world > 1 and torch.compiler.is_compiling())
+    core_opts = [float(v) for v in (zxbcdt.shape[0], chunk_size, p, ngroups, dt_limit[0], dt_limit[1],
+                                    activation is not None)]
     out, final = _SplitConv1dScanFn.apply(
         zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, initial_states, rmsnorm_weight, outproj_weight,
-        outproj_bias, None if seq_idx is None else segs.to_rows(seq_idx).contiguous(), widths, core_opts,
+        outproj_bias, None if seq_idx is None else segs.to_rows(seq_idx).contiguous(), list(widths), core_opts,
+        (_group_name(cp_group), load_balancing, state_dtype), world > 1 and torch.compiler.is_compiling(),
         (float(rmsnorm_eps), widths[2] // ngroups, bool(norm_before_gate)), permute)
     return (out, final) if return_final_states else out
 

@@ -449,6 +449,23 @@ def make_cp_local(args, L, rank, world, layout, device):
     return leaves, grad_y
 
 
+def make_gate_local(args, L, device):
+    """Inputs of the two gated entries in a world of one: zxbcdt = [z | xBC | dt] in --dtype (for
+    "split") and the same values as separate contiguous z, xBC, dt (for "core_gate"); the
+    gradient of the gated output (b, L, nheads*headdim)."""
+    leaves, _ = make_cp_local(args, L, 0, 1, "none", device)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(args.seed + 1)
+    dim = args.nheads * args.headdim
+    z = torch.randn(args.batch, L, dim, generator=gen, device=device).to(DTYPES[args.dtype])
+    grad = torch.randn(args.batch, L, dim, generator=gen, device=device).to(DTYPES[args.dtype])
+    params = {k: v for k, v in leaves.items() if k not in ("xBC", "dt")}
+    zxbcdt = torch.cat([z, leaves["xBC"].detach(), leaves["dt"].detach().to(z.dtype)], dim=-1).requires_grad_(True)
+    split = dict(zxbcdt=zxbcdt, **params)
+    separate = dict(z=z.requires_grad_(True), xBC=leaves["xBC"], dt=leaves["dt"], **params)
+    return split, separate, grad
+
+
 def input_layout(path):
     """The load_balancing of the shard a path is fed: contiguous for "none", zigzag otherwise."""
     return "none" if path == "none" else "virtual"
@@ -459,6 +476,14 @@ def cp_call(path, t, args, group):
     "unfused" is conv1d then the single-device SSD, no CP."""
     if path == "unfused":
         return unfused_call(t, args)
+    if path == "split":        # the entry Mamba2 mixers call, z gate included
+        return mamba_cp.mamba_split_conv1d_scan_combined(
+            t["zxbcdt"], t["conv_weight"], t["conv_bias"], t["dt_bias"], t["A"], t["D"], args.chunk,
+            headdim=args.headdim, ngroups=args.ngroups, cp_group=group)
+    if path == "core_gate":    # the same from the core on a contiguous xBC, then the gate in torch
+        y = mamba_cp.mamba_conv1d_ssd_cp(t["xBC"], t["dt"], t["conv_weight"], t["conv_bias"], t["dt_bias"], t["A"],
+                                         t["D"], args.chunk, headdim=args.headdim, ngroups=args.ngroups, cp_group=group)
+        return y.flatten(-2) * torch.nn.functional.silu(t["z"])
     fn = mamba_cp.mamba_conv1d_ssd_a2a if path == "a2a" else mamba_cp.mamba_conv1d_ssd_cp
     return fn(t["xBC"], t["dt"], t["conv_weight"], t["conv_bias"], t["dt_bias"], t["A"], t["D"], args.chunk,
               headdim=args.headdim, ngroups=args.ngroups, cp_group=group,
@@ -665,6 +690,8 @@ def bench_cp_local(args, L, sweep):
              chunk=args.chunk, iters=args.iters, cp_warmup=warmup, ssd_warmup=args.warmup, phase=phase,
              timing="cuda_events_p50" if CUDA else "wall_clock_p50_interpreter",
              cp_ms=None, unfused_ms=None, ssd_ms=None, cp_graph_ms=None, unfused_graph_ms=None, ssd_graph_ms=None,
+             split_ms=None, split_graph_ms=None, core_gate_ms=None, core_gate_graph_ms=None,
+             split_over_core_gate=None, split_over_core_gate_graph=None,
              cp_over_ssd=None, cp_over_unfused=None, unfused_over_ssd=None,
              cp_over_ssd_graph=None, cp_over_unfused_graph=None, unfused_over_ssd_graph=None,
              cp_peak_mib=None, ssd_peak_mib=None, cp_includes_conv=True, ssd_includes_conv=False,
@@ -685,6 +712,17 @@ def bench_cp_local(args, L, sweep):
                 r[f"{name}_graph_ms"], _, graph = try_graph(name, step, args.iters, args.warmup, errors)
                 del graph
         del leaves, grad_y, step
+        split, separate, grad = make_gate_local(args, L, device)
+        for name, leaves in (("split", split), ("core_gate", separate)):
+            what = ("mamba_split_conv1d_scan_combined on zxbcdt (z gate)" if name == "split"
+                    else "mamba_conv1d_ssd_cp on a contiguous xBC, then y * silu(z) in torch")
+            log(f"[cp vs ssd] {what} L={L}: {phase}, {warmup} warm-up + {args.iters} timed ...")
+            step = make_cp_step(name, leaves, grad, args, None)
+            r[f"{name}_ms"] = timer(step, args.iters, warmup)
+            if graphs:
+                r[f"{name}_graph_ms"], _, graph = try_graph(name, step, args.iters, args.warmup, errors)
+                del graph
+        del split, separate, grad, step
     except Exception as e:  # noqa: BLE001 - report, keep going
         r["error"] = "cp: " + short_error(e)
         log(f"[cp vs ssd] CP call failed: {r['error']}")
@@ -715,6 +753,7 @@ def bench_cp_local(args, L, sweep):
         r[f"cp_over_ssd{suffix}"] = ratio(cp, ssd)
         r[f"cp_over_unfused{suffix}"] = ratio(cp, unfused)
         r[f"unfused_over_ssd{suffix}"] = ratio(unfused, ssd)
+        r[f"split_over_core_gate{suffix}"] = ratio(r[f"split{suffix}_ms"], r[f"core_gate{suffix}_ms"])
     r["graph_error"] = "; ".join(errors) or None
     if CUDA:
         torch.cuda.empty_cache()
@@ -734,7 +773,11 @@ def human_cp_local(r):
             f"  fused CP / unfused {fmt(r['cp_over_unfused'], '.2f', 'x')}{gr('cp_over_unfused_graph')}, "
             f"unfused / SSD alone {fmt(r['unfused_over_ssd'], '.2f', 'x')}{gr('unfused_over_ssd_graph')}, "
             f"fused CP / SSD alone {fmt(r['cp_over_ssd'], '.2f', 'x')}{gr('cp_over_ssd_graph')}; "
-            f"peak {fmt(r['cp_peak_mib'], '.0f', ' MiB')} vs {fmt(r['ssd_peak_mib'], '.0f', ' MiB')} (SSD alone)")
+            f"peak {fmt(r['cp_peak_mib'], '.0f', ' MiB')} vs {fmt(r['ssd_peak_mib'], '.0f', ' MiB')} (SSD alone)\n"
+            f"  mamba_split_conv1d_scan_combined on zxbcdt, z gate: {fmt(r['split_ms'], unit=' ms')}{g('split_graph_ms')}\n"
+            f"  mamba_conv1d_ssd_cp on a contiguous xBC, then the gate in torch: "
+            f"{fmt(r['core_gate_ms'], unit=' ms')}{g('core_gate_graph_ms')}\n"
+            f"  split entry / core + gate {fmt(r['split_over_core_gate'], '.2f', 'x')}{gr('split_over_core_gate_graph')}")
     if r["graph_error"]:
         line += f"\n  [graph error: {r['graph_error']}]"
     if r["error"]:

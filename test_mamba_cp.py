@@ -844,12 +844,19 @@ def cp_case_errors(case, rank, world, group, device):
     wy = mamba_cp.shard(wy_full, rank, world, layout)
     grads = dict(zip(mine, torch.autograd.grad((y.float() * wy).sum() + (f * wf_all[rank]).sum(),
                                                list(mine.values()))))
-    errs = {"y": rel_rms(y, mamba_cp.shard(y_ref.detach(), rank, world, layout)),
-            "final_states": rel_rms(f, f_ref.detach())}
+    return shard_errors({"y": (y, y_ref)}, (f, f_ref), grads, g_ref, CP_ACTIVATIONS, rank, world, group, layout)
+
+
+def shard_errors(outputs, final, grads, g_ref, per_token, rank, world, group, layout):
+    """Relative RMS errors of this rank: its shard of each output and of each per-token input's
+    gradient, the final state, and the parameter gradients summed over the group (each rank
+    holds its contribution)."""
+    errs = {k: rel_rms(got, mamba_cp.shard(want.detach(), rank, world, layout)) for k, (got, want) in outputs.items()}
+    errs["final_states"] = rel_rms(final[0], final[1].detach())
     for k, gk in grads.items():
-        if k in CP_ACTIVATIONS:
+        if k in per_token:
             errs["d" + k] = rel_rms(gk, mamba_cp.shard(g_ref[k], rank, world, layout))
-        else:  # parameters: this rank's contribution, summed over the group
+        else:
             total = gk.detach().clone().float()
             if world > 1:
                 dist.all_reduce(total, group=group)
@@ -1166,17 +1173,7 @@ def split_case_errors(case, rank, world, group, device):
     w = mamba_cp.shard(w_full, rank, world, layout)
     grads = dict(zip(mine, torch.autograd.grad((out.float() * w).sum() + (f * wf_all[rank]).sum(),
                                                list(mine.values()))))
-    errs = {"out": rel_rms(out, mamba_cp.shard(out_ref.detach(), rank, world, layout)),
-            "final_states": rel_rms(f, f_ref.detach())}
-    for k, gk in grads.items():
-        if k in per_token:
-            errs["d" + k] = rel_rms(gk, mamba_cp.shard(g_ref[k], rank, world, layout))
-        else:
-            total = gk.detach().clone().float()
-            if world > 1:
-                dist.all_reduce(total, group=group)
-            errs["d" + k] = rel_rms(total, g_ref[k])
-    return errs
+    return shard_errors({"out": (out, out_ref)}, (f, f_ref), grads, g_ref, per_token, rank, world, group, layout)
 
 
 SPLIT_OPTIONS = {

@@ -41,9 +41,11 @@ Three measurements, dispatched by main():
        timers), else measured here. Beside them, the
        unfused layer: conv1d, then `mamba_chunk_scan_combined` on the split channels, no CP and
        no state passing (unfused_ms): fused CP / unfused is what the CP machinery and the fusion
-       cost together, unfused / SSD alone what the conv costs. On CPU the CP and unfused calls
-       get no warm-up unless --warmup is given (the interpreter compiles nothing; this keeps the
-       CPU default under a minute).
+       cost together, unfused / SSD alone what the conv costs. Then the mixer entry
+       `mamba_split_conv1d_scan_combined` on zxbcdt = [z | xBC | dt] with the z gate (split_ms)
+       beside `mamba_conv1d_ssd_cp` on a contiguous xBC followed by y * silu(z) in torch
+       (core_gate_ms). On CPU these calls get no warm-up unless --warmup is given (the
+       interpreter compiles nothing; this keeps the CPU default short).
    (b) Communication volume ("bench": "comm_bytes"): bytes each path moves per rank per layer,
        forward and backward, computed from the shapes by comm_bytes() (its docstring states every
        term), for W in 2..64 and global L in 8192..1048576, at this run's shape (--comm-shape
@@ -59,6 +61,9 @@ Three measurements, dispatched by main():
      permute_p2p  zigzag shard, made contiguous by point-to-point sends, and back
      permute_a2a  zigzag shard, made contiguous by one all_to_all_single, and back
      virtual      zigzag shard, its two halves run as two causal segments (no activation moves)
+
+   With --entry mixer every path but a2a calls `mamba_split_conv1d_scan_combined` on zxbcdt with
+   the z gate instead, and a2a its core on views of zxbcdt followed by the gate in torch.
 
    Inputs: the full sequence is drawn on every rank's device from one seeded generator (the same
    on every rank, never zeros) and cut with mamba_cp.shard; the full tensors are freed before
@@ -449,6 +454,23 @@ def make_cp_local(args, L, rank, world, layout, device):
     return leaves, grad_y
 
 
+def make_mixer_local(args, L, rank, world, layout, device):
+    """torchrun --entry mixer: this rank's zxbcdt = [z | xBC | dt] (in --dtype) in `layout`, the
+    parameters, and the gradient of the gated output shard."""
+    seq, params = make_cp_full(args, L, device)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(args.seed + 1)
+    dim = args.nheads * args.headdim
+    z = torch.randn(args.batch, L, dim, generator=gen, device=device).to(DTYPES[args.dtype])
+    grad = torch.randn(args.batch, L, dim, generator=gen, device=device).to(DTYPES[args.dtype])
+    zxbcdt = torch.cat([z, seq["xBC"], seq["dt"].to(z.dtype)], dim=-1)
+    del seq, z
+    leaves = dict(zxbcdt=mamba_cp.shard(zxbcdt, rank, world, layout).contiguous(), **params)
+    for t in leaves.values():
+        t.requires_grad_(True)
+    return leaves, mamba_cp.shard(grad, rank, world, layout).contiguous()
+
+
 def make_gate_local(args, L, device):
     """Inputs of the two gated entries in a world of one: zxbcdt = [z | xBC | dt] in --dtype (for
     "split") and the same values as separate contiguous z, xBC, dt (for "core_gate"); the
@@ -476,6 +498,18 @@ def cp_call(path, t, args, group):
     "unfused" is conv1d then the single-device SSD, no CP."""
     if path == "unfused":
         return unfused_call(t, args)
+    if path.startswith("mixer:"):   # torchrun --entry mixer: the entry Mamba2 mixers call, z gate included
+        layout = path.split(":")[1]
+        if layout == "a2a":          # the baseline has no mixer entry: its core on views, the gate in torch
+            dim = args.nheads * args.headdim
+            z, xBC, dt = t["zxbcdt"].split([dim, t["zxbcdt"].shape[2] - dim - args.nheads, args.nheads], dim=-1)
+            y = mamba_cp.mamba_conv1d_ssd_a2a(xBC, dt, t["conv_weight"], t["conv_bias"], t["dt_bias"], t["A"], t["D"],
+                                              args.chunk, headdim=args.headdim, ngroups=args.ngroups, cp_group=group,
+                                              load_balancing="virtual")
+            return y.flatten(-2) * torch.nn.functional.silu(z)
+        return mamba_cp.mamba_split_conv1d_scan_combined(
+            t["zxbcdt"], t["conv_weight"], t["conv_bias"], t["dt_bias"], t["A"], t["D"], args.chunk,
+            headdim=args.headdim, ngroups=args.ngroups, cp_group=group, load_balancing=layout)
     if path == "split":        # the entry Mamba2 mixers call, z gate included
         return mamba_cp.mamba_split_conv1d_scan_combined(
             t["zxbcdt"], t["conv_weight"], t["conv_bias"], t["dt_bias"], t["A"], t["D"], args.chunk,
@@ -884,7 +918,9 @@ def bench_cp_path(args, path, L, rank, world, device):
     r = dict(bench="cp_paths", path=path,
              input_layout="zigzag" if input_layout(path) == "virtual" else "contiguous",
              load_balancing="virtual" if path == "a2a" else path,
-             function="mamba_conv1d_ssd_a2a" if path == "a2a" else "mamba_conv1d_ssd_cp",
+             function=("mamba_conv1d_ssd_a2a" if path == "a2a" else "mamba_conv1d_ssd_cp") if args.entry == "core"
+             else ("mamba_conv1d_ssd_a2a then y * silu(z)" if path == "a2a" else "mamba_split_conv1d_scan_combined"),
+             entry=args.entry,
              W=world, L=L, L_local=L // world if L % world == 0 else None, batch=args.batch, dtype=args.dtype,
              nheads=s.nheads, headdim=s.headdim, ngroups=s.ngroups, dstate=s.dstate, d_conv=s.d_conv, chunk=args.chunk,
              iters=args.iters, warmup=args.warmup, phase="fwd" if args.fwd_only else "fwdbwd",
@@ -904,8 +940,12 @@ def bench_cp_path(args, path, L, rank, world, device):
     try:
         if rank == 0:
             log(f"[rank 0] {label}: building inputs ({L // world} tokens per rank) ...")
-        leaves, grad_y = make_cp_local(args, L, rank, world, input_layout(path), device)
-        step = make_cp_step(path, leaves, grad_y, args, group)
+        if args.entry == "mixer":
+            leaves, grad_y = make_mixer_local(args, L, rank, world, input_layout(path), device)
+            step = make_cp_step("mixer:" + path, leaves, grad_y, args, group)
+        else:
+            leaves, grad_y = make_cp_local(args, L, rank, world, input_layout(path), device)
+            step = make_cp_step(path, leaves, grad_y, args, group)
     except Exception as e:  # noqa: BLE001
         error = short_error(e)
     r["error"] = collect_errors(error, any_rank(error is not None, device))
@@ -953,7 +993,7 @@ def human_cp_table(rows, world, args):
     for r in rows:
         comm = (f"{fmt_bytes(r['comm_fwd_bytes'])} / {fmt_bytes(r['comm_bwd_bytes'])}"
                 if r["comm_fwd_bytes"] is not None else "n/a")
-        note = "mamba_conv1d_ssd_a2a on the zigzag shard (load_balancing='virtual')" if r["path"] == "a2a" else ""
+        note = f"{r['function']} on the zigzag shard (load_balancing='virtual')" if r["path"] == "a2a" else ""
         if r["error"]:
             note = (note + "; " if note else "") + f"ERROR: {r['error']}"
         if r["graph_error"]:
@@ -992,7 +1032,9 @@ def main_distributed(args):
               f"chunk={args.chunk} batch={args.batch} dtype={args.dtype}; paths {','.join(args.paths)}"
               + tuning_note(args))
         print("# a2a = mamba_conv1d_ssd_a2a fed the zigzag shard (load_balancing='virtual'), the layout a Megatron "
-              "trainer hands the mixer; speedup = a2a p50 / path p50", flush=True)
+              "trainer hands the mixer; speedup = a2a p50 / path p50"
+              + ("; --entry mixer: mamba_split_conv1d_scan_combined on zxbcdt with the z gate (a2a: its core on views, "
+                 "then the gate in torch)" if args.entry == "mixer" else ""), flush=True)
         bad = [L for L in args.lengths if L % (2 * world)]
         if bad:
             print(f"# WARNING: lengths {bad} are not divisible by 2W = {2 * world} (each rank holds L/W tokens, "
@@ -1160,6 +1202,10 @@ def parse_args(argv=None):
     ap.add_argument("--local-length", "--local_length", dest="local_length",
                     help="single device: comma-separated tokens per rank of the CP-vs-SSD comparison "
                     f"(default {GPU_DEFAULTS['local_length']} GPU, {CPU_DEFAULTS['local_length']} CPU)")
+    ap.add_argument("--entry", choices=("core", "mixer"), default="core",
+                    help="torchrun: time the fused core (mamba_conv1d_ssd_cp on xBC, dt), or the entry Mamba2 mixers "
+                         "call (mamba_split_conv1d_scan_combined on zxbcdt with the z gate; a2a: its core on views, "
+                         "then the gate in torch)")
     ap.add_argument("--paths", default=",".join(PATHS),
                     help=f"comma-separated CP paths to time (and tabulate), of {','.join(PATHS)}")
     ap.add_argument("--fwd-only", action="store_true", help="skip the backward")

@@ -1,4 +1,4 @@
-"""Benchmark of mamba_cp (DESIGN.md section 8): the single-device SSD, the context-parallel
+"""Benchmark of mamba_cp (README "Tests and benchmark"): the single-device SSD, the context-parallel
 paths side by side, and the bytes each path communicates.
 
 Three measurements, dispatched by main():
@@ -136,7 +136,7 @@ def log(msg):
 
 @dataclass(frozen=True)
 class Shape:
-    """The mixer core's shape (DESIGN.md section 8); conv_dim = channels of xBC = [x | B | C]."""
+    """The mixer core's shape (README "Tests and benchmark"); conv_dim = channels of xBC = [x | B | C]."""
     nheads: int
     headdim: int
     ngroups: int

@@ -1,11 +1,11 @@
 """mamba_cp: state-passing context parallelism for Mamba2's SSD, in one readable module.
 
-The SSD recurrence, per batch row and head (DESIGN.md section 1):
+The SSD recurrence, per batch row and head (README walkthrough a):
 
     dt'_t = clamp(softplus(dt_t + dt_bias))          a_t = exp(dt'_t * A)
     S_t   = a_t * S_{t-1} + dt'_t * x_t B_t^T         y_t = S_t C_t + D * x_t   (then * silu(z_t))
 
-Chunked form (section 2). Cut the sequence into chunks of Q tokens; cs_i is the cumulative
+Chunked form (README walkthrough b). Cut the sequence into chunks of Q tokens; cs_i is the cumulative
 sum of dt'*A inside a chunk. A chunk entered with state S_in produces
 
     y_i   = sum_{j<=i} (C_i . B_j) exp(cs_i - cs_j) dt'_j x_j   +   exp(cs_i) S_in C_i
@@ -14,7 +14,7 @@ sum of dt'*A inside a chunk. A chunk entered with state S_in produces
 so a chunk (and, the same way, a whole shard of the sequence) maps its entry state to its exit
 state affinely: S_out = a * S_in + S_ext. That is what makes context parallelism cheap: each
 rank summarises its shard as (S_ext, a), the summaries are all-gathered, and an exclusive scan
-over them gives every rank its true entry state (section 3).
+over them gives every rank its true entry state (README walkthrough c, d).
 
 Reading order, which is also the order data flows:
   1. Triton kernels, forward: the state pass (chunk states + their sequential combination) and
@@ -171,9 +171,9 @@ def _true_chunk_edge(stored_ptr, seg_ptr, decay_ptr, b64, c, h, offs_p, offs_n, 
 
 
 # ---------------------------------------------------------------------------------------------
-# 2. The causal conv1d (DESIGN.md section 4), forward and backward kernels
+# 2. The causal conv1d (README walkthrough f), forward and backward kernels
 #
-# Depthwise causal conv1d + bias + SiLU with a halo, forward and backward (DESIGN.md section 4).
+# Depthwise causal conv1d + bias + SiLU with a halo, forward and backward.
 #
 #     out[b, t, c] = silu(bias[c] + sum_{k<d} weight[c, k] * u[b, t - (d-1) + k, c])
 #
@@ -1308,7 +1308,7 @@ def conv1d_bwd(dout, xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=N
 # the kernels may use a shorter chunk than the caller's chunk_size. Their (Q, Q) tiles live in
 # registers: at 128 tokens they spill, and on an H200 64 is faster both ways, although the
 # chunk states (p*n per chunk and head) then hold twice the bytes of x. Segments of
-# CHUNKS_PER_SEGMENT chunks run the sequential state pass in parallel (section 3 of DESIGN.md,
+# CHUNKS_PER_SEGMENT chunks run the sequential state pass in parallel (the affine summary of README walkthrough c,
 # applied within one GPU); the interpreter uses tiny segments so that CPU tests exercise the
 # segment scan.
 MAX_CHUNK_FWD = 64
@@ -1741,7 +1741,7 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
 
 
 # ---------------------------------------------------------------------------------------------
-# 7. Layouts (DESIGN.md section 5): which causal segments of the global sequence a rank holds
+# 7. Layouts (README walkthrough g): which causal segments of the global sequence a rank holds
 # ---------------------------------------------------------------------------------------------
 
 LAYOUTS = ("none", "virtual", "permute_p2p", "permute_a2a")

@@ -1,4 +1,4 @@
-"""Float64 oracle for the mamba-cp tests (DESIGN.md sections 1, 2 and 4).
+"""Float64 oracle for the mamba-cp tests (README walkthrough a, b and f).
 
 `ssd_reference` is the naive token-by-token Mamba2 SSD recurrence; every test compares
 against it. `ssd_reference_chunked` computes the same thing in the chunked form, for
@@ -88,7 +88,7 @@ def _segsum(v):
 
 def ssd_reference_chunked(x, dt, A, B, C, D=None, z=None, dt_bias=None, initial_states=None,
                           seq_idx=None, dt_softplus=False, dt_limit=_NO_LIMIT, chunk_size=64):
-    """Chunked SSD (DESIGN section 2), vectorised; same results as `ssd_reference`."""
+    """Chunked SSD (README walkthrough b), vectorised; same results as `ssd_reference`."""
     b, l, h, p = x.shape
     Q = chunk_size
     pad = (-l) % Q

@@ -4,7 +4,7 @@
                                           # GPU: the same cases, plus bf16 at the record shape
                                           #      and one 2^20-token call
 
-Criterion (DESIGN.md section 7): relative RMS error rms(got - want) / rms(want), per tensor,
+Criterion (README "Tests and benchmark"): relative RMS error rms(got - want) / rms(want), per tensor,
 for the output, the final state and every gradient.
 """
 

@@ -1264,10 +1264,12 @@ def conv1d_fwd(xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=None, o
     return out
 
 
-def conv1d_bwd(dout, xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=None, need_dhalo=True, silu=True):
+def conv1d_bwd(dout, xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=None, need_dhalo=True, silu=True,
+               dx=None):
     """Gradients of conv1d_fwd: (dxBC, dhalo, dweight, dbias).
 
-    dxBC (b, l, dim) in xBC's dtype; dhalo (b, d_conv-1, dim) fp32, None without a halo or with
+    dxBC (b, l, dim) in xBC's dtype (or written into `dx`, any strides: a channel slice of the
+    caller's gradient buffer, say); dhalo (b, d_conv-1, dim) fp32, None without a halo or with
     need_dhalo=False; dweight (dim, d_conv) fp32; dbias (dim,) fp32, None without bias.
     Deterministic: no atomics, partial sums are reduced by torch in a fixed order.
     """
@@ -1283,7 +1285,9 @@ def conv1d_bwd(dout, xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=N
     n_inner = min(n_tb, max(1, _cdiv(n_tb * n_cb * b, _BWD_PROGRAMS)))   # token blocks per program
     n_groups = _cdiv(n_tb, n_inner)
 
-    dx = torch.empty((b, l, dim), device=xBC.device, dtype=xBC.dtype)
+    if dx is None:
+        dx = torch.empty((b, l, dim), device=xBC.device, dtype=xBC.dtype)
+    _check_tensor(dx, "dx", (b, l, dim), xBC, dtypes=(xBC.dtype,))
     dhalo = torch.empty((b, d - 1, dim), device=xBC.device, dtype=torch.float32) if need_dhalo else None
     dw_part = torch.empty((b, n_groups, d, dim), device=xBC.device, dtype=torch.float32)
     db_part = torch.empty((b, n_groups, dim), device=xBC.device, dtype=torch.float32) \
@@ -1803,6 +1807,13 @@ class _Segments:
         """(b, per_row * s, ...) -> (b * per_row, s, ...): one row per segment."""
         return t.reshape(t.shape[0] * self.per_row, t.shape[1] // self.per_row, *t.shape[2:])
 
+    def rows_view(self, t):
+        """to_rows as a view of t (writes into it land in t), or None where strides forbid one."""
+        try:
+            return t.view(t.shape[0] * self.per_row, t.shape[1] // self.per_row, *t.shape[2:])
+        except RuntimeError:
+            return None
+
     def from_rows(self, t, batch):
         return t.reshape(batch, t.shape[0] // batch * t.shape[1], *t.shape[2:])
 
@@ -2227,7 +2238,19 @@ def _conv1d_ssd_cp_bwd(dy: Tensor, dfinal: Optional[Tensor], xBC: Tensor, dt: Te
                        entries: Tensor, a_all: Tensor, e: Tensor, group: str, load_balancing: str, batch: int,
                        chunk_size: int, headdim: int, ngroups: int, dt_min: float, dt_max: float, silu: bool,
                        state_dtype: Optional[torch.dtype]) -> list[Tensor]:
-    """[dxBC, ddt, dconv_weight, dconv_bias, ddt_bias, dA, dD, dinitial_states] (absent ones empty).
+    """[dxBC, ddt, dconv_weight, dconv_bias, ddt_bias, dA, dD, dinitial_states] (absent ones empty)."""
+    grads = _conv1d_ssd_cp_backward(dy, dfinal, xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states,
+                                   seq_idx, halo, halo_seq, entries, a_all, e, group, load_balancing, batch,
+                                   chunk_size, headdim, ngroups, dt_min, dt_max, silu, state_dtype)
+    return [_empty_if_none(g, xBC) for g in grads]
+
+
+def _conv1d_ssd_cp_backward(dy, dfinal, xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx,
+                            halo, halo_seq, entries, a_all, e, group, load_balancing, batch, chunk_size, headdim, ngroups,
+                            dt_min, dt_max, silu, state_dtype, dxBC_into=None, ddt_into=None):
+    """The backward op's body: [dxBC, ddt, dconv_weight, dconv_bias, ddt_bias, dA, dD,
+    dinitial_states], None where absent. Given dxBC_into (rows, s, conv_dim) and ddt_into (rows,
+    s, h), views into the caller's gradient buffer, dxBC and ddt are written there.
 
     Recompute the conv; the reverse state pass from a zero exit gradient gives G; its all-gather
     runs while the forward state pass is recomputed; the reverse scan gives each segment's exit
@@ -2249,15 +2272,15 @@ def _conv1d_ssd_cp_bwd(dy: Tensor, dfinal: Optional[Tensor], xBC: Tensor, dt: Te
     du = torch.empty_like(u)
     dx, dB, dC = _split_xBC(du, cfg)
     _, _, _, ddt, _, dA, dD, _ = ssd_grads(x, dt, A, B, C, D, None, dt_bias, seq_idx, summary, grad_pass,
-                                           dy, entries, dexit, dx=dx, dB=dB, dC=dC)
-    dxBC, dhalo, dweight, dbias = conv1d_bwd(du, xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, silu=silu)
+                                           dy, entries, dexit, dx=dx, dB=dB, dC=dC)     # ddt fp32
+    dxBC, dhalo, dweight, dbias = conv1d_bwd(du, xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, silu=silu,
+                                             dx=dxBC_into)
     _return_halo_grad(dxBC, dhalo, cfg)
     dinit = dinit if cfg.holds_first else torch.zeros_like(dinit)               # one rank contributes it
-    grads = [dxBC, ddt.to(dt.dtype), dweight.to(conv_weight.dtype),
-             None if conv_bias is None else dbias.to(conv_bias.dtype),
-             None if dt_bias is None else ddt.sum(dim=(0, 1)).to(dt_bias.dtype), dA.to(A.dtype),
-             None if D is None else dD.to(D.dtype), None if initial_states is None else dinit.to(initial_states.dtype)]
-    return [_empty_if_none(g, xBC) for g in grads]
+    return [dxBC, ddt.to(dt.dtype) if ddt_into is None else ddt_into.copy_(ddt), dweight.to(conv_weight.dtype),
+            None if conv_bias is None else dbias.to(conv_bias.dtype),
+            None if dt_bias is None else ddt.sum(dim=(0, 1)).to(dt_bias.dtype), dA.to(A.dtype),
+            None if D is None else dD.to(D.dtype), None if initial_states is None else dinit.to(initial_states.dtype)]
 
 
 @_conv1d_ssd_cp_bwd.register_fake
@@ -2671,15 +2694,18 @@ def _split_conv1d_scan_bwd(dout: Tensor, dfinal: Optional[Tensor], zxbcdt: Tenso
     if permute:
         dy = _permute(dy, _resolve_group(group), load_balancing, True)
     dy = segs.to_rows(dy.unflatten(-1, (widths[4], -1)))
-    grads = _conv1d_ssd_cp_bwd(dy, dfinal, xBC_rows, dt_rows, conv_weight, conv_bias, dt_bias, A, D, initial_states,
-                               seq_idx, halo, halo_seq, entries, a_all, e, *opts)
+    # the core writes dxBC and ddt into dzxbcdt, unless the rows travel (permute) or its
+    # strides allow no per-segment view: then they are copied in once
+    into = (None, None) if permute else (segs.rows_view(dxBC_out), segs.rows_view(ddt_out))
+    grads = _conv1d_ssd_cp_backward(dy, dfinal, xBC_rows, dt_rows, conv_weight, conv_bias, dt_bias, A, D,
+                                    initial_states, seq_idx, halo, halo_seq, entries, a_all, e, *opts,
+                                    dxBC_into=into[0], ddt_into=into[1])
     dxBC, ddt, dconv_w, dconv_b, ddt_bias, dA, dD, dinit = grads
-    dxBC, ddt = segs.from_rows(dxBC, int(batch)), segs.from_rows(ddt, int(batch))
-    if permute:
-        dxBC, ddt = (_permute(t, _resolve_group(group), load_balancing, False) for t in (dxBC, ddt))
-    dxBC_out.copy_(dxBC)
-    ddt_out.copy_(ddt)
-    return [dzxbcdt, dconv_w, dconv_b, ddt_bias, dA, dD, dinit,
+    for rows_grad, view, out in ((dxBC, into[0], dxBC_out), (ddt, into[1], ddt_out)):
+        if view is None:
+            full = segs.from_rows(rows_grad, int(batch))
+            out.copy_(_permute(full, _resolve_group(group), load_balancing, False) if permute else full)
+    return [dzxbcdt, *(_empty_if_none(g, zxbcdt) for g in (dconv_w, dconv_b, ddt_bias, dA, dD, dinit)),
             _empty_if_none(None if dw is None else dw.to(rmsnorm_weight.dtype), zxbcdt),
             _empty_if_none(dW, zxbcdt), _empty_if_none(db, zxbcdt)]
 

@@ -554,7 +554,7 @@ def _segment_scan_kernel(
 
 @triton.jit
 def _output_fwd_kernel(
-    x_ptr, B_ptr, C_ptr, dt_ptr, dt_bias_ptr, A_ptr, D_ptr, z_ptr, seq_ptr, states_ptr, y_ptr,
+    x_ptr, B_ptr, C_ptr, dt_ptr, dt_bias_ptr, A_ptr, D_ptr, seq_ptr, states_ptr, y_ptr,
     entry_ptr, gamma_ptr,
     seqlen, headdim, dstate, heads_per_group, heads_per_program, nheads, batch, chunks_per_seg, dt_min, dt_max,
     stride_x_b, stride_x_l, stride_x_h, stride_x_p,
@@ -562,7 +562,6 @@ def _output_fwd_kernel(
     stride_C_b, stride_C_l, stride_C_g, stride_C_n,
     stride_dt_b, stride_dt_l, stride_dt_h,
     stride_D_h, stride_D_p,
-    stride_z_b, stride_z_l, stride_z_h, stride_z_p,
     stride_seq_b, stride_seq_l,
     stride_st_b, stride_st_c, stride_st_h, stride_st_p, stride_st_n,
     stride_y_b, stride_y_l, stride_y_h, stride_y_p,
@@ -570,12 +569,12 @@ def _output_fwd_kernel(
     stride_ga_b, stride_ga_c, stride_ga_h,
     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_DT_LIMIT: tl.constexpr,
-    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_ENTRY: tl.constexpr,
+    HAS_D: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_ENTRY: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Outputs of one (chunk, batch, block of heads_per_program heads of one group, p-block):
     C.B is formed once and reused by the block's heads; then per head
-    y = (C.B * decay * dt') x + exp(cs) C S_in (+ D x, * silu z), with
+    y = (C.B * decay * dt') x + exp(cs) C S_in (+ D x), with
     S_in = states(c) + gamma(c) S_entry: the segment's entry state is folded in here."""
     # heads_per_program heads of one group (a divisor of heads_per_group) per program; head
     # blocks vary fastest in the grid, so the programs running at once share a chunk's B and C
@@ -634,10 +633,6 @@ def _output_fwd_kernel(
         if HAS_D:
             Dv = tl.load(D_ptr + h * stride_D_h + offs_p * stride_D_p, mask=offs_p < headdim, other=0.0)
             y += Dv.to(tl.float32)[None, :] * x.to(tl.float32)
-        if HAS_Z:
-            z = tl.load(z_ptr + b.to(tl.int64) * stride_z_b + t64[:, None] * stride_z_l + h * stride_z_h
-                        + offs_p[None, :] * stride_z_p, mask=mask_qp, other=0.0).to(tl.float32)
-            y *= z * tl.sigmoid(z)
         tl.store(y_ptr + b.to(tl.int64) * stride_y_b + t64[:, None] * stride_y_l + h * stride_y_h
                  + offs_p[None, :] * stride_y_p, y.to(y_ptr.dtype.element_ty), mask=mask_qp)
 
@@ -708,11 +703,10 @@ def _document_end_state_kernel(
 
 @triton.jit
 def _state_bwd_kernel(
-    dout_ptr, z_ptr, C_ptr, dt_ptr, dt_bias_ptr, A_ptr, seq_ptr, dstates_ptr, rho_ptr, G_ptr, a_ptr,
+    dout_ptr, C_ptr, dt_ptr, dt_bias_ptr, A_ptr, seq_ptr, dstates_ptr, rho_ptr, G_ptr, a_ptr,
     seqlen, nheads, headdim, dstate, nchunks, chunks_per_seg, n_p_tiles, n_n_tiles, heads_per_group,
     dt_min, dt_max,
     stride_do_b, stride_do_l, stride_do_h, stride_do_p,
-    stride_z_b, stride_z_l, stride_z_h, stride_z_p,
     stride_C_b, stride_C_l, stride_C_g, stride_C_n,
     stride_dt_b, stride_dt_l, stride_dt_h,
     stride_seq_b, stride_seq_l,
@@ -722,7 +716,7 @@ def _state_bwd_kernel(
     stride_a_b, stride_a_s, stride_a_h,
     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_DT_LIMIT: tl.constexpr,
-    HAS_Z: tl.constexpr, HAS_SEQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_SEQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """The forward state pass run backwards over one segment, from a zero gradient at its exit:
     walk its chunks last to first carrying dS, the gradient arriving at a chunk's exit; store it
@@ -771,10 +765,6 @@ def _state_bwd_kernel(
         mask_qp = valid[:, None] & (offs_p[None, :] < headdim)
         dy = tl.load(dout_ptr + b64 * stride_do_b + t64[:, None] * stride_do_l + h * stride_do_h
                      + offs_p[None, :] * stride_do_p, mask=mask_qp, other=0.0).to(tl.float32)
-        if HAS_Z:
-            z = tl.load(z_ptr + b64 * stride_z_b + t64[:, None] * stride_z_l + h * stride_z_h
-                        + offs_p[None, :] * stride_z_p, mask=mask_qp, other=0.0).to(tl.float32)
-            dy *= z * tl.sigmoid(z)
         Cm = tl.load(C_ptr + b64 * stride_C_b + t64[:, None] * stride_C_l + g * stride_C_g
                      + offs_n[None, :] * stride_C_n, mask=valid[:, None] & (offs_n[None, :] < dstate), other=0.0)
         dye = (dy * e[:, None]).to(Cm.dtype)
@@ -819,17 +809,10 @@ def _chunk_decays(dt_ptr, dt_bias_ptr, A_ptr, seq_ptr, b, h, start, seqlen,
 
 
 @triton.jit
-def _gated_dy(dout_ptr, z_ptr, b64, t64, h, offs_p, mask_qp,
-              stride_do_b, stride_do_l, stride_do_h, stride_do_p,
-              stride_z_b, stride_z_l, stride_z_h, stride_z_p, HAS_Z: tl.constexpr):
-    """(dout (Q, BP), the gradient at the pre-gate output dy = dout * silu(z), z (Q, BP)), fp32."""
-    dout = tl.load(dout_ptr + b64 * stride_do_b + t64[:, None] * stride_do_l + h * stride_do_h
+def _dy_tile(dout_ptr, b64, t64, h, offs_p, mask_qp, stride_do_b, stride_do_l, stride_do_h, stride_do_p):
+    """The output gradient of one chunk and head, (Q, BP) fp32."""
+    return tl.load(dout_ptr + b64 * stride_do_b + t64[:, None] * stride_do_l + h * stride_do_h
                    + offs_p[None, :] * stride_do_p, mask=mask_qp, other=0.0).to(tl.float32)
-    if HAS_Z:
-        z = tl.load(z_ptr + b64 * stride_z_b + t64[:, None] * stride_z_l + h * stride_z_h
-                    + offs_p[None, :] * stride_z_p, mask=mask_qp, other=0.0).to(tl.float32)
-        return dout, dout * z * tl.sigmoid(z), z
-    return dout, dout, dout
 
 
 @triton.jit
@@ -857,16 +840,15 @@ def _chunk_edge_states(states_ptr, dstates_ptr, entry_ptr, gamma_ptr, dexit_ptr,
 
 @triton.jit
 def _chunk_bwd_x_kernel(
-    x_ptr, B_ptr, C_ptr, dt_ptr, dt_bias_ptr, A_ptr, D_ptr, z_ptr, seq_ptr, states_ptr, dstates_ptr,
+    x_ptr, B_ptr, C_ptr, dt_ptr, dt_bias_ptr, A_ptr, D_ptr, seq_ptr, states_ptr, dstates_ptr,
     entry_ptr, gamma_ptr, dexit_ptr, rho_ptr,
-    dout_ptr, dx_ptr, ddt_ptr, dz_ptr, dA_part_ptr, dD_part_ptr,
+    dout_ptr, dx_ptr, ddt_ptr, dA_part_ptr, dD_part_ptr,
     seqlen, headdim, dstate, heads_per_group, nheads, batch, chunks_per_seg, dt_min, dt_max,
     stride_x_b, stride_x_l, stride_x_h, stride_x_p,
     stride_B_b, stride_B_l, stride_B_g, stride_B_n,
     stride_C_b, stride_C_l, stride_C_g, stride_C_n,
     stride_dt_b, stride_dt_l, stride_dt_h,
     stride_D_h, stride_D_p,
-    stride_z_b, stride_z_l, stride_z_h, stride_z_p,
     stride_seq_b, stride_seq_l,
     stride_st_b, stride_st_c, stride_st_h, stride_st_p, stride_st_n,
     stride_ds_b, stride_ds_c, stride_ds_h, stride_ds_p, stride_ds_n,
@@ -877,15 +859,14 @@ def _chunk_bwd_x_kernel(
     stride_do_b, stride_do_l, stride_do_h, stride_do_p,
     stride_dx_b, stride_dx_l, stride_dx_h, stride_dx_p,
     stride_ddt_b, stride_ddt_l, stride_ddt_h,
-    stride_dz_b, stride_dz_l, stride_dz_h, stride_dz_p,
     stride_dAp_b, stride_dAp_c, stride_dAp_h,
     stride_dDp_b, stride_dDp_c, stride_dDp_h, stride_dDp_p,
     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_DT_LIMIT: tl.constexpr,
-    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_SEQ: tl.constexpr,
+    HAS_D: tl.constexpr, HAS_SEQ: tl.constexpr,
     HAS_ENTRY: tl.constexpr, HAS_EXIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """The per-head gradients of one (chunk, batch, head): dx, dt, z, and the chunk's partial
+    """The per-head gradients of one (chunk, batch, head): dx, dt, and the chunk's partial
     dA and dD, given the chunk's entry state S_in and the gradient dS_out at its exit.
     With M_ij = (C_i.B_j) exp(cs_i - cs_j) masked and w_j = exp(cs_last - cs_j) dt'_j:
       dx_j  = dt'_j sum_i M_ij dy_i + w_j dS_out B_j + D dy_j
@@ -946,20 +927,11 @@ def _chunk_bwd_x_kernel(
 
     x = tl.load(x_ptr + b64 * stride_x_b + t64[:, None] * stride_x_l + h * stride_x_h
                 + offs_p[None, :] * stride_x_p, mask=mask_qp, other=0.0)            # (Q, BP)
-    dout, dy, z = _gated_dy(dout_ptr, z_ptr, b64, t64, h, offs_p, mask_qp,
-                            stride_do_b, stride_do_l, stride_do_h, stride_do_p,
-                            stride_z_b, stride_z_l, stride_z_h, stride_z_p, HAS_Z)
+    dy = _dy_tile(dout_ptr, b64, t64, h, offs_p, mask_qp, stride_do_b, stride_do_l, stride_do_h, stride_do_p)
     y_entry = e[:, None] * CS                                                      # (Q, BP)
     Dv = tl.zeros((BP,), dtype=tl.float32)
     if HAS_D:
         Dv = tl.load(D_ptr + h * stride_D_h + offs_p * stride_D_p, mask=offs_p < headdim, other=0.0).to(tl.float32)
-    if HAS_Z:
-        # the gate needs the pre-gate output: recompute it rather than save it
-        y = tl.dot(Mdt.to(x.dtype), x, input_precision=DOT_PRECISION) + y_entry + Dv[None, :] * x.to(tl.float32)
-        sz = tl.sigmoid(z)
-        dz = dout * y * sz * (1.0 + z * (1.0 - sz))
-        tl.store(dz_ptr + b64 * stride_dz_b + t64[:, None] * stride_dz_l + h * stride_dz_h
-                 + offs_p[None, :] * stride_dz_p, dz.to(dz_ptr.dtype.element_ty), mask=mask_qp)
 
     # dx: through the intra-chunk products, the chunk state, and D
     dy_c = dy.to(x.dtype)
@@ -994,14 +966,13 @@ def _chunk_bwd_x_kernel(
 
 @triton.jit
 def _chunk_bwd_BC_kernel(
-    x_ptr, B_ptr, C_ptr, dt_ptr, dt_bias_ptr, A_ptr, z_ptr, seq_ptr, states_ptr, dstates_ptr,
+    x_ptr, B_ptr, C_ptr, dt_ptr, dt_bias_ptr, A_ptr, seq_ptr, states_ptr, dstates_ptr,
     entry_ptr, gamma_ptr, dexit_ptr, rho_ptr, dout_ptr, dB_ptr, dC_ptr,
     seqlen, headdim, dstate, heads_per_group, ngroups, batch, n_n_tiles, chunks_per_seg, dt_min, dt_max,
     stride_x_b, stride_x_l, stride_x_h, stride_x_p,
     stride_B_b, stride_B_l, stride_B_g, stride_B_n,
     stride_C_b, stride_C_l, stride_C_g, stride_C_n,
     stride_dt_b, stride_dt_l, stride_dt_h,
-    stride_z_b, stride_z_l, stride_z_h, stride_z_p,
     stride_seq_b, stride_seq_l,
     stride_st_b, stride_st_c, stride_st_h, stride_st_p, stride_st_n,
     stride_ds_b, stride_ds_c, stride_ds_h, stride_ds_p, stride_ds_n,
@@ -1014,7 +985,7 @@ def _chunk_bwd_BC_kernel(
     stride_dC_b, stride_dC_l, stride_dC_g, stride_dC_n,
     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_DT_LIMIT: tl.constexpr,
-    HAS_Z: tl.constexpr, HAS_SEQ: tl.constexpr,
+    HAS_SEQ: tl.constexpr,
     HAS_ENTRY: tl.constexpr, HAS_EXIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """dB and dC of one (chunk, batch, group, state tile): the group's heads are summed in
@@ -1049,9 +1020,7 @@ def _chunk_bwd_BC_kernel(
             stride_seq_b, stride_seq_l, Q, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT, HAS_SEQ, dt_min, dt_max)
         x = tl.load(x_ptr + b64 * stride_x_b + t64[:, None] * stride_x_l + h * stride_x_h
                     + offs_p[None, :] * stride_x_p, mask=mask_qp, other=0.0)        # (Q, BP)
-        dout, dy, z = _gated_dy(dout_ptr, z_ptr, b64, t64, h, offs_p, mask_qp,
-                                stride_do_b, stride_do_l, stride_do_h, stride_do_p,
-                                stride_z_b, stride_z_l, stride_z_h, stride_z_p, HAS_Z)
+        dy = _dy_tile(dout_ptr, b64, t64, h, offs_p, mask_qp, stride_do_b, stride_do_l, stride_do_h, stride_do_p)
         S_in, dS_out = _chunk_edge_states(
             states_ptr, dstates_ptr, entry_ptr, gamma_ptr, dexit_ptr, rho_ptr, b64, c, h, offs_p, offs_n,
             mask_pn, chunks_per_seg,
@@ -1429,24 +1398,24 @@ def _D_view(D):
     return D, (D.stride(0), 0 if D.dim() == 1 else D.stride(1))
 
 
-def _output_fwd(x, dt, A, B, C, D, z, dt_bias, seq_idx, states, gamma, entry, k, y=None):
+def _output_fwd(x, dt, A, B, C, D, dt_bias, seq_idx, states, gamma, entry, k, y=None):
     """y (b, l, h, p); entry (b, nseg, h, p, n) fp32: each segment's entry state, or None for zero."""
     if y is None:
         y = torch.empty_like(x, memory_format=torch.contiguous_format)
     D, D_strides = _D_view(D)
     grid = (k.nchunks * k.batch * (k.nheads // k.heads_per_output), _cdiv(k.headdim, k.BP))
     _output_fwd_kernel[grid](
-        x, B, C, dt, dt_bias, A, D, z, seq_idx, states, y, entry, gamma,
+        x, B, C, dt, dt_bias, A, D, seq_idx, states, y, entry, gamma,
         k.seqlen, k.headdim, k.dstate, k.heads_per_group, k.heads_per_output, k.nheads, k.batch,
         k.chunks_per_seg, k.dt_min, k.dt_max,
-        *x.stride(), *B.stride(), *C.stride(), *dt.stride(), *D_strides, *_strides(z, 4),
+        *x.stride(), *B.stride(), *C.stride(), *dt.stride(), *D_strides,
         *_strides(seq_idx, 2), *states.stride(), *y.stride(), *_strides(entry, 5), *gamma.stride(),
-        Q=k.Q, BP=k.BP, BN=k.BN, HAS_D=D is not None, HAS_Z=z is not None,
+        Q=k.Q, BP=k.BP, BN=k.BN, HAS_D=D is not None,
         HAS_ENTRY=entry is not None, DOT_PRECISION=k.precision, **k.launch["output"], **k.flags)
     return y
 
 
-def _state_bwd(dout, z, C, dt, A, dt_bias, seq_idx, k):
+def _state_bwd(dout, C, dt, A, dt_bias, seq_idx, k):
     """Every segment from a zero gradient at its exit: chunk exit gradients (b, nchunks, h, p, n),
     rho (b, nchunks, h), G (b, nseg, h, p, n), the outputs' pull on each segment's entry, and
     each segment's decay a (b, nseg, h)."""
@@ -1456,17 +1425,17 @@ def _state_bwd(dout, z, C, dt, A, dt_bias, seq_idx, k):
     G = torch.empty(k.batch, k.nseg, k.nheads, k.headdim, k.dstate, device=dev, dtype=torch.float32)
     a = torch.empty(k.batch, k.nseg, k.nheads, device=dev, dtype=torch.float32)
     _state_bwd_kernel[k.state_grid()](
-        dout, z, C, dt, dt_bias, A, seq_idx, dstates, rho, G, a,
+        dout, C, dt, dt_bias, A, seq_idx, dstates, rho, G, a,
         k.seqlen, k.nheads, k.headdim, k.dstate, k.nchunks, k.chunks_per_seg, k.n_p_tiles, k.n_n_tiles,
         k.heads_per_group, k.dt_min, k.dt_max,
-        *dout.stride(), *_strides(z, 4), *C.stride(), *dt.stride(), *_strides(seq_idx, 2),
+        *dout.stride(), *C.stride(), *dt.stride(), *_strides(seq_idx, 2),
         *dstates.stride(), *rho.stride(), *G.stride(), *a.stride(),
-        Q=k.Q, BP=k.BP_state, BN=k.BN_state, HAS_Z=z is not None, DOT_PRECISION=k.precision,
+        Q=k.Q, BP=k.BP_state, BN=k.BN_state, DOT_PRECISION=k.precision,
         **k.launch["state"], **k.flags)
     return dstates, rho, G, a
 
 
-def _chunk_bwd(x, dt, A, B, C, D, z, dt_bias, seq_idx, states, gamma, entry, dstates, rho, dexit, dout, k,
+def _chunk_bwd(x, dt, A, B, C, D, dt_bias, seq_idx, states, gamma, entry, dstates, rho, dexit, dout, k,
                dx=None, dB=None, dC=None):
     """Every gradient of the chunks, given each segment's entry state and the gradient at its
     exit (b, nseg, h, p, n) fp32 (either may be None for zero). dx, dB, dC may be views into
@@ -1475,7 +1444,6 @@ def _chunk_bwd(x, dt, A, B, C, D, z, dt_bias, seq_idx, states, gamma, entry, dst
     dB = torch.empty_like(B, memory_format=torch.contiguous_format) if dB is None else dB
     dC = torch.empty_like(C, memory_format=torch.contiguous_format) if dC is None else dC
     ddt = torch.empty(dt.shape, device=dt.device, dtype=torch.float32)
-    dz = torch.empty_like(z, memory_format=torch.contiguous_format) if z is not None else None
     dA_part = torch.empty(k.batch, k.nchunks, k.nheads, device=x.device, dtype=torch.float32)
     dD_part = torch.empty(k.batch, k.nchunks, k.nheads, k.headdim, device=x.device, dtype=torch.float32) \
         if D is not None else None
@@ -1483,21 +1451,21 @@ def _chunk_bwd(x, dt, A, B, C, D, z, dt_bias, seq_idx, states, gamma, entry, dst
     edges = (states, dstates, entry, gamma, dexit, rho)
     edge_strides = (*states.stride(), *dstates.stride(), *_strides(entry, 5), *gamma.stride(),
                     *_strides(dexit, 5), *rho.stride())
-    flags = dict(HAS_Z=z is not None, HAS_ENTRY=entry is not None, HAS_EXIT=dexit is not None,
+    flags = dict(HAS_ENTRY=entry is not None, HAS_EXIT=dexit is not None,
                  DOT_PRECISION=k.precision, **k.flags)
     _chunk_bwd_x_kernel[(k.nchunks * k.batch * k.nheads,)](
-        x, B, C, dt, dt_bias, A, Dv, z, seq_idx, *edges, dout, dx, ddt, dz, dA_part, dD_part,
+        x, B, C, dt, dt_bias, A, Dv, seq_idx, *edges, dout, dx, ddt, dA_part, dD_part,
         k.seqlen, k.headdim, k.dstate, k.heads_per_group, k.nheads, k.batch, k.chunks_per_seg, k.dt_min, k.dt_max,
-        *x.stride(), *B.stride(), *C.stride(), *dt.stride(), *D_strides, *_strides(z, 4),
+        *x.stride(), *B.stride(), *C.stride(), *dt.stride(), *D_strides,
         *_strides(seq_idx, 2), *edge_strides, *dout.stride(),
-        *dx.stride(), *ddt.stride(), *_strides(dz, 4), *dA_part.stride(), *_strides(dD_part, 4),
+        *dx.stride(), *ddt.stride(), *dA_part.stride(), *_strides(dD_part, 4),
         Q=k.Q, BP=k.BP, BN=k.BN_x, HAS_D=D is not None, **k.launch["bwd_x"], **flags)
     n_bc_tiles = _cdiv(k.dstate, k.BN_bc)
     _chunk_bwd_BC_kernel[(k.nchunks * k.batch * k.ngroups * n_bc_tiles,)](
-        x, B, C, dt, dt_bias, A, z, seq_idx, *edges, dout, dB, dC,
+        x, B, C, dt, dt_bias, A, seq_idx, *edges, dout, dB, dC,
         k.seqlen, k.headdim, k.dstate, k.heads_per_group, k.ngroups, k.batch, n_bc_tiles, k.chunks_per_seg,
         k.dt_min, k.dt_max,
-        *x.stride(), *B.stride(), *C.stride(), *dt.stride(), *_strides(z, 4),
+        *x.stride(), *B.stride(), *C.stride(), *dt.stride(),
         *_strides(seq_idx, 2), *edge_strides, *dout.stride(), *dB.stride(), *dC.stride(),
         Q=k.Q, BP=k.BP, BN=k.BN_bc, **k.launch["bwd_bc"], **flags)
     dA = dA_part.sum(dim=(0, 1))                                                    # (h,)
@@ -1505,7 +1473,7 @@ def _chunk_bwd(x, dt, A, B, C, D, z, dt_bias, seq_idx, states, gamma, entry, dst
     if D is not None:
         dD = dD_part.sum(dim=(0, 1))                                                # (h, p)
         dD = dD.sum(-1) if D.dim() == 1 else dD
-    return dx, dB, dC, ddt, dz, dA, dD
+    return dx, dB, dC, ddt, dA, dD
 
 
 class Summary:
@@ -1534,11 +1502,11 @@ class Summary:
         return scan_segments(self.seg_ext, self.seg_a, entry)  # later segments start where earlier end
 
 
-def ssd_output(x, dt, A, B, C, D, z, dt_bias, seq_idx, summary, entry=None, y=None, need_exit=False):
+def ssd_output(x, dt, A, B, C, D, dt_bias, seq_idx, summary, entry=None, y=None, need_exit=False):
     """The outputs of a summarised sequence entered with state `entry` (b, h, p, n) or zero;
     with need_exit also its exit state (else None)."""
     seg_entry, exit_ = summary.segment_entries(entry, need_exit)
-    y = _output_fwd(x, dt, A, B, C, D, z, dt_bias, seq_idx, summary.states, summary.gamma, seg_entry,
+    y = _output_fwd(x, dt, A, B, C, D, dt_bias, seq_idx, summary.states, summary.gamma, seg_entry,
                     summary.k, y)
     return y, exit_
 
@@ -1566,8 +1534,8 @@ class GradPass:
     gradients, and G (b, h, p, n), the pull of its outputs on its entry state. G is known
     before the gradient at the exit is (it is what a CP rank all-gathers in backward)."""
 
-    def __init__(self, dy, z, C, dt, A, dt_bias, seq_idx, k):
-        self.dstates, self.rho, self.seg_G, self.seg_a = _state_bwd(dy, z, C, dt, A, dt_bias, seq_idx, k)
+    def __init__(self, dy, C, dt, A, dt_bias, seq_idx, k):
+        self.dstates, self.rho, self.seg_G, self.seg_a = _state_bwd(dy, C, dt, A, dt_bias, seq_idx, k)
         self.k = k
 
     @property
@@ -1587,13 +1555,13 @@ class GradPass:
         return scan_segments_bwd(self.seg_G, self.seg_a, dexit)
 
 
-def ssd_grads(x, dt, A, B, C, D, z, dt_bias, seq_idx, summary, grad_pass, dy, entry=None, dexit=None,
+def ssd_grads(x, dt, A, B, C, D, dt_bias, seq_idx, summary, grad_pass, dy, entry=None, dexit=None,
               dx=None, dB=None, dC=None):
     """Every gradient of a sequence entered with state `entry` whose exit receives gradient
     `dexit` (either (b, h, p, n) or None). dx, dB, dC may be given as output views.
-    Returns (dx, dB, dC, ddt (fp32, w.r.t. raw dt), dz, dA, dD, d entry)."""
+    Returns (dx, dB, dC, ddt (fp32, w.r.t. raw dt), dA, dD, d entry)."""
     seg_exits, dentry = grad_pass.exits_and_entry(dexit)
-    grads = _chunk_bwd(x, dt, A, B, C, D, z, dt_bias, seq_idx, summary.states, summary.gamma,
+    grads = _chunk_bwd(x, dt, A, B, C, D, dt_bias, seq_idx, summary.states, summary.gamma,
                        summary.segment_entries(entry)[0], grad_pass.dstates, grad_pass.rho,
                        seg_exits, dy, summary.k, dx, dB, dC)
     return (*grads, dentry)
@@ -1609,6 +1577,12 @@ def ssd_grads(x, dt, A, B, C, D, z, dt_bias, seq_idx, summary, grad_pass, dy, en
 # absent gradients.
 
 
+def _flat_heads(t):
+    """(b, l, h, p) as (b, l, h*p) with a unit channel stride, as the gate's kernels read it (a
+    view where the strides allow one)."""
+    return (t if t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] else t.contiguous()).flatten(-2)
+
+
 def _none_if_empty(t):
     return None if t is None or t.numel() == 0 else t
 
@@ -1622,16 +1596,26 @@ def _chunk_scan_fwd(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chun
                     z: Optional[Tensor], dt_bias: Optional[Tensor], initial_states: Optional[Tensor],
                     seq_idx: Optional[Tensor], dt_softplus: bool, dt_min: float, dt_max: float, need_final: bool,
                     state_dtype: Optional[torch.dtype], cu_seqlens: Optional[Tensor],
-                    need_doc_states: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """y, the final state (empty unless need_final) and each packed document's end state (empty
-    unless need_doc_states)."""
+                    need_doc_states: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The output (gated with z), the final state (empty unless need_final), each packed
+    document's end state (empty unless need_doc_states), and y before the gate (empty without z).
+
+    The gate y * silu(z) runs as its own kernel (section 9b's) on y, which is kept for the
+    backward, as mamba_ssm keeps it: folded into the SSD kernels it cost less in the forward but
+    far more in the backward, which had to load z in three kernels and recompute y in one (on an
+    H200 at the record shape and 65536 tokens, forward+backward 18.1 ms folded, 15.1 with the
+    gate apart)."""
     _check_document_values(seq_idx, cu_seqlens)
     k = _Launch(x, B, min(chunk_size, MAX_CHUNK_FWD), dt_bias, dt_softplus, (dt_min, dt_max), seq_idx, state_dtype)
     entry = None if initial_states is None else initial_states.float()
     summary = Summary(x, dt, A, B, dt_bias, seq_idx, k)
-    y, final = ssd_output(x, dt, A, B, C, D, z, dt_bias, seq_idx, summary, entry, need_exit=need_final)
+    y, final = ssd_output(x, dt, A, B, C, D, dt_bias, seq_idx, summary, entry, need_exit=need_final)
     doc_states = document_end_states(x, dt, A, B, dt_bias, summary, cu_seqlens, entry) if need_doc_states else None
-    return y, _empty_if_none(final, y, torch.float32), _empty_if_none(doc_states, y, torch.float32)
+    out, y_kept = y, y.new_empty(0)
+    if z is not None:
+        out, y_kept = torch.empty_like(y), y
+        _GateNorm(None, 0.0, 0, True).forward(_flat_heads(y), _flat_heads(z), out.flatten(-2))
+    return out, _empty_if_none(final, y, torch.float32), _empty_if_none(doc_states, y, torch.float32), y_kept
 
 
 @_chunk_scan_fwd.register_fake
@@ -1641,21 +1625,29 @@ def _(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_sof
     n = B.shape[3]
     f32 = dict(device=x.device, dtype=torch.float32)
     return (torch.empty(x.shape, device=x.device, dtype=x.dtype), torch.empty((b, h, p, n) if need_final else 0, **f32),
-            torch.empty((cu_seqlens.shape[0] - 1, h, p, n) if need_doc_states else 0, **f32))
+            torch.empty((cu_seqlens.shape[0] - 1, h, p, n) if need_doc_states else 0, **f32),
+            torch.empty(x.shape if z is not None else 0, device=x.device, dtype=x.dtype))
 
 
 @torch.library.custom_op("mamba_cp::chunk_scan_bwd", mutates_args=())
-def _chunk_scan_bwd(dy: Tensor, dfinal: Optional[Tensor], x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
-                    chunk_size: int, D: Optional[Tensor], z: Optional[Tensor], dt_bias: Optional[Tensor],
+def _chunk_scan_bwd(dout: Tensor, dfinal: Optional[Tensor], x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
+                    chunk_size: int, D: Optional[Tensor], z: Optional[Tensor], y: Tensor, dt_bias: Optional[Tensor],
                     initial_states: Optional[Tensor], seq_idx: Optional[Tensor], dt_softplus: bool, dt_min: float,
                     dt_max: float, state_dtype: Optional[torch.dtype]) -> list[Tensor]:
-    """[dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinitial_states], absent ones empty."""
+    """[dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinitial_states], absent ones empty. y: the
+    output before the gate (empty without z)."""
+    dy, dz = dout, None
+    if z is not None:                                  # through the gate first
+        dz = torch.empty(z.shape, device=z.device, dtype=z.dtype)
+        dy, _ = _GateNorm(None, 0.0, 0, True).backward(_flat_heads(dout), _flat_heads(y), _flat_heads(z),
+                                                       dz.flatten(-2))
+        dy = dy.unflatten(-1, x.shape[2:])
     k = _Launch(x, B, min(chunk_size, MAX_CHUNK_BWD), dt_bias, dt_softplus, (dt_min, dt_max), seq_idx, state_dtype)
     entry = None if initial_states is None else initial_states.float()
-    grad_pass = GradPass(dy, z, C, dt, A, dt_bias, seq_idx, k)
+    grad_pass = GradPass(dy, C, dt, A, dt_bias, seq_idx, k)
     summary = Summary(x, dt, A, B, dt_bias, seq_idx, k)
-    dx, dB, dC, ddt, dz, dA, dD, dinit = ssd_grads(x, dt, A, B, C, D, z, dt_bias, seq_idx, summary,
-                                                   grad_pass, dy, entry, dfinal)
+    dx, dB, dC, ddt, dA, dD, dinit = ssd_grads(x, dt, A, B, C, D, dt_bias, seq_idx, summary,
+                                               grad_pass, dy, entry, dfinal)
     ddt_bias = ddt.sum(dim=(0, 1)).to(dt_bias.dtype) if dt_bias is not None else None
     grads = [dx, ddt.to(dt.dtype), dA.to(A.dtype), dB, dC, None if D is None else dD.to(D.dtype), dz, ddt_bias,
              None if initial_states is None else dinit.to(initial_states.dtype)]
@@ -1663,8 +1655,8 @@ def _chunk_scan_bwd(dy: Tensor, dfinal: Optional[Tensor], x: Tensor, dt: Tensor,
 
 
 @_chunk_scan_bwd.register_fake
-def _(dy, dfinal, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_softplus, dt_min, dt_max,
-      state_dtype):
+def _(dout, dfinal, x, dt, A, B, C, chunk_size, D, z, y, dt_bias, initial_states, seq_idx, dt_softplus, dt_min,
+      dt_max, state_dtype):
     like = (x, dt, A, B, C, D, z, dt_bias, initial_states)
     return [x.new_empty(0) if t is None else torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in like]
 
@@ -1679,23 +1671,23 @@ class _ChunkScanFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_softplus, dt_limit,
                 need_final, state_dtype, cu_seqlens, need_doc_states):
-        y, final, doc_states = _chunk_scan_fwd(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
-                                               dt_softplus, dt_limit[0], dt_limit[1], need_final, state_dtype,
-                                               cu_seqlens, need_doc_states)
-        ctx.save_for_backward(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx)
+        out, final, doc_states, y = _chunk_scan_fwd(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states,
+                                                    seq_idx, dt_softplus, dt_limit[0], dt_limit[1], need_final,
+                                                    state_dtype, cu_seqlens, need_doc_states)
+        ctx.save_for_backward(x, dt, A, B, C, D, z, y, dt_bias, initial_states, seq_idx)
         ctx.args = (chunk_size, dt_softplus, dt_limit, state_dtype)
         ctx.set_materialize_grads(False)      # an unused output's gradient stays None
-        return y, final, doc_states
+        return out, final, doc_states
 
     @staticmethod
-    def backward(ctx, dy, dfinal, ddoc_states):
+    def backward(ctx, dout, dfinal, ddoc_states):
         if _none_if_empty(ddoc_states) is not None:   # compiled, an absent output's gradient is empty, not None
             raise RuntimeError("mamba_chunk_scan_combined: the states returned with return_varlen_states=True have "
                                "no backward (as in mamba_ssm); detach them before they reach the loss")
-        x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx = ctx.saved_tensors
+        x, dt, A, B, C, D, z, y, dt_bias, initial_states, seq_idx = ctx.saved_tensors
         chunk_size, dt_softplus, dt_limit, state_dtype = ctx.args
-        dy = torch.zeros_like(x) if dy is None else dy
-        grads = _chunk_scan_bwd(dy, _none_if_empty(dfinal), x, dt, A, B, C, chunk_size, D, z, dt_bias,
+        dout = torch.zeros_like(x) if dout is None else dout
+        grads = _chunk_scan_bwd(dout, _none_if_empty(dfinal), x, dt, A, B, C, chunk_size, D, z, y, dt_bias,
                                 initial_states, seq_idx, dt_softplus, dt_limit[0], dt_limit[1], state_dtype)
         dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinit = (_none_if_empty(g) for g in grads)
         return (dx, ddt, dA, dB, dC, None, dD, dz, ddt_bias, dinit, None, None, None, None, None, None, None)
@@ -2190,7 +2182,9 @@ def _conv1d_ssd_cp_fwd(xBC: Tensor, dt: Tensor, conv_weight: Tensor, conv_bias: 
         _validate_everywhere(lambda: _check_document_values(seq_idx), cfg.group, cfg.world, xBC,
                              **_op_signature(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx,
                                              chunk_size, headdim, ngroups))
-    halo, halo_seq = _exchange_halo(xBC, seq_idx, cfg)
+    # a single segment in all (a world of one, contiguous) has nothing before it: no halo,
+    # which spares every conv tile the halo's masked loads
+    halo, halo_seq = _exchange_halo(xBC, seq_idx, cfg) if cfg.segs.count > 1 else (None, None)
     x_ch, B_ch = cfg.nheads * cfg.headdim, cfg.ngroups * cfg.dstate
     if cfg.world > 1:   # the summaries need x and B only: C's conv runs while they travel
         uxB = _conv_channels(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, slice(0, x_ch + B_ch), silu)
@@ -2208,10 +2202,13 @@ def _conv1d_ssd_cp_fwd(xBC: Tensor, dt: Tensor, conv_weight: Tensor, conv_bias: 
         C = C.unflatten(-1, (cfg.ngroups, cfg.dstate))
         work.wait()
     entries, final, a_all, e = _scan_shards(every, initial_states, seq_idx is not None, cfg)
-    y, _ = ssd_output(x, dt, A, B, C, D, None, dt_bias, seq_idx, summary, entries)
+    y, _ = ssd_output(x, dt, A, B, C, D, dt_bias, seq_idx, summary, entries)
     f32 = dict(device=xBC.device, dtype=torch.float32)
-    return [y, final, halo.clone(), torch.empty(0, device=xBC.device, dtype=torch.int32) if halo_seq is None
-            else halo_seq.clone(), entries.contiguous(), a_all.clone(), torch.empty(0, **f32) if e is None else e]
+    rows = xBC.shape[0]
+    return [y, final, xBC.new_empty((rows, 0, xBC.shape[2])) if halo is None else halo.clone(),
+            torch.empty((rows, 0) if seq_idx is not None else 0, device=xBC.device, dtype=torch.int32)
+            if halo_seq is None else halo_seq.clone(),
+            entries.contiguous(), a_all.clone(), torch.empty(0, **f32) if e is None else e]
 
 
 @_conv1d_ssd_cp_fwd.register_fake
@@ -2223,10 +2220,11 @@ def _conv1d_ssd_cp_fwd_fake(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, init
     rows, s, conv_dim = xBC.shape
     h, p, n = cfg.state_shape
     K = cfg.segs.count
+    halo_rows = cfg.d_conv - 1 if K > 1 else 0      # (rows, 0, ...): no halo (a single segment)
     f32 = dict(device=xBC.device, dtype=torch.float32)
     return [torch.empty((rows, s, h, p), device=xBC.device, dtype=xBC.dtype), torch.empty((batch, h, p, n), **f32),
-            torch.empty((rows, cfg.d_conv - 1, conv_dim), device=xBC.device, dtype=xBC.dtype),
-            torch.empty((rows, cfg.d_conv - 1) if seq_idx is not None else 0, device=xBC.device, dtype=torch.int32),
+            torch.empty((rows, halo_rows, conv_dim), device=xBC.device, dtype=xBC.dtype),
+            torch.empty((rows, halo_rows) if seq_idx is not None else 0, device=xBC.device, dtype=torch.int32),
             torch.empty((rows, h, p, n), **f32), torch.empty((batch, K, h), **f32),
             torch.empty((batch, K) if seq_idx is not None else 0, **f32)]
 
@@ -2258,11 +2256,11 @@ def _conv1d_ssd_cp_backward(dy, dfinal, xBC, dt, conv_weight, conv_bias, dt_bias
     the halo's gradient goes back to its owner."""
     cfg = _cp_config(xBC, dt, conv_weight, group, load_balancing, batch, chunk_size, headdim, ngroups,
                      (dt_min, dt_max))
-    halo_seq, e = _none_if_empty(halo_seq), _none_if_empty(e)
+    halo, halo_seq, e = _none_if_empty(halo), _none_if_empty(halo_seq), _none_if_empty(e)
     u = conv1d_fwd(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, silu=silu)
     x, B, C = _split_xBC(u, cfg)
     k = _Launch(x, B, min(cfg.chunk, MAX_CHUNK_BWD), dt_bias, True, cfg.dt_limit, seq_idx, state_dtype)
-    grad_pass = GradPass(dy, None, C, dt, A, dt_bias, seq_idx, k)
+    grad_pass = GradPass(dy, C, dt, A, dt_bias, seq_idx, k)
     every, work = _gather_G(grad_pass.G, dfinal, cfg)
     summary = Summary(x, dt, A, B, dt_bias, seq_idx, k)                        # overlaps the gather
     if work is not None:
@@ -2271,11 +2269,12 @@ def _conv1d_ssd_cp_backward(dy, dfinal, xBC, dt, conv_weight, conv_bias, dt_bias
 
     du = torch.empty_like(u)
     dx, dB, dC = _split_xBC(du, cfg)
-    _, _, _, ddt, _, dA, dD, _ = ssd_grads(x, dt, A, B, C, D, None, dt_bias, seq_idx, summary, grad_pass,
-                                           dy, entries, dexit, dx=dx, dB=dB, dC=dC)     # ddt fp32
+    _, _, _, ddt, dA, dD, _ = ssd_grads(x, dt, A, B, C, D, dt_bias, seq_idx, summary, grad_pass,
+                                        dy, entries, dexit, dx=dx, dB=dB, dC=dC)     # ddt fp32
     dxBC, dhalo, dweight, dbias = conv1d_bwd(du, xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, silu=silu,
                                              dx=dxBC_into)
-    _return_halo_grad(dxBC, dhalo, cfg)
+    if dhalo is not None:
+        _return_halo_grad(dxBC, dhalo, cfg)
     dinit = dinit if cfg.holds_first else torch.zeros_like(dinit)               # one rank contributes it
     return [dxBC, ddt.to(dt.dtype) if ddt_into is None else ddt_into.copy_(ddt), dweight.to(conv_weight.dtype),
             None if conv_bias is None else dbias.to(conv_bias.dtype),
@@ -3023,7 +3022,7 @@ def _worked_example(rank, world, port):
     entries, final, _, _ = _scan_shards(every, None, False, cfg)
     say(f"entry state after the scan =\n{entries[0, 0]}")
     # 4. the outputs with the entry state folded in, against the oracle on the whole sequence
-    y, _ = ssd_output(x, dt_loc, A, B, C, D, None, dt_bias, None, summary, entries)
+    y, _ = ssd_output(x, dt_loc, A, B, C, D, dt_bias, None, summary, entries)
     y_ref, final_ref = reference_ssd.conv1d_ssd_reference(xBC, dt, w, bias, dt_bias, A, D, headdim=p, ngroups=1)
     err = (y - shard(y_ref, rank, world)).abs().max().item()
     say(f"y (this rank's 6 tokens) = {y.flatten(1).tolist()[0][:4]}...; max |y - oracle| = {err:.1e}; "

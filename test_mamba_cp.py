@@ -1678,6 +1678,152 @@ def test_cuda_graph_capture_single_device():
     assert all(checks.values()), checks
 
 
+
+# ---------------------------------------------------------------------------------------------
+# Vendoring into Hugging Face transformers (examples/transformers_cp.py): a Mamba2ForCausalLM
+# trained on W gloo ranks against the unsharded model on transformers' own code path
+# ---------------------------------------------------------------------------------------------
+
+try:
+    import transformers
+except ImportError:  # optional: the vendoring tests skip without it
+    transformers = None
+needs_transformers = pytest.mark.skipif(transformers is None,
+                                        reason="transformers is not installed (optional: pip install transformers)")
+EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "examples")
+HF_LAYOUTS = ("virtual", "none")
+HF_BOUND = 1e-5  # relative: losses per step against the unsharded model, parameters against its float64 run
+
+
+def tiny_mamba2(seed=0):
+    """Mamba2ForCausalLM from a tiny config: random init, no download; two layers, 8 heads of 8
+    channels in 2 groups, state 8, chunk 16."""
+    config = transformers.Mamba2Config(vocab_size=64, hidden_size=32, num_hidden_layers=2, expand=2, num_heads=8,
+                                       head_dim=8, n_groups=2, state_size=8, conv_kernel=4, chunk_size=16,
+                                       use_cache=False, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    return transformers.Mamba2ForCausalLM(config)
+
+
+def hf_train(rank, world, group, layout, steps=3, L=44, dtype=torch.float32):
+    """Losses of a few AdamW steps of tiny_mamba2 on one fixed batch of 2 x L tokens (L not a
+    multiple of the chunk), and the parameters after the last. With a group: sharded through
+    examples/transformers_cp.py, each rank's loss its share of the global mean, gradients summed."""
+    if EXAMPLES not in sys.path:
+        sys.path.insert(0, EXAMPLES)
+    import transformers_cp
+    model = tiny_mamba2().to(dtype)
+    ids = torch.randint(0, model.config.vocab_size, (2, L), generator=torch.Generator().manual_seed(5))
+    if group is not None:
+        model = transformers_cp.enable_mamba_cp(model, group, layout)
+        batch = transformers_cp.shard_batch(ids, ids, rank, world, layout)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        if group is None:
+            loss = model(input_ids=ids, labels=ids).loss                   # transformers' own path
+        else:
+            loss = model(input_ids=batch["input_ids"], labels=batch["shift_labels"],
+                         shift_labels=batch["shift_labels"], num_items_in_batch=batch["num_items"]).loss
+        loss.backward()
+        total = loss.detach().clone()
+        if group is not None:
+            dist.all_reduce(total, group=group)
+            transformers_cp.all_reduce_grads(model, group)
+        losses.append(total.item())
+        opt.step()
+    return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def hf_parity(rank, world, group, device):
+    """Per layout: the CP losses and the unsharded ones (float32), and per parameter after the
+    last step the relative RMS against the unsharded float64 run, of CP and of the unsharded
+    float32 run. The parameters are held to the float64 run: a zero-initialised conv bias holds
+    nothing but three Adam steps, where transformers' own float32 path is 1.3e-5 off."""
+    single, single_params = hf_train(0, 1, None, "none")
+    _, exact = hf_train(0, 1, None, "none", dtype=torch.float64)
+    own = {n: rel_rms(single_params[n], exact[n]) for n in exact}
+    out = {}
+    for layout in HF_LAYOUTS:
+        cp, cp_params = hf_train(rank, world, group, layout)
+        out[layout] = dict(cp=cp, single=single, params={n: (rel_rms(cp_params[n], exact[n]), own[n]) for n in exact})
+    import transformers_cp
+    singles = [dist.new_group([r]) for r in range(world)]            # collective: every rank makes each
+    model = tiny_mamba2()
+    untouched = transformers_cp.enable_mamba_cp(model, singles[rank]) is model and not any(
+        "forward" in vars(m) for m in transformers_cp._mamba2_mixers(model))
+    try:
+        transformers_cp.enable_mamba_cp(torch.nn.Linear(2, 2), group)
+        refused = False
+    except ValueError as e:
+        refused = "no Mamba2 mixer" in str(e)
+    return out, dict(group_of_one_untouched=untouched, model_without_mixers_refused=refused)
+
+
+@needs_transformers
+def test_transformers_mamba2_cp_parity():
+    per_rank = spawn_world(2, "hf_parity", timeout=900)
+    errors = [v for status, v in per_rank if status != "ok"]
+    assert not errors, errors[0]
+    for result, checks in (r for _, r in per_rank):
+        assert all(checks.values()), checks
+        for layout, r in result.items():
+            worst = max(r["params"], key=lambda n: r["params"][n][0])
+            print(f"{layout}: CP losses {r['cp']}, unsharded {r['single']}; largest parameter error against "
+                  f"float64 {r['params'][worst][0]:.1e} ({worst}; unsharded float32 {r['params'][worst][1]:.1e})")
+            assert len(r["cp"]) == 3 and r["cp"][-1] < r["cp"][0], f"{layout}: the loss must fall ({r['cp']})"
+            steps = [abs(a - b) / abs(b) for a, b in zip(r["cp"], r["single"])]
+            assert max(steps) <= HF_BOUND, f"{layout}: losses {r['cp']} against unsharded {r['single']}"
+            bad = {n: e for n, e in r["params"].items() if not e[0] <= HF_BOUND}
+            assert not bad, f"{layout}: parameters (CP, unsharded float32) against float64: {bad}"
+
+
+HF_HYBRIDS = {   # tiny configs: one Mamba2 layer, one attention layer
+    "BambaForCausalLM": ("BambaConfig", dict(attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=2,
+                                             mamba_d_state=8, mamba_expand=2, mamba_chunk_size=16)),
+    "GraniteMoeHybridForCausalLM": ("GraniteMoeHybridConfig", dict(
+        layer_types=["mamba", "attention"], mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=2, mamba_d_state=8,
+        mamba_expand=2, mamba_chunk_size=16, num_local_experts=2, num_experts_per_tok=1)),
+    "NemotronHForCausalLM": ("NemotronHConfig", dict(hybrid_override_pattern="M*", mamba_num_heads=8, mamba_head_dim=8,
+                                                     n_groups=2, ssm_state_size=8, expand=2, chunk_size=16)),
+}
+
+
+@needs_transformers
+@pytest.mark.parametrize("name", list(HF_HYBRIDS))
+def test_transformers_hybrid_mixers_found(name):
+    """enable_mamba_cp's duck typing finds the Mamba2 mixer of each hybrid, and nothing else."""
+    if not hasattr(transformers, name):
+        pytest.skip(f"transformers {transformers.__version__} has no {name}")
+    if EXAMPLES not in sys.path:
+        sys.path.insert(0, EXAMPLES)
+    import transformers_cp
+    config_name, mamba = HF_HYBRIDS[name]
+    config = getattr(transformers, config_name)(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                **mamba)
+    mixers = transformers_cp._mamba2_mixers(getattr(transformers, name)(config))
+    assert len(mixers) == 1, [type(m).__name__ for m in mixers]
+    m = mixers[0]
+    assert (m.out_proj.in_features // m.dt_bias.shape[0], m.out_proj.in_features // m.norm.group_size) == (8, 2)
+
+
+@needs_transformers
+def test_transformers_group_of_one_leaves_the_model_alone():
+    """cp_group None returns the model untouched: every mixer keeps transformers' forward."""
+    if EXAMPLES not in sys.path:
+        sys.path.insert(0, EXAMPLES)
+    import transformers_cp
+    model = tiny_mamba2()
+    forwards = [m.forward for m in transformers_cp._mamba2_mixers(model)]
+    assert len(forwards) == 2
+    assert transformers_cp.enable_mamba_cp(model, None) is model
+    assert all("forward" not in vars(m) for m in transformers_cp._mamba2_mixers(model))
+    with pytest.raises(ValueError, match="load_balancing"):
+        transformers_cp.enable_mamba_cp(model, None, load_balancing="zigzag")
+
+
 def _report(rank, label, results, bound):
     passed = failed = 0
     for case, errs in results.items():

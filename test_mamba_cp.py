@@ -1692,7 +1692,7 @@ needs_transformers = pytest.mark.skipif(transformers is None,
                                         reason="transformers is not installed (optional: pip install transformers)")
 EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "examples")
 HF_LAYOUTS = ("virtual", "none")
-HF_BOUND = 1e-5  # relative: losses per step against the unsharded model, parameters against its float64 run
+HF_BOUND = 1e-5  # relative: losses and all parameters against the unsharded model, each against its float64 run
 
 
 def tiny_mamba2(seed=0):
@@ -1747,7 +1747,10 @@ def hf_parity(rank, world, group, device):
     out = {}
     for layout in HF_LAYOUTS:
         cp, cp_params = hf_train(rank, world, group, layout)
-        out[layout] = dict(cp=cp, single=single, params={n: (rel_rms(cp_params[n], exact[n]), own[n]) for n in exact})
+        joint = rel_rms(torch.cat([cp_params[n].flatten() for n in exact]),
+                        torch.cat([single_params[n].flatten() for n in exact]))
+        out[layout] = dict(cp=cp, single=single, params={n: (rel_rms(cp_params[n], exact[n]), own[n]) for n in exact},
+                           joint=joint)
     import transformers_cp
     singles = [dist.new_group([r]) for r in range(world)]            # collective: every rank makes each
     model = tiny_mamba2()
@@ -1770,11 +1773,13 @@ def test_transformers_mamba2_cp_parity():
         assert all(checks.values()), checks
         for layout, r in result.items():
             worst = max(r["params"], key=lambda n: r["params"][n][0])
-            print(f"{layout}: CP losses {r['cp']}, unsharded {r['single']}; largest parameter error against "
-                  f"float64 {r['params'][worst][0]:.1e} ({worst}; unsharded float32 {r['params'][worst][1]:.1e})")
+            print(f"{layout}: CP losses {r['cp']}, unsharded {r['single']}; all parameters against the unsharded "
+                  f"model {r['joint']:.1e}; largest parameter error against float64 {r['params'][worst][0]:.1e} "
+                  f"({worst}; unsharded float32 {r['params'][worst][1]:.1e})")
             assert len(r["cp"]) == 3 and r["cp"][-1] < r["cp"][0], f"{layout}: the loss must fall ({r['cp']})"
             steps = [abs(a - b) / abs(b) for a, b in zip(r["cp"], r["single"])]
             assert max(steps) <= HF_BOUND, f"{layout}: losses {r['cp']} against unsharded {r['single']}"
+            assert r["joint"] <= HF_BOUND, f"{layout}: parameters {r['joint']:.2e} from the unsharded model's"
             bad = {n: e for n, e in r["params"].items() if not e[0] <= HF_BOUND}
             assert not bad, f"{layout}: parameters (CP, unsharded float32) against float64: {bad}"
 

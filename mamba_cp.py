@@ -2245,8 +2245,8 @@ def _conv1d_ssd_cp_bwd(dy: Tensor, dfinal: Optional[Tensor], xBC: Tensor, dt: Te
 
 
 def _conv1d_ssd_cp_backward(dy, dfinal, xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx,
-                            halo, halo_seq, entries, a_all, e, group, load_balancing, batch, chunk_size, headdim, ngroups,
-                            dt_min, dt_max, silu, state_dtype, dxBC_into=None, ddt_into=None):
+                            halo, halo_seq, entries, a_all, e, group, load_balancing, batch, chunk_size, headdim,
+                            ngroups, dt_min, dt_max, silu, state_dtype, dxBC_into=None, ddt_into=None):
     """The backward op's body: [dxBC, ddt, dconv_weight, dconv_bias, ddt_bias, dA, dD,
     dinitial_states], None where absent. Given dxBC_into (rows, s, conv_dim) and ddt_into (rows,
     s, h), views into the caller's gradient buffer, dxBC and ddt are written there.

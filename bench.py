@@ -96,6 +96,7 @@ only checks the script.
 """
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import json
@@ -1152,26 +1153,30 @@ def is_distributed(args):
 
 
 def apply_tuning(ap, args):
-    """--launch and --kernel-chunk: set mamba_cp's module-level choices for this process, so a
-    tuning run needs no edit of mamba_cp.py. Each header line says what was changed."""
+    """--launch and --kernel-chunk: a variant of mamba_cp's Tuning for this process, so a tuning
+    run needs no edit of mamba_cp.py. Each header line says what was changed."""
     args.tuning = {}
+    base = mamba_cp.tuning()
+    changes = {}
     if args.launch:
         try:
             launch = json.loads(args.launch)
         except json.JSONDecodeError as e:
             ap.error(f"--launch: got {args.launch!r}, expected JSON ({e})")
-        unknown = [k for k in launch if k not in mamba_cp.LAUNCH_OPTIONS]
-        if unknown or not all(isinstance(v, dict) for v in launch.values()):
+        if not isinstance(launch, dict) or any(k not in mamba_cp._KERNELS or not isinstance(v, dict)
+                                               for k, v in launch.items()):
             ap.error(f"--launch: got {args.launch!r}, expected an object mapping some of "
-                     f"{', '.join(mamba_cp.LAUNCH_OPTIONS)} to option objects")
-        mamba_cp.LAUNCH_OPTIONS.update(launch)
+                     f"{', '.join(mamba_cp._KERNELS)} to option objects")
+        changes["launch"] = {**base.launch, **launch}
         args.tuning["launch"] = launch
     if args.kernel_chunk is not None:
         q = args.kernel_chunk
         if q < 16 or q & (q - 1):
             ap.error(f"--kernel-chunk: got {q}, expected a power of two from 16")
-        mamba_cp.MAX_CHUNK_FWD = mamba_cp.MAX_CHUNK_BWD = q
+        changes.update(chunk_fwd=q, chunk_bwd=q)
         args.tuning["kernel_chunk"] = q
+    if changes:
+        mamba_cp.set_tuning(dataclasses.replace(base, name=base.name + " (bench flags)", **changes))
 
 
 def tuning_note(args):
@@ -1221,10 +1226,10 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--launch", metavar="JSON",
                     help="tuning: replace kernels' launch options, e.g. '{\"bwd_x\": {\"num_warps\": 4}}' "
-                         f"(kernels: {', '.join(mamba_cp.LAUNCH_OPTIONS)}; GPU only)")
+                         f"(kernels: {', '.join(mamba_cp._KERNELS)}; GPU only)")
     ap.add_argument("--kernel-chunk", dest="kernel_chunk", type=int,
                     help=f"tuning: the kernels' chunk length, forward and backward (default "
-                         f"{mamba_cp.MAX_CHUNK_FWD}; a power of two from 16)")
+                         f"{mamba_cp.tuning().chunk_fwd}; a power of two from 16)")
     args = ap.parse_args(argv)
     apply_tuning(ap, args)
     args.warmup_given = args.warmup is not None

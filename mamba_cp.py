@@ -16,12 +16,21 @@ state affinely: S_out = a * S_in + S_ext. That is what makes context parallelism
 rank summarises its shard as (S_ext, a), the summaries are all-gathered, and an exclusive scan
 over them gives every rank its true entry state (README walkthrough c, d).
 
-Reading order, which is also the order data flows:
-  1. Triton kernels, forward: the state pass (chunk states + their sequential combination) and
-     the output pass (intra-chunk products plus the entry-state term).
-  2. Triton kernels, backward: the reverse state pass and two chunk-backward kernels (per head,
-     and per group).
-  3. Input checks and the single-device autograd function `mamba_chunk_scan_combined`.
+Reading order, which is the order the method runs (the section headers below; a test keeps
+this list true):
+   1. Shared kernel pieces: dt processing and the decays of one chunk
+   2. The launch plan
+   3. The forward: state pass, segment scan, outputs; Summary
+   4. The backward: reverse state pass, GradPass, chunk gradients
+   5. Input checks
+   6. The single-device function: mamba_chunk_scan_combined
+   7. Layouts
+   8. Communication
+   9. The causal conv1d
+  10. The fused Conv1d + SSD with state-passing CP: mamba_conv1d_ssd_cp
+  11. The mixer entry: mamba_split_conv1d_scan_combined
+  12. The all-to-all baseline
+  13. A worked example
 
 Numerics. Decays are exponentials of sums of dt'*A. A difference of two large cumulative sums
 loses the small difference between them in float32 (exp(cs_i - cs_j) where both are near
@@ -36,6 +45,7 @@ Under torch.compile the forward and backward of each autograd function, and ever
 are opaque custom ops (mamba_cp::...): see the comment above _chunk_scan_fwd.
 """
 
+import dataclasses
 import os
 from typing import Optional
 
@@ -52,7 +62,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 # ---------------------------------------------------------------------------------------------
-# 1. Shared pieces of the kernels: dt processing and the decays of one chunk
+# 1. Shared kernel pieces: dt processing and the decays of one chunk
 # ---------------------------------------------------------------------------------------------
 
 
@@ -171,266 +181,156 @@ def _true_chunk_edge(stored_ptr, seg_ptr, decay_ptr, b64, c, h, offs_p, offs_n, 
 
 
 # ---------------------------------------------------------------------------------------------
-# 2. The causal conv1d (README walkthrough f), forward and backward kernels
-#
-# Depthwise causal conv1d + bias + SiLU with a halo, forward and backward.
-#
-#     out[b, t, c] = silu(bias[c] + sum_{k<d} weight[c, k] * u[b, t - (d-1) + k, c])
-#
-# u is the shard's pre-conv xBC, preceded by the halo: the last d-1 pre-conv tokens of the
-# previous segment, received from their owner (zeros for the first segment). With seq_idx a tap
-# whose token belongs to another document than token t contributes 0, in the halo too.
-#
-# Backward. g = dout * silu'(pre), with the pre-activation recomputed (it is as large as xBC, so
-# it is not kept). With m_j(s) = 1 when s and s+j are in one document (the forward's tap mask):
-#     du[s, c]        = sum_j weight[c, d-1-j] * m_j(s) g[s+j, c]
-#     dweight[c, d-1-j] = sum_s u[s, c] * m_j(s) g[s+j, c]          dbias[c] = sum_t g[t, c]
-# so one pass over rows s of [halo, xBC] gives all three; du at s < 0 is the halo's gradient,
-# which the caller sends back to the halo's owner. A tile needs g at d-1 rows past its end, and a
-# register tile cannot be shifted by rows: each program computes g for its tile and the d-1
-# rows after it once, parks them in its own scratch slot (fp32, reused tile after tile, so it
-# stays in L2) and reads them back shifted. No atomics: dweight and dbias are per-(batch,
-# token-group) partial sums, summed by torch in a fixed order.
-#
-# Offsets that multiply a batch, token or channel index by a stride are int64: sequences reach
-# 2^20 tokens x 8k channels, and xBC may come in any layout.
-# ---------------------------------------------------------------------------------------------
-
-# (tokens, channels) per program and warps per program. Measured on an H200, bf16, 32k tokens x
-# 8448 channels, d_conv 4, halo and seq_idx: forward 0.59 ms, backward 2.0 ms. The backward
-# runs one warp per program: its per-tile dweight sums over tokens then stay inside a warp
-# (4 warps with (32, 128) tiles: 3.3 ms). The interpreter pays per program: bigger tiles there.
-_FWD_BLOCKS, _FWD_WARPS = (32, 128), 4
-_BWD_BLOCKS, _BWD_WARPS = (16, 64), 1
-_INTERP_BLOCKS = (128, 64)
-# Backward: about as many programs as a GPU keeps resident. Longer sequences fold several token
-# blocks into one program, which bounds the dweight/dbias partials and keeps the scratch slots
-# (one (BT + d-1) x BC fp32 tile per program, about 20 MiB in all) in L2.
-_BWD_PROGRAMS = 4096
-
-
-# ---------------------------------------------------------------------------------------------
-# Conv pieces: document ids, one tap tile, the pre-activation and its gradient
+# 2. The launch plan
+#    Sizes and tiles, and the choices that differ between a GPU and the interpreter.
 # ---------------------------------------------------------------------------------------------
 
 
-@triton.jit
-def _doc(s_row0, stride_s_l, hs_row0, stride_hs_l, r0, seqlen,
-         R: tl.constexpr, HALO: tl.constexpr, HAS_HALO_SEQ: tl.constexpr):
-    """Document id (R,) of token rows r0 + [0, R); -1 where there is none (those rows hold zeros)."""
-    rows = r0 + tl.arange(0, R)
-    r = rows.to(tl.int64)
-    doc = tl.load(s_row0 + r * stride_s_l, mask=(rows >= 0) & (rows < seqlen), other=-1)
-    if HAS_HALO_SEQ:
-        in_h = (rows < 0) & (rows >= -HALO)
-        doc = tl.where(in_h, tl.load(hs_row0 + (r + HALO) * stride_hs_l, mask=in_h, other=-1), doc)
-    return doc
+# Host-side integer helpers. triton.cdiv and triton.next_power_of_2 do the same, but through
+# Triton's constexpr machinery, which costs microseconds a call: these run on every launch.
+def _cdiv(a, b):
+    return -(-a // b)
 
 
-@triton.jit
-def _tap(x_row0, x_col, stride_x_l, h_row0, h_col, stride_h_l, r0, mask_c, seqlen,
-         R: tl.constexpr, HALO: tl.constexpr, HAS_HALO: tl.constexpr):
-    """u at token rows r0 + [0, R) as an (R, BC) fp32 tile, zero outside [-HALO, seqlen).
-    Rows < 0 come from the halo."""
-    rows = r0 + tl.arange(0, R)
-    r = rows.to(tl.int64)
-    in_x = (rows >= 0) & (rows < seqlen)
-    u = tl.load(x_row0 + r[:, None] * stride_x_l + x_col[None, :],
-                mask=in_x[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
-    if HAS_HALO:   # a second masked load, not a branch: a branch would split the taps' loads apart
-        in_h = (rows < 0) & (rows >= -HALO)
-        u += tl.load(h_row0 + (r + HALO)[:, None] * stride_h_l + h_col[None, :],
-                     mask=in_h[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
-    return u
+def _next_pow2(v):
+    return 1 << max(0, v - 1).bit_length()
 
 
-@triton.jit
-def _preact(x_row0, x_col, stride_x_l, h_row0, h_col, stride_h_l, w_col, stride_w_k, bias,
-            s_row0, stride_s_l, hs_row0, stride_hs_l, r0, mask_c, seqlen,
-            R: tl.constexpr, BC: tl.constexpr, D: tl.constexpr,
-            HAS_HALO: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_HALO_SEQ: tl.constexpr):
-    """Pre-activation (R, BC) fp32 of output rows r0 + [0, R): bias + sum_k w_k u[row-(D-1)+k],
-    a tap from another document dropped. (The document test is applied after the load, not in
-    its mask: the tap loads then need not wait for the ids.)"""
-    acc = tl.zeros((R, BC), dtype=tl.float32) + bias[None, :]
-    if HAS_SEQ:
-        doc_t = _doc(s_row0, stride_s_l, hs_row0, stride_hs_l, r0, seqlen, R, D - 1, HAS_HALO_SEQ)
-    for k in tl.static_range(D):
-        src0 = r0 - (D - 1) + k
-        u = _tap(x_row0, x_col, stride_x_l, h_row0, h_col, stride_h_l, src0, mask_c, seqlen,
-                 R, D - 1, HAS_HALO)
-        if HAS_SEQ:
-            same = _doc(s_row0, stride_s_l, hs_row0, stride_hs_l, src0, seqlen, R, D - 1, HAS_HALO_SEQ) == doc_t
-            u = tl.where(same[:, None], u, 0.0)
-        w = tl.load(w_col + k * stride_w_k, mask=mask_c, other=0.0).to(tl.float32)   # (BC,)
-        acc += w[None, :] * u
-    return acc
+def _pow2(v, lo=16):
+    return max(lo, _next_pow2(v))
 
 
-@triton.jit
-def _dpre(do_row0, do_col, stride_do_l,
-          x_row0, x_col, stride_x_l, h_row0, h_col, stride_h_l, w_col, stride_w_k, bias,
-          s_row0, stride_s_l, hs_row0, stride_hs_l, r0, mask_c, seqlen,
-          R: tl.constexpr, BC: tl.constexpr, D: tl.constexpr,
-          HAS_HALO: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_HALO_SEQ: tl.constexpr, SILU: tl.constexpr):
-    """g = dL/dpre (R, BC) fp32 at output rows r0 + [0, R): dout * silu'(pre) (dout without SiLU);
-    0 off [0, seqlen)."""
-    p = _preact(x_row0, x_col, stride_x_l, h_row0, h_col, stride_h_l, w_col, stride_w_k, bias,
-                s_row0, stride_s_l, hs_row0, stride_hs_l, r0, mask_c, seqlen,
-                R, BC, D, HAS_HALO, HAS_SEQ, HAS_HALO_SEQ)
-    rows = r0 + tl.arange(0, R)
-    valid = (rows >= 0) & (rows < seqlen)
-    do = tl.load(do_row0 + rows.to(tl.int64)[:, None] * stride_do_l + do_col[None, :],
-                 mask=valid[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
-    if not SILU:
-        return do
-    sig = tl.sigmoid(p)
-    return do * sig * (1.0 + p * (1.0 - sig))      # silu'(p) = sig(p) (1 + p (1 - sig(p)))
+def _strides(t, ndim):
+    """Strides of an optional tensor (zeros when absent), so one kernel serves every option."""
+    return tuple(t.stride()) if t is not None else (0,) * ndim
 
 
+def _stand_in(t, placeholder):
+    """t, or a stand-in for an absent tensor: the kernels form its pointers but never dereference them."""
+    return placeholder if t is None else t
 
 
-@triton.jit
-def _conv_bias(bias_ptr, offs_c, mask_c, stride_bias, BC: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """The conv bias of a channel tile, fp32 (zeros without a bias)."""
-    if HAS_BIAS:
-        return tl.load(bias_ptr + offs_c * stride_bias, mask=mask_c, other=0.0).to(tl.float32)
-    return tl.zeros((BC,), dtype=tl.float32)
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """Every choice that differs between a GPU and the Triton interpreter, in one place. The
+    GPU's were measured on an H200 at the record shape; the interpreter pays per program, and
+    its choices make the CPU tests walk every loop (several segments, state tiles, head blocks).
+    `TUNINGS` holds them by name; `set_tuning` picks the one the launches use (the interpreter's
+    wherever the interpreter runs, else the GPU's)."""
+
+    name: str
+    # Kernel chunk lengths. The chunked form computes the same recurrence for any chunk length,
+    # so the kernels may use a shorter chunk than the caller's chunk_size. Their (Q, Q) tiles
+    # live in registers: at 128 tokens they spill, and on an H200 64 is faster both ways,
+    # although the chunk states (p*n per chunk and head) then hold twice the bytes of x.
+    chunk_fwd: int
+    chunk_bwd: int
+    # Segments of this many chunks run the sequential state pass in parallel (the affine
+    # summary of README walkthrough c, applied within one GPU); tiny ones on CPUs, so that the
+    # tests exercise the segment scan.
+    chunks_per_segment: int
+    # The state passes walk chunks sequentially: their (p, n) tile is split across programs at
+    # this width (None: the whole state in one program).
+    state_tile: Optional[int]
+    # The n tile of the two chunk-backward kernels. On an H200 a whole 128-wide state is fastest
+    # in both (the dB/dC kernel otherwise recomputes dy.x^T per tile); wider states are tiled.
+    bwd_state_tile: int
+    # Heads per output program (None: a whole group). They share the group's C.B, computed
+    # once per program, but one head per program runs heads_per_group times as many programs,
+    # which hides latency better: 16% faster on an H200 at the record shape (8 heads a group).
+    heads_per_output: Optional[int]
+    # Launch options per kernel, the fastest of a sweep on an H200 (forward+backward at the
+    # record shape). These kernels are latency-bound chains of small products that fill the
+    # register file; one pipelining stage frees shared memory, while capping registers below
+    # what ptxas wants (maxnreg) spilled more than it gained, except in the state pass. They
+    # apply on a GPU only.
+    launch: dict
+    # The segment scan's slice of the p*n state per program (None: the whole state).
+    scan_block: Optional[int]
+    # The conv: (tokens, channels) per program and warps per program. Measured on an H200,
+    # bf16, 32k tokens x 8448 channels, d_conv 4, halo and seq_idx: forward 0.59 ms, backward
+    # 2.0 ms. The backward runs one warp per program: its per-tile dweight sums over tokens then
+    # stay inside a warp (4 warps with (32, 128) tiles: 3.3 ms). Its programs: about as many as
+    # a GPU keeps resident; longer sequences fold several token blocks into one program, which
+    # bounds the dweight/dbias partials and keeps the scratch slots (one (BT + d-1) x BC fp32
+    # tile per program, about 20 MiB in all) in L2.
+    conv_fwd_blocks: tuple
+    conv_fwd_warps: int
+    conv_bwd_blocks: tuple
+    conv_bwd_warps: int
+    conv_bwd_programs: int
+    # The gate and gated RMSNorm: elements per (token rows x channels) tile, and programs of
+    # the backward (each folds several row blocks and their norm-weight partials). Not tuned.
+    gate_tile: int
+    gate_programs: int
 
 
-@triton.jit
-def _conv_fwd_kernel(
-    x_ptr, w_ptr, bias_ptr, halo_ptr, seq_ptr, hseq_ptr, out_ptr,
-    seqlen, dim,
-    stride_x_b, stride_x_l, stride_x_c,
-    stride_w_c, stride_w_k, stride_bias,
-    stride_h_b, stride_h_l, stride_h_c,
-    stride_s_b, stride_s_l,
-    stride_hs_b, stride_hs_l,
-    stride_o_b, stride_o_l, stride_o_c,
-    D: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_HALO_SEQ: tl.constexpr,
-    SILU: tl.constexpr,
-):
-    """One (BT tokens, BC channels) tile of one batch row: out = silu(pre-activation), or the
-    pre-activation itself without SILU."""
-    pid_t = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    bb = tl.program_id(2).to(tl.int64)
-    t0 = pid_t * BT
-    rows = t0 + tl.arange(0, BT)                                                # (BT,)
-    offs_c = (pid_c * BC + tl.arange(0, BC)).to(tl.int64)                       # (BC,)
-    mask_c = offs_c < dim
-    bias = _conv_bias(bias_ptr, offs_c, mask_c, stride_bias, BC, HAS_BIAS)      # (BC,) fp32
-
-    p = _preact(x_ptr + bb * stride_x_b, offs_c * stride_x_c, stride_x_l,
-                halo_ptr + bb * stride_h_b, offs_c * stride_h_c, stride_h_l,
-                w_ptr + offs_c * stride_w_c, stride_w_k, bias,
-                seq_ptr + bb * stride_s_b, stride_s_l, hseq_ptr + bb * stride_hs_b, stride_hs_l,
-                t0, mask_c, seqlen, BT, BC, D, HAS_HALO, HAS_SEQ, HAS_HALO_SEQ)  # (BT, BC)
-    out = p * tl.sigmoid(p) if SILU else p
-    tl.store(out_ptr + bb * stride_o_b + rows.to(tl.int64)[:, None] * stride_o_l + offs_c[None, :] * stride_o_c,
-             out.to(out_ptr.dtype.element_ty), mask=(rows < seqlen)[:, None] & mask_c[None, :])
+_KERNELS = ("state", "output", "bwd_x", "bwd_bc")     # the chunk kernels that take launch options
+TUNINGS = {
+    "gpu": Tuning("gpu", chunk_fwd=64, chunk_bwd=64, chunks_per_segment=16, state_tile=64, bwd_state_tile=128,
+                  heads_per_output=1,
+                  launch=dict(state=dict(num_warps=4, maxnreg=168), output=dict(num_warps=4, num_stages=1),
+                              bwd_x=dict(num_warps=8, num_stages=1), bwd_bc=dict(num_warps=8, num_stages=1)),
+                  scan_block=1024, conv_fwd_blocks=(32, 128), conv_fwd_warps=4, conv_bwd_blocks=(16, 64),
+                  conv_bwd_warps=1, conv_bwd_programs=4096, gate_tile=4096, gate_programs=4096),
+    "interpreter": Tuning("interpreter", chunk_fwd=64, chunk_bwd=64, chunks_per_segment=2, state_tile=None,
+                          bwd_state_tile=16, heads_per_output=None, launch={}, scan_block=None,
+                          conv_fwd_blocks=(128, 64), conv_fwd_warps=4, conv_bwd_blocks=(128, 64), conv_bwd_warps=1,
+                          conv_bwd_programs=4096, gate_tile=64, gate_programs=4096),
+}
+_TUNING = [TUNINGS["interpreter" if INTERPRET else "gpu"]]
 
 
-@triton.jit
-def _conv_bwd_kernel(
-    dout_ptr, x_ptr, w_ptr, bias_ptr, halo_ptr, seq_ptr, hseq_ptr,
-    dx_ptr, dhalo_ptr, dw_part_ptr, db_part_ptr, scratch_ptr,
-    seqlen, dim, n_inner,
-    stride_do_b, stride_do_l, stride_do_c,
-    stride_x_b, stride_x_l, stride_x_c,
-    stride_w_c, stride_w_k, stride_bias,
-    stride_h_b, stride_h_l, stride_h_c,
-    stride_s_b, stride_s_l,
-    stride_hs_b, stride_hs_l,
-    stride_dx_b, stride_dx_l, stride_dx_c,
-    stride_dh_b, stride_dh_l, stride_dh_c,
-    stride_dw_b, stride_dw_g, stride_dw_k, stride_dw_c,
-    stride_db_b, stride_db_g, stride_db_c,
-    D: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HB: tl.constexpr, DP: tl.constexpr,
-    SHIFT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_HALO_SEQ: tl.constexpr,
-    NEED_DHALO: tl.constexpr, SILU: tl.constexpr,
-):
-    """n_inner consecutive (BT, BC) tiles of rows s of [halo, xBC] (starting at s = -SHIFT; SHIFT
-    is D-1 with a halo) in one batch row: du per tile (into dx, or dhalo for s < 0), and
-    dweight, dbias summed over the tiles into this program's own partial slot."""
-    pid_g = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    bb = tl.program_id(2).to(tl.int64)
-    offs_c = (pid_c * BC + tl.arange(0, BC)).to(tl.int64)                       # (BC,)
-    mask_c = offs_c < dim
-    bias = _conv_bias(bias_ptr, offs_c, mask_c, stride_bias, BC, HAS_BIAS)      # (BC,) fp32
+def set_tuning(tuning):
+    """Make `tuning` (a Tuning, or a name in TUNINGS) the one every launch uses; returns the
+    previous one. Tests pick the GPU's in the interpreter this way; bench.py its variants."""
+    previous = _TUNING[0]
+    _TUNING[0] = TUNINGS[tuning] if isinstance(tuning, str) else tuning
+    return previous
 
-    do_row0 = dout_ptr + bb * stride_do_b
-    do_col = offs_c * stride_do_c
-    x_row0 = x_ptr + bb * stride_x_b
-    x_col = offs_c * stride_x_c
-    h_row0 = halo_ptr + bb * stride_h_b
-    h_col = offs_c * stride_h_c
-    w_col = w_ptr + offs_c * stride_w_c
-    s_row0 = seq_ptr + bb * stride_s_b
-    hs_row0 = hseq_ptr + bb * stride_hs_b
 
-    # this program's scratch slot: g of its tile (rows 0..BT-1) and of the HB rows after it
-    prog = (bb * tl.num_programs(0) + pid_g) * tl.num_programs(1) + pid_c
-    slot = scratch_ptr + prog * ((BT + HB) * BC)
-    sl_r = tl.arange(0, BT)
-    sl_c = tl.arange(0, BC)
+def tuning():
+    """The Tuning the launches use now."""
+    return _TUNING[0]
 
-    kk = tl.arange(0, DP)                                                       # tap index, padded
-    dw_acc = tl.zeros((DP, BC), dtype=tl.float32)
-    db_acc = tl.zeros((BC,), dtype=tl.float32)
-    for i in range(n_inner):
-        s0 = (pid_g * n_inner + i) * BT - SHIFT
-        g = _dpre(do_row0, do_col, stride_do_l, x_row0, x_col, stride_x_l, h_row0, h_col, stride_h_l,
-                  w_col, stride_w_k, bias, s_row0, stride_s_l, hs_row0, stride_hs_l, s0, mask_c, seqlen,
-                  BT, BC, D, HAS_HALO, HAS_SEQ, HAS_HALO_SEQ, SILU)             # (BT, BC)
-        g_next = _dpre(do_row0, do_col, stride_do_l, x_row0, x_col, stride_x_l, h_row0, h_col, stride_h_l,
-                       w_col, stride_w_k, bias, s_row0, stride_s_l, hs_row0, stride_hs_l, s0 + BT, mask_c,
-                       seqlen, HB, BC, D, HAS_HALO, HAS_SEQ, HAS_HALO_SEQ, SILU)  # (HB, BC): rows past the tile
-        db_acc += tl.sum(g, axis=0)
-        tl.debug_barrier()       # every thread is done reading the previous tile's g
-        tl.store(slot + sl_r[:, None] * BC + sl_c[None, :], g)
-        tl.store(slot + (BT + tl.arange(0, HB))[:, None] * BC + sl_c[None, :], g_next)
-        tl.debug_barrier()       # ... and this tile's g is visible to all of them
 
-        if HAS_SEQ:
-            doc_s = _doc(s_row0, stride_s_l, hs_row0, stride_hs_l, s0, seqlen, BT, D - 1, HAS_HALO_SEQ)
-        u = _tap(x_row0, x_col, stride_x_l, h_row0, h_col, stride_h_l, s0, mask_c, seqlen,
-                 BT, D - 1, HAS_HALO)                                           # (BT, BC)
-        w = tl.load(w_col + (D - 1) * stride_w_k, mask=mask_c, other=0.0).to(tl.float32)
-        du = w[None, :] * g                                                     # j = 0: the row itself
-        dw_acc += tl.where(kk[:, None] == D - 1, tl.sum(u * g, axis=0)[None, :], 0.0)
-        for j in tl.static_range(1, D):
-            gj = tl.load(slot + (sl_r + j)[:, None] * BC + sl_c[None, :])       # g[s + j]
-            if HAS_SEQ:   # mirrors the forward: output s+j reads row s only within one document
-                same = _doc(s_row0, stride_s_l, hs_row0, stride_hs_l, s0 + j, seqlen, BT, D - 1, HAS_HALO_SEQ) == doc_s
-                gj = tl.where(same[:, None], gj, 0.0)
-            w = tl.load(w_col + (D - 1 - j) * stride_w_k, mask=mask_c, other=0.0).to(tl.float32)
-            du += w[None, :] * gj
-            dw_acc += tl.where(kk[:, None] == D - 1 - j, tl.sum(u * gj, axis=0)[None, :], 0.0)
+class _LaunchPlan:
+    """Everything the kernels need that is derived once per call: sizes, tile shapes, flags."""
 
-        rows = s0 + sl_r
-        r64 = rows.to(tl.int64)
-        tl.store(dx_ptr + bb * stride_dx_b + r64[:, None] * stride_dx_l + offs_c[None, :] * stride_dx_c,
-                 du.to(dx_ptr.dtype.element_ty), mask=((rows >= 0) & (rows < seqlen))[:, None] & mask_c[None, :])
-        if NEED_DHALO:
-            if s0 < 0:
-                tl.store(dhalo_ptr + bb * stride_dh_b + (r64 + (D - 1))[:, None] * stride_dh_l
-                         + offs_c[None, :] * stride_dh_c, du, mask=(rows < 0)[:, None] & mask_c[None, :])
+    def __init__(self, x, B, chunk, dt_bias, dt_softplus, dt_limit, seq_idx, state_dtype=None):
+        t = self.tuning = tuning()
+        self.batch, self.seqlen, self.nheads, self.headdim = x.shape
+        self.ngroups, self.dstate = B.shape[2], B.shape[3]
+        self.heads_per_group = self.nheads // self.ngroups
+        self.Q = chunk
+        self.nchunks = _cdiv(self.seqlen, chunk)
+        self.chunks_per_seg = t.chunks_per_segment
+        self.nseg = _cdiv(self.nchunks, self.chunks_per_seg)
+        self.BP = _pow2(self.headdim)
+        self.BN = _pow2(self.dstate)
+        self.BP_state = min(self.BP, t.state_tile or self.BP)
+        self.BN_state = min(self.BN, t.state_tile or self.BN)
+        self.n_p_tiles = _cdiv(self.headdim, self.BP_state)
+        self.n_n_tiles = _cdiv(self.dstate, self.BN_state)
+        self.dt_min, self.dt_max = float(dt_limit[0]), float(dt_limit[1])
+        self.flags = dict(HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus),
+                          HAS_DT_LIMIT=tuple(dt_limit) != (0.0, float("inf")), HAS_SEQ=seq_idx is not None)
+        self.precision = "ieee" if x.dtype == torch.float32 else "tf32"
+        # the chunk entry states (and, in backward, exit gradients) as stored between kernels;
+        # the kernels carry them in float32 and read them back to float32
+        self.state_dtype = state_dtype or (torch.float32 if x.dtype == torch.float32 else x.dtype)
+        self.BN_bc = self.BN_x = min(self.BN, t.bwd_state_tile)
+        self.heads_per_output = t.heads_per_output or self.heads_per_group    # a divisor of heads_per_group
+        # launch options exist on a GPU only: the interpreter takes none
+        self.launch = {name: ({} if INTERPRET else t.launch.get(name, {})) for name in _KERNELS}
 
-    part = bb * stride_dw_b + pid_g.to(tl.int64) * stride_dw_g
-    tl.store(dw_part_ptr + part + kk.to(tl.int64)[:, None] * stride_dw_k + offs_c[None, :] * stride_dw_c,
-             dw_acc, mask=(kk < D)[:, None] & mask_c[None, :])
-    if HAS_BIAS:
-        tl.store(db_part_ptr + bb * stride_db_b + pid_g.to(tl.int64) * stride_db_g + offs_c * stride_db_c,
-                 db_acc, mask=mask_c)
+    def state_grid(self):
+        return (self.nseg * self.n_p_tiles * self.n_n_tiles, self.batch * self.nheads)
 
 
 # ---------------------------------------------------------------------------------------------
-# 3. SSD forward kernels
+# 3. The forward: state pass, segment scan, outputs; Summary
+#    README walkthrough b, c. Each kernel is followed by its launcher; Summary runs them.
 # ---------------------------------------------------------------------------------------------
 
 
@@ -508,6 +408,27 @@ def _state_fwd_kernel(
              + offs_p[:, None] * stride_ext_p + offs_n[None, :] * stride_ext_n, S, mask=mask_pn)
 
 
+def _state_fwd(x, dt, A, B, dt_bias, seq_idx, plan):
+    """Every segment from a zero entry: chunk entry states (b, nchunks, h, p, n), gamma
+    (b, nchunks, h), and the segments' summaries a (b, nseg, h) and S_ext (b, nseg, h, p, n)."""
+    dev = x.device
+    states = torch.empty(plan.batch, plan.nchunks, plan.nheads, plan.headdim, plan.dstate, device=dev,
+                         dtype=plan.state_dtype)
+    gamma = torch.empty(plan.batch, plan.nchunks, plan.nheads, device=dev, dtype=torch.float32)
+    a = torch.empty(plan.batch, plan.nseg, plan.nheads, device=dev, dtype=torch.float32)
+    S_ext = torch.empty(plan.batch, plan.nseg, plan.nheads, plan.headdim, plan.dstate, device=dev, dtype=torch.float32)
+    _state_fwd_kernel[plan.state_grid()](
+        x, B, dt, dt_bias, A, seq_idx, states, gamma, a, S_ext,
+        plan.seqlen, plan.nheads, plan.headdim, plan.dstate, plan.nchunks, plan.chunks_per_seg, plan.n_p_tiles,
+        plan.n_n_tiles,
+        plan.heads_per_group, plan.dt_min, plan.dt_max,
+        *x.stride(), *B.stride(), *dt.stride(), *_strides(seq_idx, 2),
+        *states.stride(), *gamma.stride(), *a.stride(), *S_ext.stride(),
+        Q=plan.Q, BP=plan.BP_state, BN=plan.BN_state, DOT_PRECISION=plan.precision, **plan.launch["state"],
+        **plan.flags)
+    return states, gamma, a, S_ext
+
+
 @triton.jit
 def _segment_scan_kernel(
     src_ptr, a_ptr, e_ptr, start_ptr, out_ptr, end_ptr,
@@ -550,6 +471,37 @@ def _segment_scan_kernel(
         if HAS_E and REVERSE:
             S *= tl.load(e_ptr + b * stride_e_b + k64 * stride_e_s)
     tl.store(end_ptr + b * stride_end_b + h * stride_end_h + offs, S, mask=mask)
+
+
+def _scan_block(size):
+    return min(tuning().scan_block or _next_pow2(size), _next_pow2(size))
+
+
+def _scan(src, a, start, e, reverse):
+    b, K, h, p, n = src.shape
+    out = torch.empty_like(src)
+    end = torch.empty(b, h, p, n, device=src.device, dtype=torch.float32)
+    start = None if start is None else start.float().contiguous()
+    BLOCK = _scan_block(p * n)
+    _segment_scan_kernel[(_cdiv(p * n, BLOCK), b * h)](
+        src, a, e, start, out, end, K, h, p * n,
+        *src.stride()[:3], *a.stride(), *_strides(e, 2), *(start.stride()[:2] if start is not None else (0, 0)),
+        *out.stride()[:3], *end.stride()[:2],
+        BLOCK=BLOCK, HAS_E=e is not None, HAS_START=start is not None, REVERSE=reverse)
+    return out, end
+
+
+def scan_segments(S_ext, a, initial=None, e=None):
+    """Exclusive scan over segment summaries: the entry state of every segment (b, K, h, p, n)
+    and the exit state of the last (b, h, p, n), all fp32. S_ext (b, K, h, p, n) and a (b, K, h)
+    contiguous; initial (b, h, p, n) or None; e (b, K) fp32 document-continuation flags or None."""
+    return _scan(S_ext, a, initial, e, reverse=False)
+
+
+def scan_segments_bwd(G, a, dfinal=None, e=None):
+    """Reverse exclusive scan: the gradient arriving at every segment's exit (b, K, h, p, n) and
+    the gradient of the initial state (b, h, p, n), all fp32."""
+    return _scan(G, a, dfinal, e, reverse=True)
 
 
 @triton.jit
@@ -637,6 +589,30 @@ def _output_fwd_kernel(
                  + offs_p[None, :] * stride_y_p, y.to(y_ptr.dtype.element_ty), mask=mask_qp)
 
 
+def _D_view(D):
+    """D as (h, p) strides: (h,) broadcasts over p with a zero stride."""
+    if D is None:
+        return None, (0, 0)
+    return D, (D.stride(0), 0 if D.dim() == 1 else D.stride(1))
+
+
+def _output_fwd(x, dt, A, B, C, D, dt_bias, seq_idx, states, gamma, entry, plan, y=None):
+    """y (b, l, h, p); entry (b, nseg, h, p, n) fp32: each segment's entry state, or None for zero."""
+    if y is None:
+        y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    D, D_strides = _D_view(D)
+    grid = (plan.nchunks * plan.batch * (plan.nheads // plan.heads_per_output), _cdiv(plan.headdim, plan.BP))
+    _output_fwd_kernel[grid](
+        x, B, C, dt, dt_bias, A, D, seq_idx, states, y, entry, gamma,
+        plan.seqlen, plan.headdim, plan.dstate, plan.heads_per_group, plan.heads_per_output, plan.nheads, plan.batch,
+        plan.chunks_per_seg, plan.dt_min, plan.dt_max,
+        *x.stride(), *B.stride(), *C.stride(), *dt.stride(), *D_strides,
+        *_strides(seq_idx, 2), *states.stride(), *y.stride(), *_strides(entry, 5), *gamma.stride(),
+        Q=plan.Q, BP=plan.BP, BN=plan.BN, HAS_D=D is not None,
+        HAS_ENTRY=entry is not None, DOT_PRECISION=plan.precision, **plan.launch["output"], **plan.flags)
+    return y
+
+
 @triton.jit
 def _document_end_state_kernel(
     x_ptr, B_ptr, dt_ptr, dt_bias_ptr, A_ptr, cu_ptr, states_ptr, entry_ptr, gamma_ptr, out_ptr,
@@ -696,8 +672,63 @@ def _document_end_state_kernel(
              + offs_n[None, :] * stride_o_n, S, mask=mask_pn)
 
 
+class Summary:
+    """A sequence's (or CP shard's) state pass from a zero entry: what its outputs need besides
+    the entry state. Its affine summary S_out = a * S_entry + S_ext (fp32) is `affine()`."""
+
+    def __init__(self, x, dt, A, B, dt_bias, seq_idx, plan):
+        self.states, self.gamma, self.seg_a, self.seg_ext = _state_fwd(x, dt, A, B, dt_bias, seq_idx, plan)
+        self.plan = plan
+
+    def affine(self):
+        """(S_ext (b, h, p, n), a (b, h)): the internal segments composed."""
+        if self.plan.nseg == 1:
+            return self.seg_ext[:, 0], self.seg_a[:, 0]
+        return scan_segments(self.seg_ext, self.seg_a)[1], self.seg_a.prod(dim=1)
+
+    def segment_entries(self, entry, need_exit=False):
+        """Each internal segment's entry state (b, nseg, h, p, n), given the sequence's entry
+        (or None for zero), and with need_exit the sequence's exit state (b, h, p, n)."""
+        if self.plan.nseg == 1:
+            seg_entry = None if entry is None else entry[:, None]
+            if not need_exit:
+                return seg_entry, None
+            S_ext, a = self.affine()
+            return seg_entry, (S_ext if entry is None else S_ext + a[:, :, None, None] * entry)
+        return scan_segments(self.seg_ext, self.seg_a, entry)  # later segments start where earlier end
+
+
+def ssd_output(x, dt, A, B, C, D, dt_bias, seq_idx, summary, entry=None, y=None, need_exit=False):
+    """The outputs of a summarised sequence entered with state `entry` (b, h, p, n) or zero;
+    with need_exit also its exit state (else None)."""
+    seg_entry, exit_ = summary.segment_entries(entry, need_exit)
+    y = _output_fwd(x, dt, A, B, C, D, dt_bias, seq_idx, summary.states, summary.gamma, seg_entry,
+                    summary.plan, y)
+    return y, exit_
+
+
+def document_end_states(x, dt, A, B, dt_bias, summary, cu_seqlens, entry=None):
+    """The float32 state after each packed document of batch row 0, (num_docs, h, p, n), given
+    the documents' bounds cu_seqlens (num_docs + 1,) and the sequence's entry state (or None)."""
+    plan = summary.plan
+    seg_entry, _ = summary.segment_entries(entry)
+    ndocs = cu_seqlens.shape[0] - 1
+    out = torch.empty(ndocs, plan.nheads, plan.headdim, plan.dstate, device=x.device, dtype=torch.float32)
+    gamma = summary.gamma
+    _document_end_state_kernel[(ndocs, plan.nheads, plan.n_p_tiles * plan.n_n_tiles)](
+        x, B, dt, dt_bias, A, cu_seqlens, summary.states, seg_entry, gamma, out,
+        plan.seqlen, plan.headdim, plan.dstate, plan.heads_per_group, plan.chunks_per_seg, plan.n_n_tiles, plan.dt_min,
+        plan.dt_max,
+        *x.stride()[1:], *B.stride()[1:], *dt.stride()[1:], *summary.states.stride()[1:],
+        *_strides(seg_entry, 5), *gamma.stride(), *out.stride(),
+        Q=plan.Q, BP=plan.BP_state, BN=plan.BN_state, HAS_ENTRY=seg_entry is not None, DOT_PRECISION=plan.precision,
+        **{f: v for f, v in plan.flags.items() if f != "HAS_SEQ"})
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
-# 4. SSD backward kernels
+# 4. The backward: reverse state pass, GradPass, chunk gradients
+#    README walkthrough e. Each kernel is followed by its launcher.
 # ---------------------------------------------------------------------------------------------
 
 
@@ -774,6 +805,54 @@ def _state_bwd_kernel(
              + offs_p[:, None] * stride_G_p + offs_n[None, :] * stride_G_n, dS, mask=mask_pn)
     tl.store(a_ptr + b64 * stride_a_b + tl.cast(seg, tl.int64) * stride_a_s + h * stride_a_h,
              _selected_exp(alive, log_rho), mask=first_tile)
+
+
+def _state_bwd(dout, C, dt, A, dt_bias, seq_idx, plan):
+    """Every segment from a zero gradient at its exit: chunk exit gradients (b, nchunks, h, p, n),
+    rho (b, nchunks, h), G (b, nseg, h, p, n), the outputs' pull on each segment's entry, and
+    each segment's decay a (b, nseg, h)."""
+    dev = dout.device
+    dstates = torch.empty(plan.batch, plan.nchunks, plan.nheads, plan.headdim, plan.dstate, device=dev,
+                          dtype=plan.state_dtype)
+    rho = torch.empty(plan.batch, plan.nchunks, plan.nheads, device=dev, dtype=torch.float32)
+    G = torch.empty(plan.batch, plan.nseg, plan.nheads, plan.headdim, plan.dstate, device=dev, dtype=torch.float32)
+    a = torch.empty(plan.batch, plan.nseg, plan.nheads, device=dev, dtype=torch.float32)
+    _state_bwd_kernel[plan.state_grid()](
+        dout, C, dt, dt_bias, A, seq_idx, dstates, rho, G, a,
+        plan.seqlen, plan.nheads, plan.headdim, plan.dstate, plan.nchunks, plan.chunks_per_seg, plan.n_p_tiles,
+        plan.n_n_tiles,
+        plan.heads_per_group, plan.dt_min, plan.dt_max,
+        *dout.stride(), *C.stride(), *dt.stride(), *_strides(seq_idx, 2),
+        *dstates.stride(), *rho.stride(), *G.stride(), *a.stride(),
+        Q=plan.Q, BP=plan.BP_state, BN=plan.BN_state, DOT_PRECISION=plan.precision,
+        **plan.launch["state"], **plan.flags)
+    return dstates, rho, G, a
+
+
+class GradPass:
+    """A sequence's reverse state pass from a zero gradient at its exit: the chunks' exit
+    gradients, and G (b, h, p, n), the pull of its outputs on its entry state. G is known
+    before the gradient at the exit is (it is what a CP rank all-gathers in backward)."""
+
+    def __init__(self, dy, C, dt, A, dt_bias, seq_idx, plan):
+        self.dstates, self.rho, self.seg_G, self.seg_a = _state_bwd(dy, C, dt, A, dt_bias, seq_idx, plan)
+        self.plan = plan
+
+    @property
+    def G(self):
+        """The internal segments' pulls composed (one reverse scan); only CP needs it alone."""
+        return self.seg_G[:, 0] if self.plan.nseg == 1 else scan_segments_bwd(self.seg_G, self.seg_a)[1]
+
+    def exits_and_entry(self, dexit):
+        """Given the gradient at the sequence's exit (b, h, p, n) or None: the gradient arriving
+        at each internal segment's exit (b, nseg, h, p, n) or None, and the gradient at the
+        sequence's entry, G + a dexit (b, h, p, n), both from one reverse scan."""
+        if self.plan.nseg == 1:
+            G = self.seg_G[:, 0]
+            if dexit is None:
+                return None, G
+            return dexit[:, None], G + self.seg_a[:, 0, :, None, None] * dexit
+        return scan_segments_bwd(self.seg_G, self.seg_a, dexit)
 
 
 @triton.jit
@@ -1049,10 +1128,71 @@ def _chunk_bwd_BC_kernel(
              + offs_n[None, :] * stride_dC_n, dC.to(dC_ptr.dtype.element_ty), mask=mask_qn)
 
 
+def _chunk_bwd(x, dt, A, B, C, D, dt_bias, seq_idx, states, gamma, entry, dstates, rho, dexit, dout, plan,
+               dx=None, dB=None, dC=None):
+    """Every gradient of the chunks, given each segment's entry state and the gradient at its
+    exit (b, nseg, h, p, n) fp32 (either may be None for zero). dx, dB, dC may be views into
+    one buffer (the conv backward's input)."""
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format) if dx is None else dx
+    dB = torch.empty_like(B, memory_format=torch.contiguous_format) if dB is None else dB
+    dC = torch.empty_like(C, memory_format=torch.contiguous_format) if dC is None else dC
+    ddt = torch.empty(dt.shape, device=dt.device, dtype=torch.float32)
+    dA_part = torch.empty(plan.batch, plan.nchunks, plan.nheads, device=x.device, dtype=torch.float32)
+    dD_part = torch.empty(plan.batch, plan.nchunks, plan.nheads, plan.headdim, device=x.device, dtype=torch.float32) \
+        if D is not None else None
+    Dv, D_strides = _D_view(D)
+    edges = (states, dstates, entry, gamma, dexit, rho)
+    edge_strides = (*states.stride(), *dstates.stride(), *_strides(entry, 5), *gamma.stride(),
+                    *_strides(dexit, 5), *rho.stride())
+    flags = dict(HAS_ENTRY=entry is not None, HAS_EXIT=dexit is not None,
+                 DOT_PRECISION=plan.precision, **plan.flags)
+    _chunk_bwd_x_kernel[(plan.nchunks * plan.batch * plan.nheads,)](
+        x, B, C, dt, dt_bias, A, Dv, seq_idx, *edges, dout, dx, ddt, dA_part, dD_part,
+        plan.seqlen, plan.headdim, plan.dstate, plan.heads_per_group, plan.nheads, plan.batch, plan.chunks_per_seg,
+        plan.dt_min, plan.dt_max,
+        *x.stride(), *B.stride(), *C.stride(), *dt.stride(), *D_strides,
+        *_strides(seq_idx, 2), *edge_strides, *dout.stride(),
+        *dx.stride(), *ddt.stride(), *dA_part.stride(), *_strides(dD_part, 4),
+        Q=plan.Q, BP=plan.BP, BN=plan.BN_x, HAS_D=D is not None, **plan.launch["bwd_x"], **flags)
+    n_bc_tiles = _cdiv(plan.dstate, plan.BN_bc)
+    _chunk_bwd_BC_kernel[(plan.nchunks * plan.batch * plan.ngroups * n_bc_tiles,)](
+        x, B, C, dt, dt_bias, A, seq_idx, *edges, dout, dB, dC,
+        plan.seqlen, plan.headdim, plan.dstate, plan.heads_per_group, plan.ngroups, plan.batch, n_bc_tiles,
+        plan.chunks_per_seg,
+        plan.dt_min, plan.dt_max,
+        *x.stride(), *B.stride(), *C.stride(), *dt.stride(),
+        *_strides(seq_idx, 2), *edge_strides, *dout.stride(), *dB.stride(), *dC.stride(),
+        Q=plan.Q, BP=plan.BP, BN=plan.BN_bc, **plan.launch["bwd_bc"], **flags)
+    dA = dA_part.sum(dim=(0, 1))                                                    # (h,)
+    dD = None
+    if D is not None:
+        dD = dD_part.sum(dim=(0, 1))                                                # (h, p)
+        dD = dD.sum(-1) if D.dim() == 1 else dD
+    return dx, dB, dC, ddt, dA, dD
+
+
+def ssd_grads(x, dt, A, B, C, D, dt_bias, seq_idx, summary, grad_pass, dy, entry=None, dexit=None,
+              dx=None, dB=None, dC=None):
+    """Every gradient of a sequence entered with state `entry` whose exit receives gradient
+    `dexit` (either (b, h, p, n) or None). dx, dB, dC may be given as output views.
+    Returns (dx, dB, dC, ddt (fp32, w.r.t. raw dt), dA, dD, d entry)."""
+    seg_exits, dentry = grad_pass.exits_and_entry(dexit)
+    grads = _chunk_bwd(x, dt, A, B, C, D, dt_bias, seq_idx, summary.states, summary.gamma,
+                       summary.segment_entries(entry)[0], grad_pass.dstates, grad_pass.rho,
+                       seg_exits, dy, summary.plan, dx, dB, dC)
+    return (*grads, dentry)
+
+
 # ---------------------------------------------------------------------------------------------
-# 5. Input checks: every bad input gets a ValueError naming the argument, what was seen, and
-#    what was expected, before any kernel (or, for CP, any collective) runs.
+# 5. Input checks
+#    Every bad input gets a ValueError naming the argument, what was seen, and what was expected.
 # ---------------------------------------------------------------------------------------------
+
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_INTS = (torch.int32, torch.int64)
+
+
 
 
 def _expect(cond, name, seen, expected):
@@ -1142,429 +1282,8 @@ def _check_ssd_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states,
 
 
 # ---------------------------------------------------------------------------------------------
-# 6. Launch wrappers and the single-device autograd function
+# 6. The single-device function: mamba_chunk_scan_combined
 # ---------------------------------------------------------------------------------------------
-
-
-# Host-side integer helpers. triton.cdiv and triton.next_power_of_2 do the same, but through
-# Triton's constexpr machinery, which costs microseconds a call: these run on every launch.
-def _cdiv(a, b):
-    return -(-a // b)
-
-
-def _next_pow2(v):
-    return 1 << max(0, v - 1).bit_length()
-
-
-def _pow2(v, lo=16):
-    return max(lo, _next_pow2(v))
-
-
-def _strides(t, ndim):
-    """Strides of an optional tensor (zeros when absent), so one kernel serves every option."""
-    return tuple(t.stride()) if t is not None else (0,) * ndim
-
-
-# The conv's launch wrappers.
-
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-_INTS = (torch.int32, torch.int64)
-
-
-def _check_conv_inputs(xBC, weight, bias, halo, seq_idx, halo_seq):
-    _expect(isinstance(xBC, torch.Tensor) and xBC.dim() == 3, "xBC",
-            tuple(xBC.shape) if isinstance(xBC, torch.Tensor) else type(xBC).__name__,
-            "a 3-dim tensor (batch, seqlen, dim)")
-    _check_tensor(xBC, "xBC", (None, None, None), xBC, dtypes=_FLOATS)
-    b, l, dim = xBC.shape
-    _expect(l >= 1 and dim >= 1 and b >= 1, "xBC", f"shape {tuple(xBC.shape)}", "no empty dimension")
-    _check_tensor(weight, "weight", (dim, None), xBC, dtypes=_FLOATS, allow_none=False)
-    d = weight.shape[1]
-    _expect(2 <= d <= 8, "weight", f"d_conv {d}", "2 <= d_conv <= 8")
-    _check_tensor(bias, "bias", (dim,), xBC, dtypes=_FLOATS)
-    _check_tensor(halo, "halo", (b, d - 1, dim), xBC, dtypes=_FLOATS)
-    _check_tensor(seq_idx, "seq_idx", (b, l), xBC, dtypes=_INTS)
-    _check_tensor(halo_seq, "halo_seq", (b, d - 1), xBC, dtypes=_INTS)
-    _expect(halo_seq is None or seq_idx is not None, "halo_seq", "a tensor with seq_idx=None",
-            "None when seq_idx is None")
-    _expect(halo is None or seq_idx is None or halo_seq is not None, "halo_seq", "None",
-            "the halo's document ids (b, d_conv-1) when both halo and seq_idx are given")
-    return b, l, dim, d
-
-
-def _conv_blocks(l, dim, gpu_blocks):
-    BT, BC = _INTERP_BLOCKS if INTERPRET else gpu_blocks
-    return min(BT, max(16, _next_pow2(l))), min(BC, max(16, _next_pow2(dim)))
-
-
-def _or(t, placeholder):
-    """A placeholder for an absent tensor: the kernels form its pointers but never dereference them."""
-    return placeholder if t is None else t
-
-
-def _conv_flags(bias, halo, seq_idx, silu):
-    has_seq = seq_idx is not None
-    return dict(HAS_BIAS=bias is not None, HAS_HALO=halo is not None, HAS_SEQ=has_seq,
-                HAS_HALO_SEQ=has_seq and halo is not None, SILU=bool(silu))  # without a halo its ids don't matter
-
-
-def conv1d_fwd(xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=None, out=None, silu=True):
-    """silu(causal depthwise conv(xBC) + bias) (without silu: the conv alone), (b, l, dim) in
-    xBC's dtype (contiguous, or written into `out`, any strides: a channel slice of a larger
-    buffer, say).
-
-    xBC (b, l, dim) any strides; weight (dim, d_conv); bias (dim,); halo (b, d_conv-1, dim): the
-    d_conv-1 pre-conv tokens before the shard, None for zeros; seq_idx (b, l) and halo_seq
-    (b, d_conv-1) integer document ids (halo_seq needed when both halo and seq_idx are given).
-    """
-    b, l, dim, d = _check_conv_inputs(xBC, weight, bias, halo, seq_idx, halo_seq)
-    flags = _conv_flags(bias, halo, seq_idx, silu)
-    halo_seq = halo_seq.to(seq_idx.dtype) if flags["HAS_HALO_SEQ"] else None   # one id type in the kernel
-    if out is None:
-        out = torch.empty((b, l, dim), device=xBC.device, dtype=xBC.dtype)
-    _check_tensor(out, "out", (b, l, dim), xBC, dtypes=(xBC.dtype,))
-    BT, BC = _conv_blocks(l, dim, _FWD_BLOCKS)
-    grid = (_cdiv(l, BT), _cdiv(dim, BC), b)
-    _conv_fwd_kernel[grid](
-        xBC, weight, _or(bias, xBC), _or(halo, xBC), _or(seq_idx, xBC), _or(halo_seq, xBC), out, l, dim,
-        *xBC.stride(), *weight.stride(), *_strides(bias, 1), *_strides(halo, 3),
-        *_strides(seq_idx, 2), *_strides(halo_seq, 2), *out.stride(),
-        D=d, BT=BT, BC=BC, num_warps=_FWD_WARPS, **flags)
-    return out
-
-
-def conv1d_bwd(dout, xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=None, need_dhalo=True, silu=True,
-               dx=None):
-    """Gradients of conv1d_fwd: (dxBC, dhalo, dweight, dbias).
-
-    dxBC (b, l, dim) in xBC's dtype (or written into `dx`, any strides: a channel slice of the
-    caller's gradient buffer, say); dhalo (b, d_conv-1, dim) fp32, None without a halo or with
-    need_dhalo=False; dweight (dim, d_conv) fp32; dbias (dim,) fp32, None without bias.
-    Deterministic: no atomics, partial sums are reduced by torch in a fixed order.
-    """
-    b, l, dim, d = _check_conv_inputs(xBC, weight, bias, halo, seq_idx, halo_seq)
-    _check_tensor(dout, "dout", (b, l, dim), xBC, dtypes=_FLOATS, allow_none=False)
-    flags = _conv_flags(bias, halo, seq_idx, silu)
-    halo_seq = halo_seq.to(seq_idx.dtype) if flags["HAS_HALO_SEQ"] else None   # one id type in the kernel
-    need_dhalo = bool(need_dhalo) and halo is not None
-    shift = d - 1 if halo is not None else 0    # tiles start at the halo: its rows feed dweight
-    BT, BC = _conv_blocks(shift + l, dim, _BWD_BLOCKS)
-    HB = max(2, _next_pow2(d - 1))  # rows of g past a tile that the tile needs
-    n_tb, n_cb = _cdiv(shift + l, BT), _cdiv(dim, BC)
-    n_inner = min(n_tb, max(1, _cdiv(n_tb * n_cb * b, _BWD_PROGRAMS)))   # token blocks per program
-    n_groups = _cdiv(n_tb, n_inner)
-
-    if dx is None:
-        dx = torch.empty((b, l, dim), device=xBC.device, dtype=xBC.dtype)
-    _check_tensor(dx, "dx", (b, l, dim), xBC, dtypes=(xBC.dtype,))
-    dhalo = torch.empty((b, d - 1, dim), device=xBC.device, dtype=torch.float32) if need_dhalo else None
-    dw_part = torch.empty((b, n_groups, d, dim), device=xBC.device, dtype=torch.float32)
-    db_part = torch.empty((b, n_groups, dim), device=xBC.device, dtype=torch.float32) \
-        if bias is not None else None
-    scratch = torch.empty((b, n_groups, n_cb, BT + HB, BC), device=xBC.device, dtype=torch.float32)
-    grid = (n_groups, n_cb, b)
-    _conv_bwd_kernel[grid](
-        dout, xBC, weight, _or(bias, xBC), _or(halo, xBC), _or(seq_idx, xBC), _or(halo_seq, xBC),
-        dx, _or(dhalo, dw_part), dw_part, _or(db_part, dw_part), scratch,
-        l, dim, n_inner,
-        *dout.stride(), *xBC.stride(), *weight.stride(), *_strides(bias, 1), *_strides(halo, 3),
-        *_strides(seq_idx, 2), *_strides(halo_seq, 2), *dx.stride(), *_strides(dhalo, 3),
-        *dw_part.stride(), *_strides(db_part, 3),
-        D=d, BT=BT, BC=BC, HB=HB, DP=_next_pow2(d), SHIFT=shift,
-        NEED_DHALO=need_dhalo, num_warps=_BWD_WARPS, **flags)
-    dweight = dw_part.sum(dim=(0, 1)).t().contiguous()                          # (dim, d)
-    dbias = db_part.sum(dim=(0, 1)) if bias is not None else None               # (dim,)
-    return dx, dhalo, dweight, dbias
-
-
-# Kernel chunk lengths. The chunked form computes the same recurrence for any chunk length, so
-# the kernels may use a shorter chunk than the caller's chunk_size. Their (Q, Q) tiles live in
-# registers: at 128 tokens they spill, and on an H200 64 is faster both ways, although the
-# chunk states (p*n per chunk and head) then hold twice the bytes of x. Segments of
-# CHUNKS_PER_SEGMENT chunks run the sequential state pass in parallel (the affine summary of README walkthrough c,
-# applied within one GPU); the interpreter uses tiny segments so that CPU tests exercise the
-# segment scan.
-MAX_CHUNK_FWD = 64
-MAX_CHUNK_BWD = 64
-
-# Launch options per kernel on the GPU, the fastest of a sweep on an H200 (forward+backward at
-# the record shape). These kernels are latency-bound chains of small products that fill the
-# register file; one pipelining stage frees shared memory, while capping registers below what
-# ptxas wants (maxnreg) spilled more than it gained, except in the state pass. The interpreter
-# takes none of them.
-LAUNCH_OPTIONS = {
-    "state": dict(num_warps=4, maxnreg=168),
-    "output": dict(num_warps=4, num_stages=1),
-    "bwd_x": dict(num_warps=8, num_stages=1),
-    "bwd_bc": dict(num_warps=8, num_stages=1),
-}
-CHUNKS_PER_SEGMENT = 2 if INTERPRET else 16
-
-
-class _Launch:
-    """Everything the kernels need that is derived once per call: sizes, tile shapes, flags."""
-
-    def __init__(self, x, B, chunk, dt_bias, dt_softplus, dt_limit, seq_idx, state_dtype=None):
-        self.batch, self.seqlen, self.nheads, self.headdim = x.shape
-        self.ngroups, self.dstate = B.shape[2], B.shape[3]
-        self.heads_per_group = self.nheads // self.ngroups
-        self.Q = chunk
-        self.nchunks = _cdiv(self.seqlen, chunk)
-        self.chunks_per_seg = CHUNKS_PER_SEGMENT
-        self.nseg = _cdiv(self.nchunks, self.chunks_per_seg)
-        self.BP = _pow2(self.headdim)
-        self.BN = _pow2(self.dstate)
-        # the state pass walks chunks sequentially: split the state tile across programs
-        self.BP_state = self.BP if INTERPRET else min(self.BP, 64)
-        self.BN_state = self.BN if INTERPRET else min(self.BN, 64)
-        self.n_p_tiles = _cdiv(self.headdim, self.BP_state)
-        self.n_n_tiles = _cdiv(self.dstate, self.BN_state)
-        self.dt_min, self.dt_max = float(dt_limit[0]), float(dt_limit[1])
-        self.flags = dict(HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus),
-                          HAS_DT_LIMIT=tuple(dt_limit) != (0.0, float("inf")), HAS_SEQ=seq_idx is not None)
-        self.precision = "ieee" if x.dtype == torch.float32 else "tf32"
-        # the chunk entry states (and, in backward, exit gradients) as stored between kernels;
-        # the kernels carry them in float32 and read them back to float32
-        self.state_dtype = state_dtype or (torch.float32 if x.dtype == torch.float32 else x.dtype)
-        # State tiles of the two chunk-backward kernels. On an H200 a whole 128-wide state is
-        # fastest in both (the dB/dC kernel otherwise recomputes dy.x^T per tile); wider states
-        # are tiled. The interpreter walks several small tiles, so CPU tests check the tiling.
-        self.BN_bc = min(self.BN, 16 if INTERPRET else 128)
-        self.BN_x = min(self.BN, 16 if INTERPRET else 128)
-        # Heads per output program (a divisor of heads_per_group). They share the group's C.B,
-        # computed once per program, but one head per program runs heads_per_group times as
-        # many programs, which hides latency better: 16% faster on an H200 at the record shape
-        # (8 heads per group). The interpreter pays per program, and walks the head loop.
-        self.heads_per_output = self.heads_per_group if INTERPRET else 1
-        self.launch = dict(LAUNCH_OPTIONS) if not INTERPRET else {name: {} for name in LAUNCH_OPTIONS}
-
-    def state_grid(self):
-        return (self.nseg * self.n_p_tiles * self.n_n_tiles, self.batch * self.nheads)
-
-
-def _state_fwd(x, dt, A, B, dt_bias, seq_idx, k):
-    """Every segment from a zero entry: chunk entry states (b, nchunks, h, p, n), gamma
-    (b, nchunks, h), and the segments' summaries a (b, nseg, h) and S_ext (b, nseg, h, p, n)."""
-    dev = x.device
-    states = torch.empty(k.batch, k.nchunks, k.nheads, k.headdim, k.dstate, device=dev, dtype=k.state_dtype)
-    gamma = torch.empty(k.batch, k.nchunks, k.nheads, device=dev, dtype=torch.float32)
-    a = torch.empty(k.batch, k.nseg, k.nheads, device=dev, dtype=torch.float32)
-    S_ext = torch.empty(k.batch, k.nseg, k.nheads, k.headdim, k.dstate, device=dev, dtype=torch.float32)
-    _state_fwd_kernel[k.state_grid()](
-        x, B, dt, dt_bias, A, seq_idx, states, gamma, a, S_ext,
-        k.seqlen, k.nheads, k.headdim, k.dstate, k.nchunks, k.chunks_per_seg, k.n_p_tiles, k.n_n_tiles,
-        k.heads_per_group, k.dt_min, k.dt_max,
-        *x.stride(), *B.stride(), *dt.stride(), *_strides(seq_idx, 2),
-        *states.stride(), *gamma.stride(), *a.stride(), *S_ext.stride(),
-        Q=k.Q, BP=k.BP_state, BN=k.BN_state, DOT_PRECISION=k.precision, **k.launch["state"], **k.flags)
-    return states, gamma, a, S_ext
-
-
-def _scan_block(size):
-    return _next_pow2(size) if INTERPRET else min(1024, _next_pow2(size))
-
-
-def _scan(src, a, start, e, reverse):
-    b, K, h, p, n = src.shape
-    out = torch.empty_like(src)
-    end = torch.empty(b, h, p, n, device=src.device, dtype=torch.float32)
-    start = None if start is None else start.float().contiguous()
-    BLOCK = _scan_block(p * n)
-    _segment_scan_kernel[(_cdiv(p * n, BLOCK), b * h)](
-        src, a, e, start, out, end, K, h, p * n,
-        *src.stride()[:3], *a.stride(), *_strides(e, 2), *(start.stride()[:2] if start is not None else (0, 0)),
-        *out.stride()[:3], *end.stride()[:2],
-        BLOCK=BLOCK, HAS_E=e is not None, HAS_START=start is not None, REVERSE=reverse)
-    return out, end
-
-
-def scan_segments(S_ext, a, initial=None, e=None):
-    """Exclusive scan over segment summaries: the entry state of every segment (b, K, h, p, n)
-    and the exit state of the last (b, h, p, n), all fp32. S_ext (b, K, h, p, n) and a (b, K, h)
-    contiguous; initial (b, h, p, n) or None; e (b, K) fp32 document-continuation flags or None."""
-    return _scan(S_ext, a, initial, e, reverse=False)
-
-
-def scan_segments_bwd(G, a, dfinal=None, e=None):
-    """Reverse exclusive scan: the gradient arriving at every segment's exit (b, K, h, p, n) and
-    the gradient of the initial state (b, h, p, n), all fp32."""
-    return _scan(G, a, dfinal, e, reverse=True)
-
-
-def _D_view(D):
-    """D as (h, p) strides: (h,) broadcasts over p with a zero stride."""
-    if D is None:
-        return None, (0, 0)
-    return D, (D.stride(0), 0 if D.dim() == 1 else D.stride(1))
-
-
-def _output_fwd(x, dt, A, B, C, D, dt_bias, seq_idx, states, gamma, entry, k, y=None):
-    """y (b, l, h, p); entry (b, nseg, h, p, n) fp32: each segment's entry state, or None for zero."""
-    if y is None:
-        y = torch.empty_like(x, memory_format=torch.contiguous_format)
-    D, D_strides = _D_view(D)
-    grid = (k.nchunks * k.batch * (k.nheads // k.heads_per_output), _cdiv(k.headdim, k.BP))
-    _output_fwd_kernel[grid](
-        x, B, C, dt, dt_bias, A, D, seq_idx, states, y, entry, gamma,
-        k.seqlen, k.headdim, k.dstate, k.heads_per_group, k.heads_per_output, k.nheads, k.batch,
-        k.chunks_per_seg, k.dt_min, k.dt_max,
-        *x.stride(), *B.stride(), *C.stride(), *dt.stride(), *D_strides,
-        *_strides(seq_idx, 2), *states.stride(), *y.stride(), *_strides(entry, 5), *gamma.stride(),
-        Q=k.Q, BP=k.BP, BN=k.BN, HAS_D=D is not None,
-        HAS_ENTRY=entry is not None, DOT_PRECISION=k.precision, **k.launch["output"], **k.flags)
-    return y
-
-
-def _state_bwd(dout, C, dt, A, dt_bias, seq_idx, k):
-    """Every segment from a zero gradient at its exit: chunk exit gradients (b, nchunks, h, p, n),
-    rho (b, nchunks, h), G (b, nseg, h, p, n), the outputs' pull on each segment's entry, and
-    each segment's decay a (b, nseg, h)."""
-    dev = dout.device
-    dstates = torch.empty(k.batch, k.nchunks, k.nheads, k.headdim, k.dstate, device=dev, dtype=k.state_dtype)
-    rho = torch.empty(k.batch, k.nchunks, k.nheads, device=dev, dtype=torch.float32)
-    G = torch.empty(k.batch, k.nseg, k.nheads, k.headdim, k.dstate, device=dev, dtype=torch.float32)
-    a = torch.empty(k.batch, k.nseg, k.nheads, device=dev, dtype=torch.float32)
-    _state_bwd_kernel[k.state_grid()](
-        dout, C, dt, dt_bias, A, seq_idx, dstates, rho, G, a,
-        k.seqlen, k.nheads, k.headdim, k.dstate, k.nchunks, k.chunks_per_seg, k.n_p_tiles, k.n_n_tiles,
-        k.heads_per_group, k.dt_min, k.dt_max,
-        *dout.stride(), *C.stride(), *dt.stride(), *_strides(seq_idx, 2),
-        *dstates.stride(), *rho.stride(), *G.stride(), *a.stride(),
-        Q=k.Q, BP=k.BP_state, BN=k.BN_state, DOT_PRECISION=k.precision,
-        **k.launch["state"], **k.flags)
-    return dstates, rho, G, a
-
-
-def _chunk_bwd(x, dt, A, B, C, D, dt_bias, seq_idx, states, gamma, entry, dstates, rho, dexit, dout, k,
-               dx=None, dB=None, dC=None):
-    """Every gradient of the chunks, given each segment's entry state and the gradient at its
-    exit (b, nseg, h, p, n) fp32 (either may be None for zero). dx, dB, dC may be views into
-    one buffer (the conv backward's input)."""
-    dx = torch.empty_like(x, memory_format=torch.contiguous_format) if dx is None else dx
-    dB = torch.empty_like(B, memory_format=torch.contiguous_format) if dB is None else dB
-    dC = torch.empty_like(C, memory_format=torch.contiguous_format) if dC is None else dC
-    ddt = torch.empty(dt.shape, device=dt.device, dtype=torch.float32)
-    dA_part = torch.empty(k.batch, k.nchunks, k.nheads, device=x.device, dtype=torch.float32)
-    dD_part = torch.empty(k.batch, k.nchunks, k.nheads, k.headdim, device=x.device, dtype=torch.float32) \
-        if D is not None else None
-    Dv, D_strides = _D_view(D)
-    edges = (states, dstates, entry, gamma, dexit, rho)
-    edge_strides = (*states.stride(), *dstates.stride(), *_strides(entry, 5), *gamma.stride(),
-                    *_strides(dexit, 5), *rho.stride())
-    flags = dict(HAS_ENTRY=entry is not None, HAS_EXIT=dexit is not None,
-                 DOT_PRECISION=k.precision, **k.flags)
-    _chunk_bwd_x_kernel[(k.nchunks * k.batch * k.nheads,)](
-        x, B, C, dt, dt_bias, A, Dv, seq_idx, *edges, dout, dx, ddt, dA_part, dD_part,
-        k.seqlen, k.headdim, k.dstate, k.heads_per_group, k.nheads, k.batch, k.chunks_per_seg, k.dt_min, k.dt_max,
-        *x.stride(), *B.stride(), *C.stride(), *dt.stride(), *D_strides,
-        *_strides(seq_idx, 2), *edge_strides, *dout.stride(),
-        *dx.stride(), *ddt.stride(), *dA_part.stride(), *_strides(dD_part, 4),
-        Q=k.Q, BP=k.BP, BN=k.BN_x, HAS_D=D is not None, **k.launch["bwd_x"], **flags)
-    n_bc_tiles = _cdiv(k.dstate, k.BN_bc)
-    _chunk_bwd_BC_kernel[(k.nchunks * k.batch * k.ngroups * n_bc_tiles,)](
-        x, B, C, dt, dt_bias, A, seq_idx, *edges, dout, dB, dC,
-        k.seqlen, k.headdim, k.dstate, k.heads_per_group, k.ngroups, k.batch, n_bc_tiles, k.chunks_per_seg,
-        k.dt_min, k.dt_max,
-        *x.stride(), *B.stride(), *C.stride(), *dt.stride(),
-        *_strides(seq_idx, 2), *edge_strides, *dout.stride(), *dB.stride(), *dC.stride(),
-        Q=k.Q, BP=k.BP, BN=k.BN_bc, **k.launch["bwd_bc"], **flags)
-    dA = dA_part.sum(dim=(0, 1))                                                    # (h,)
-    dD = None
-    if D is not None:
-        dD = dD_part.sum(dim=(0, 1))                                                # (h, p)
-        dD = dD.sum(-1) if D.dim() == 1 else dD
-    return dx, dB, dC, ddt, dA, dD
-
-
-class Summary:
-    """A sequence's (or CP shard's) state pass from a zero entry: what its outputs need besides
-    the entry state. Its affine summary S_out = a * S_entry + S_ext (fp32) is `affine()`."""
-
-    def __init__(self, x, dt, A, B, dt_bias, seq_idx, k):
-        self.states, self.gamma, self.seg_a, self.seg_ext = _state_fwd(x, dt, A, B, dt_bias, seq_idx, k)
-        self.k = k
-
-    def affine(self):
-        """(S_ext (b, h, p, n), a (b, h)): the internal segments composed."""
-        if self.k.nseg == 1:
-            return self.seg_ext[:, 0], self.seg_a[:, 0]
-        return scan_segments(self.seg_ext, self.seg_a)[1], self.seg_a.prod(dim=1)
-
-    def segment_entries(self, entry, need_exit=False):
-        """Each internal segment's entry state (b, nseg, h, p, n), given the sequence's entry
-        (or None for zero), and with need_exit the sequence's exit state (b, h, p, n)."""
-        if self.k.nseg == 1:
-            seg_entry = None if entry is None else entry[:, None]
-            if not need_exit:
-                return seg_entry, None
-            S_ext, a = self.affine()
-            return seg_entry, (S_ext if entry is None else S_ext + a[:, :, None, None] * entry)
-        return scan_segments(self.seg_ext, self.seg_a, entry)  # later segments start where earlier end
-
-
-def ssd_output(x, dt, A, B, C, D, dt_bias, seq_idx, summary, entry=None, y=None, need_exit=False):
-    """The outputs of a summarised sequence entered with state `entry` (b, h, p, n) or zero;
-    with need_exit also its exit state (else None)."""
-    seg_entry, exit_ = summary.segment_entries(entry, need_exit)
-    y = _output_fwd(x, dt, A, B, C, D, dt_bias, seq_idx, summary.states, summary.gamma, seg_entry,
-                    summary.k, y)
-    return y, exit_
-
-
-def document_end_states(x, dt, A, B, dt_bias, summary, cu_seqlens, entry=None):
-    """The float32 state after each packed document of batch row 0, (num_docs, h, p, n), given
-    the documents' bounds cu_seqlens (num_docs + 1,) and the sequence's entry state (or None)."""
-    k = summary.k
-    seg_entry, _ = summary.segment_entries(entry)
-    ndocs = cu_seqlens.shape[0] - 1
-    out = torch.empty(ndocs, k.nheads, k.headdim, k.dstate, device=x.device, dtype=torch.float32)
-    gamma = summary.gamma
-    _document_end_state_kernel[(ndocs, k.nheads, k.n_p_tiles * k.n_n_tiles)](
-        x, B, dt, dt_bias, A, cu_seqlens, summary.states, seg_entry, gamma, out,
-        k.seqlen, k.headdim, k.dstate, k.heads_per_group, k.chunks_per_seg, k.n_n_tiles, k.dt_min, k.dt_max,
-        *x.stride()[1:], *B.stride()[1:], *dt.stride()[1:], *summary.states.stride()[1:],
-        *_strides(seg_entry, 5), *gamma.stride(), *out.stride(),
-        Q=k.Q, BP=k.BP_state, BN=k.BN_state, HAS_ENTRY=seg_entry is not None, DOT_PRECISION=k.precision,
-        **{f: v for f, v in k.flags.items() if f != "HAS_SEQ"})
-    return out
-
-
-class GradPass:
-    """A sequence's reverse state pass from a zero gradient at its exit: the chunks' exit
-    gradients, and G (b, h, p, n), the pull of its outputs on its entry state. G is known
-    before the gradient at the exit is (it is what a CP rank all-gathers in backward)."""
-
-    def __init__(self, dy, C, dt, A, dt_bias, seq_idx, k):
-        self.dstates, self.rho, self.seg_G, self.seg_a = _state_bwd(dy, C, dt, A, dt_bias, seq_idx, k)
-        self.k = k
-
-    @property
-    def G(self):
-        """The internal segments' pulls composed (one reverse scan); only CP needs it alone."""
-        return self.seg_G[:, 0] if self.k.nseg == 1 else scan_segments_bwd(self.seg_G, self.seg_a)[1]
-
-    def exits_and_entry(self, dexit):
-        """Given the gradient at the sequence's exit (b, h, p, n) or None: the gradient arriving
-        at each internal segment's exit (b, nseg, h, p, n) or None, and the gradient at the
-        sequence's entry, G + a dexit (b, h, p, n), both from one reverse scan."""
-        if self.k.nseg == 1:
-            G = self.seg_G[:, 0]
-            if dexit is None:
-                return None, G
-            return dexit[:, None], G + self.seg_a[:, 0, :, None, None] * dexit
-        return scan_segments_bwd(self.seg_G, self.seg_a, dexit)
-
-
-def ssd_grads(x, dt, A, B, C, D, dt_bias, seq_idx, summary, grad_pass, dy, entry=None, dexit=None,
-              dx=None, dB=None, dC=None):
-    """Every gradient of a sequence entered with state `entry` whose exit receives gradient
-    `dexit` (either (b, h, p, n) or None). dx, dB, dC may be given as output views.
-    Returns (dx, dB, dC, ddt (fp32, w.r.t. raw dt), dA, dD, d entry)."""
-    seg_exits, dentry = grad_pass.exits_and_entry(dexit)
-    grads = _chunk_bwd(x, dt, A, B, C, D, dt_bias, seq_idx, summary.states, summary.gamma,
-                       summary.segment_entries(entry)[0], grad_pass.dstates, grad_pass.rho,
-                       seg_exits, dy, summary.k, dx, dB, dC)
-    return (*grads, dentry)
 
 
 # torch.compile. The forward and the backward are each one opaque custom op (torch.library):
@@ -1600,15 +1319,16 @@ def _chunk_scan_fwd(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chun
     """The output (gated with z), the final state (empty unless need_final), each packed
     document's end state (empty unless need_doc_states), and y before the gate (empty without z).
 
-    The gate y * silu(z) runs as its own kernel (section 9b's) on y, which is kept for the
+    The gate y * silu(z) runs as its own kernel (section 11's) on y, which is kept for the
     backward, as mamba_ssm keeps it: folded into the SSD kernels it cost less in the forward but
     far more in the backward, which had to load z in three kernels and recompute y in one (on an
     H200 at the record shape and 65536 tokens, forward+backward 18.1 ms folded, 14.5 with the
     gate apart, 13.5 without z)."""
     _check_document_values(seq_idx, cu_seqlens)
-    k = _Launch(x, B, min(chunk_size, MAX_CHUNK_FWD), dt_bias, dt_softplus, (dt_min, dt_max), seq_idx, state_dtype)
+    plan = _LaunchPlan(x, B, min(chunk_size, tuning().chunk_fwd), dt_bias, dt_softplus, (dt_min, dt_max), seq_idx,
+                       state_dtype)
     entry = None if initial_states is None else initial_states.float()
-    summary = Summary(x, dt, A, B, dt_bias, seq_idx, k)
+    summary = Summary(x, dt, A, B, dt_bias, seq_idx, plan)
     y, final = ssd_output(x, dt, A, B, C, D, dt_bias, seq_idx, summary, entry, need_exit=need_final)
     doc_states = document_end_states(x, dt, A, B, dt_bias, summary, cu_seqlens, entry) if need_doc_states else None
     out, y_kept = y, y.new_empty(0)
@@ -1642,10 +1362,11 @@ def _chunk_scan_bwd(dout: Tensor, dfinal: Optional[Tensor], x: Tensor, dt: Tenso
         dy, _ = _GateNorm(None, 0.0, 0, True).backward(_flat_heads(dout), _flat_heads(y), _flat_heads(z),
                                                        dz.flatten(-2))
         dy = dy.unflatten(-1, x.shape[2:])
-    k = _Launch(x, B, min(chunk_size, MAX_CHUNK_BWD), dt_bias, dt_softplus, (dt_min, dt_max), seq_idx, state_dtype)
+    plan = _LaunchPlan(x, B, min(chunk_size, tuning().chunk_bwd), dt_bias, dt_softplus, (dt_min, dt_max), seq_idx,
+                       state_dtype)
     entry = None if initial_states is None else initial_states.float()
-    grad_pass = GradPass(dy, C, dt, A, dt_bias, seq_idx, k)
-    summary = Summary(x, dt, A, B, dt_bias, seq_idx, k)
+    grad_pass = GradPass(dy, C, dt, A, dt_bias, seq_idx, plan)
+    summary = Summary(x, dt, A, B, dt_bias, seq_idx, plan)
     dx, dB, dC, ddt, dA, dD, dinit = ssd_grads(x, dt, A, B, C, D, dt_bias, seq_idx, summary,
                                                grad_pass, dy, entry, dfinal)
     ddt_bias = ddt.sum(dim=(0, 1)).to(dt_bias.dtype) if dt_bias is not None else None
@@ -1738,8 +1459,10 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
 
 
 # ---------------------------------------------------------------------------------------------
-# 7. Layouts (README walkthrough g): which causal segments of the global sequence a rank holds
+# 7. Layouts
+#    README walkthrough g: which causal segments of the global sequence a rank holds.
 # ---------------------------------------------------------------------------------------------
+
 
 LAYOUTS = ("none", "virtual", "permute_p2p", "permute_a2a")
 
@@ -1824,8 +1547,10 @@ class _Segments:
 
 
 # ---------------------------------------------------------------------------------------------
-# 8. Communication: validation, the summary all-gather, the conv halo, the zigzag permutation
+# 8. Communication
+#    Validation, the summary all-gather, the conv halo, the zigzag permutation.
 # ---------------------------------------------------------------------------------------------
+
 
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -2133,7 +1858,360 @@ class _PermuteFn(torch.autograd.Function):
 
 
 # ---------------------------------------------------------------------------------------------
-# 9. The fused Conv1d + SSD with state-passing CP
+# 9. The causal conv1d
+#    README walkthrough f. Each kernel is followed by its launcher.
+#
+# Depthwise causal conv1d + bias + SiLU with a halo, forward and backward.
+#
+#     out[b, t, c] = silu(bias[c] + sum_{k<d} weight[c, k] * u[b, t - (d-1) + k, c])
+#
+# u is the shard's pre-conv xBC, preceded by the halo: the last d-1 pre-conv tokens of the
+# previous segment, received from their owner (zeros for the first segment). With seq_idx a tap
+# whose token belongs to another document than token t contributes 0, in the halo too.
+#
+# Backward. g = dout * silu'(pre), with the pre-activation recomputed (it is as large as xBC, so
+# it is not kept). With m_j(s) = 1 when s and s+j are in one document (the forward's tap mask):
+#     du[s, c]        = sum_j weight[c, d-1-j] * m_j(s) g[s+j, c]
+#     dweight[c, d-1-j] = sum_s u[s, c] * m_j(s) g[s+j, c]          dbias[c] = sum_t g[t, c]
+# so one pass over rows s of [halo, xBC] gives all three; du at s < 0 is the halo's gradient,
+# which the caller sends back to the halo's owner. A tile needs g at d-1 rows past its end, and a
+# register tile cannot be shifted by rows: each program computes g for its tile and the d-1
+# rows after it once, parks them in its own scratch slot (fp32, reused tile after tile, so it
+# stays in L2) and reads them back shifted. No atomics: dweight and dbias are per-(batch,
+# token-group) partial sums, summed by torch in a fixed order.
+#
+# Offsets that multiply a batch, token or channel index by a stride are int64: sequences reach
+# 2^20 tokens x 8k channels, and xBC may come in any layout.
+# ---------------------------------------------------------------------------------------------
+
+
+# Conv pieces: document ids, one tap tile, the pre-activation and its gradient
+
+
+@triton.jit
+def _doc(s_row0, stride_s_l, hs_row0, stride_hs_l, r0, seqlen,
+         R: tl.constexpr, HALO: tl.constexpr, HAS_HALO_SEQ: tl.constexpr):
+    """Document id (R,) of token rows r0 + [0, R); -1 where there is none (those rows hold zeros)."""
+    rows = r0 + tl.arange(0, R)
+    r = rows.to(tl.int64)
+    doc = tl.load(s_row0 + r * stride_s_l, mask=(rows >= 0) & (rows < seqlen), other=-1)
+    if HAS_HALO_SEQ:
+        in_h = (rows < 0) & (rows >= -HALO)
+        doc = tl.where(in_h, tl.load(hs_row0 + (r + HALO) * stride_hs_l, mask=in_h, other=-1), doc)
+    return doc
+
+
+@triton.jit
+def _tap(x_row0, x_col, stride_x_l, h_row0, h_col, stride_h_l, r0, mask_c, seqlen,
+         R: tl.constexpr, HALO: tl.constexpr, HAS_HALO: tl.constexpr):
+    """u at token rows r0 + [0, R) as an (R, BC) fp32 tile, zero outside [-HALO, seqlen).
+    Rows < 0 come from the halo."""
+    rows = r0 + tl.arange(0, R)
+    r = rows.to(tl.int64)
+    in_x = (rows >= 0) & (rows < seqlen)
+    u = tl.load(x_row0 + r[:, None] * stride_x_l + x_col[None, :],
+                mask=in_x[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
+    if HAS_HALO:   # a second masked load, not a branch: a branch would split the taps' loads apart
+        in_h = (rows < 0) & (rows >= -HALO)
+        u += tl.load(h_row0 + (r + HALO)[:, None] * stride_h_l + h_col[None, :],
+                     mask=in_h[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
+    return u
+
+
+@triton.jit
+def _preact(x_row0, x_col, stride_x_l, h_row0, h_col, stride_h_l, w_col, stride_w_k, bias,
+            s_row0, stride_s_l, hs_row0, stride_hs_l, r0, mask_c, seqlen,
+            R: tl.constexpr, BC: tl.constexpr, TAPS: tl.constexpr,
+            HAS_HALO: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_HALO_SEQ: tl.constexpr):
+    """Pre-activation (R, BC) fp32 of output rows r0 + [0, R): bias + sum_k w_k u[row-(TAPS-1)+k],
+    a tap from another document dropped. (The document test is applied after the load, not in
+    its mask: the tap loads then need not wait for the ids.)"""
+    acc = tl.zeros((R, BC), dtype=tl.float32) + bias[None, :]
+    if HAS_SEQ:
+        doc_t = _doc(s_row0, stride_s_l, hs_row0, stride_hs_l, r0, seqlen, R, TAPS - 1, HAS_HALO_SEQ)
+    for k in tl.static_range(TAPS):
+        src0 = r0 - (TAPS - 1) + k
+        u = _tap(x_row0, x_col, stride_x_l, h_row0, h_col, stride_h_l, src0, mask_c, seqlen,
+                 R, TAPS - 1, HAS_HALO)
+        if HAS_SEQ:
+            same = _doc(s_row0, stride_s_l, hs_row0, stride_hs_l, src0, seqlen, R, TAPS - 1, HAS_HALO_SEQ) == doc_t
+            u = tl.where(same[:, None], u, 0.0)
+        w = tl.load(w_col + k * stride_w_k, mask=mask_c, other=0.0).to(tl.float32)   # (BC,)
+        acc += w[None, :] * u
+    return acc
+
+
+@triton.jit
+def _dpre(do_row0, do_col, stride_do_l,
+          x_row0, x_col, stride_x_l, h_row0, h_col, stride_h_l, w_col, stride_w_k, bias,
+          s_row0, stride_s_l, hs_row0, stride_hs_l, r0, mask_c, seqlen,
+          R: tl.constexpr, BC: tl.constexpr, TAPS: tl.constexpr,
+          HAS_HALO: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_HALO_SEQ: tl.constexpr, SILU: tl.constexpr):
+    """g = dL/dpre (R, BC) fp32 at output rows r0 + [0, R): dout * silu'(pre) (dout without SiLU);
+    0 off [0, seqlen)."""
+    p = _preact(x_row0, x_col, stride_x_l, h_row0, h_col, stride_h_l, w_col, stride_w_k, bias,
+                s_row0, stride_s_l, hs_row0, stride_hs_l, r0, mask_c, seqlen,
+                R, BC, TAPS, HAS_HALO, HAS_SEQ, HAS_HALO_SEQ)
+    rows = r0 + tl.arange(0, R)
+    valid = (rows >= 0) & (rows < seqlen)
+    do = tl.load(do_row0 + rows.to(tl.int64)[:, None] * stride_do_l + do_col[None, :],
+                 mask=valid[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
+    if not SILU:
+        return do
+    sig = tl.sigmoid(p)
+    return do * sig * (1.0 + p * (1.0 - sig))      # silu'(p) = sig(p) (1 + p (1 - sig(p)))
+
+
+
+
+@triton.jit
+def _conv_bias(bias_ptr, offs_c, mask_c, stride_bias, BC: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """The conv bias of a channel tile, fp32 (zeros without a bias)."""
+    if HAS_BIAS:
+        return tl.load(bias_ptr + offs_c * stride_bias, mask=mask_c, other=0.0).to(tl.float32)
+    return tl.zeros((BC,), dtype=tl.float32)
+
+
+@triton.jit
+def _conv_fwd_kernel(
+    x_ptr, w_ptr, bias_ptr, halo_ptr, seq_ptr, hseq_ptr, out_ptr,
+    seqlen, dim,
+    stride_x_b, stride_x_l, stride_x_c,
+    stride_w_c, stride_w_k, stride_bias,
+    stride_h_b, stride_h_l, stride_h_c,
+    stride_s_b, stride_s_l,
+    stride_hs_b, stride_hs_l,
+    stride_o_b, stride_o_l, stride_o_c,
+    TAPS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_HALO_SEQ: tl.constexpr,
+    SILU: tl.constexpr,
+):
+    """One (BT tokens, BC channels) tile of one batch row: out = silu(pre-activation), or the
+    pre-activation itself without SILU."""
+    pid_t = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    bb = tl.program_id(2).to(tl.int64)
+    t0 = pid_t * BT
+    rows = t0 + tl.arange(0, BT)                                                # (BT,)
+    offs_c = (pid_c * BC + tl.arange(0, BC)).to(tl.int64)                       # (BC,)
+    mask_c = offs_c < dim
+    bias = _conv_bias(bias_ptr, offs_c, mask_c, stride_bias, BC, HAS_BIAS)      # (BC,) fp32
+
+    p = _preact(x_ptr + bb * stride_x_b, offs_c * stride_x_c, stride_x_l,
+                halo_ptr + bb * stride_h_b, offs_c * stride_h_c, stride_h_l,
+                w_ptr + offs_c * stride_w_c, stride_w_k, bias,
+                seq_ptr + bb * stride_s_b, stride_s_l, hseq_ptr + bb * stride_hs_b, stride_hs_l,
+                t0, mask_c, seqlen, BT, BC, TAPS, HAS_HALO, HAS_SEQ, HAS_HALO_SEQ)  # (BT, BC)
+    out = p * tl.sigmoid(p) if SILU else p
+    tl.store(out_ptr + bb * stride_o_b + rows.to(tl.int64)[:, None] * stride_o_l + offs_c[None, :] * stride_o_c,
+             out.to(out_ptr.dtype.element_ty), mask=(rows < seqlen)[:, None] & mask_c[None, :])
+
+
+def _check_conv_inputs(xBC, weight, bias, halo, seq_idx, halo_seq):
+    _expect(isinstance(xBC, torch.Tensor) and xBC.dim() == 3, "xBC",
+            tuple(xBC.shape) if isinstance(xBC, torch.Tensor) else type(xBC).__name__,
+            "a 3-dim tensor (batch, seqlen, dim)")
+    _check_tensor(xBC, "xBC", (None, None, None), xBC, dtypes=_FLOATS)
+    b, l, dim = xBC.shape
+    _expect(l >= 1 and dim >= 1 and b >= 1, "xBC", f"shape {tuple(xBC.shape)}", "no empty dimension")
+    _check_tensor(weight, "weight", (dim, None), xBC, dtypes=_FLOATS, allow_none=False)
+    d = weight.shape[1]
+    _expect(2 <= d <= 8, "weight", f"d_conv {d}", "2 <= d_conv <= 8")
+    _check_tensor(bias, "bias", (dim,), xBC, dtypes=_FLOATS)
+    _check_tensor(halo, "halo", (b, d - 1, dim), xBC, dtypes=_FLOATS)
+    _check_tensor(seq_idx, "seq_idx", (b, l), xBC, dtypes=_INTS)
+    _check_tensor(halo_seq, "halo_seq", (b, d - 1), xBC, dtypes=_INTS)
+    _expect(halo_seq is None or seq_idx is not None, "halo_seq", "a tensor with seq_idx=None",
+            "None when seq_idx is None")
+    _expect(halo is None or seq_idx is None or halo_seq is not None, "halo_seq", "None",
+            "the halo's document ids (b, d_conv-1) when both halo and seq_idx are given")
+    return b, l, dim, d
+
+
+def _conv_blocks(l, dim, blocks):
+    """(tokens, channels) of a conv program: the tuning's, no larger than the tensor needs."""
+    BT, BC = blocks
+    return min(BT, max(16, _next_pow2(l))), min(BC, max(16, _next_pow2(dim)))
+
+
+def _conv_flags(bias, halo, seq_idx, silu):
+    has_seq = seq_idx is not None
+    return dict(HAS_BIAS=bias is not None, HAS_HALO=halo is not None, HAS_SEQ=has_seq,
+                HAS_HALO_SEQ=has_seq and halo is not None, SILU=bool(silu))  # without a halo its ids don't matter
+
+
+def conv1d_fwd(xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=None, out=None, silu=True):
+    """silu(causal depthwise conv(xBC) + bias) (without silu: the conv alone), (b, l, dim) in
+    xBC's dtype (contiguous, or written into `out`, any strides: a channel slice of a larger
+    buffer, say).
+
+    xBC (b, l, dim) any strides; weight (dim, d_conv); bias (dim,); halo (b, d_conv-1, dim): the
+    d_conv-1 pre-conv tokens before the shard, None for zeros; seq_idx (b, l) and halo_seq
+    (b, d_conv-1) integer document ids (halo_seq needed when both halo and seq_idx are given).
+    """
+    b, l, dim, d = _check_conv_inputs(xBC, weight, bias, halo, seq_idx, halo_seq)
+    flags = _conv_flags(bias, halo, seq_idx, silu)
+    halo_seq = halo_seq.to(seq_idx.dtype) if flags["HAS_HALO_SEQ"] else None   # one id type in the kernel
+    if out is None:
+        out = torch.empty((b, l, dim), device=xBC.device, dtype=xBC.dtype)
+    _check_tensor(out, "out", (b, l, dim), xBC, dtypes=(xBC.dtype,))
+    t = tuning()
+    BT, BC = _conv_blocks(l, dim, t.conv_fwd_blocks)
+    grid = (_cdiv(l, BT), _cdiv(dim, BC), b)
+    _conv_fwd_kernel[grid](
+        xBC, weight, _stand_in(bias, xBC), _stand_in(halo, xBC), _stand_in(seq_idx, xBC), _stand_in(halo_seq, xBC),
+        out, l, dim,
+        *xBC.stride(), *weight.stride(), *_strides(bias, 1), *_strides(halo, 3),
+        *_strides(seq_idx, 2), *_strides(halo_seq, 2), *out.stride(),
+        TAPS=d, BT=BT, BC=BC, num_warps=t.conv_fwd_warps, **flags)
+    return out
+
+
+@triton.jit
+def _conv_bwd_kernel(
+    dout_ptr, x_ptr, w_ptr, bias_ptr, halo_ptr, seq_ptr, hseq_ptr,
+    dx_ptr, dhalo_ptr, dw_part_ptr, db_part_ptr, scratch_ptr,
+    seqlen, dim, n_inner,
+    stride_do_b, stride_do_l, stride_do_c,
+    stride_x_b, stride_x_l, stride_x_c,
+    stride_w_c, stride_w_k, stride_bias,
+    stride_h_b, stride_h_l, stride_h_c,
+    stride_s_b, stride_s_l,
+    stride_hs_b, stride_hs_l,
+    stride_dx_b, stride_dx_l, stride_dx_c,
+    stride_dh_b, stride_dh_l, stride_dh_c,
+    stride_dw_b, stride_dw_g, stride_dw_k, stride_dw_c,
+    stride_db_b, stride_db_g, stride_db_c,
+    TAPS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HB: tl.constexpr, DP: tl.constexpr,
+    SHIFT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_HALO_SEQ: tl.constexpr,
+    NEED_DHALO: tl.constexpr, SILU: tl.constexpr,
+):
+    """n_inner consecutive (BT, BC) tiles of rows s of [halo, xBC] (starting at s = -SHIFT; SHIFT
+    is TAPS-1 with a halo) in one batch row: du per tile (into dx, or dhalo for s < 0), and
+    dweight, dbias summed over the tiles into this program's own partial slot."""
+    pid_g = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    bb = tl.program_id(2).to(tl.int64)
+    offs_c = (pid_c * BC + tl.arange(0, BC)).to(tl.int64)                       # (BC,)
+    mask_c = offs_c < dim
+    bias = _conv_bias(bias_ptr, offs_c, mask_c, stride_bias, BC, HAS_BIAS)      # (BC,) fp32
+
+    do_row0 = dout_ptr + bb * stride_do_b
+    do_col = offs_c * stride_do_c
+    x_row0 = x_ptr + bb * stride_x_b
+    x_col = offs_c * stride_x_c
+    h_row0 = halo_ptr + bb * stride_h_b
+    h_col = offs_c * stride_h_c
+    w_col = w_ptr + offs_c * stride_w_c
+    s_row0 = seq_ptr + bb * stride_s_b
+    hs_row0 = hseq_ptr + bb * stride_hs_b
+
+    # this program's scratch slot: g of its tile (rows 0..BT-1) and of the HB rows after it
+    prog = (bb * tl.num_programs(0) + pid_g) * tl.num_programs(1) + pid_c
+    slot = scratch_ptr + prog * ((BT + HB) * BC)
+    sl_r = tl.arange(0, BT)
+    sl_c = tl.arange(0, BC)
+
+    kk = tl.arange(0, DP)                                                       # tap index, padded
+    dw_acc = tl.zeros((DP, BC), dtype=tl.float32)
+    db_acc = tl.zeros((BC,), dtype=tl.float32)
+    for i in range(n_inner):
+        s0 = (pid_g * n_inner + i) * BT - SHIFT
+        g = _dpre(do_row0, do_col, stride_do_l, x_row0, x_col, stride_x_l, h_row0, h_col, stride_h_l,
+                  w_col, stride_w_k, bias, s_row0, stride_s_l, hs_row0, stride_hs_l, s0, mask_c, seqlen,
+                  BT, BC, TAPS, HAS_HALO, HAS_SEQ, HAS_HALO_SEQ, SILU)             # (BT, BC)
+        g_next = _dpre(do_row0, do_col, stride_do_l, x_row0, x_col, stride_x_l, h_row0, h_col, stride_h_l,
+                       w_col, stride_w_k, bias, s_row0, stride_s_l, hs_row0, stride_hs_l, s0 + BT, mask_c,
+                       seqlen, HB, BC, TAPS, HAS_HALO, HAS_SEQ, HAS_HALO_SEQ, SILU)  # (HB, BC): rows past the tile
+        db_acc += tl.sum(g, axis=0)
+        tl.debug_barrier()       # every thread is done reading the previous tile's g
+        tl.store(slot + sl_r[:, None] * BC + sl_c[None, :], g)
+        tl.store(slot + (BT + tl.arange(0, HB))[:, None] * BC + sl_c[None, :], g_next)
+        tl.debug_barrier()       # ... and this tile's g is visible to all of them
+
+        if HAS_SEQ:
+            doc_s = _doc(s_row0, stride_s_l, hs_row0, stride_hs_l, s0, seqlen, BT, TAPS - 1, HAS_HALO_SEQ)
+        u = _tap(x_row0, x_col, stride_x_l, h_row0, h_col, stride_h_l, s0, mask_c, seqlen,
+                 BT, TAPS - 1, HAS_HALO)                                           # (BT, BC)
+        w = tl.load(w_col + (TAPS - 1) * stride_w_k, mask=mask_c, other=0.0).to(tl.float32)
+        du = w[None, :] * g                                                     # j = 0: the row itself
+        dw_acc += tl.where(kk[:, None] == TAPS - 1, tl.sum(u * g, axis=0)[None, :], 0.0)
+        for j in tl.static_range(1, TAPS):
+            gj = tl.load(slot + (sl_r + j)[:, None] * BC + sl_c[None, :])       # g[s + j]
+            if HAS_SEQ:   # mirrors the forward: output s+j reads row s only within one document
+                same = _doc(s_row0, stride_s_l, hs_row0, stride_hs_l, s0 + j, seqlen, BT, TAPS - 1,
+                            HAS_HALO_SEQ) == doc_s
+                gj = tl.where(same[:, None], gj, 0.0)
+            w = tl.load(w_col + (TAPS - 1 - j) * stride_w_k, mask=mask_c, other=0.0).to(tl.float32)
+            du += w[None, :] * gj
+            dw_acc += tl.where(kk[:, None] == TAPS - 1 - j, tl.sum(u * gj, axis=0)[None, :], 0.0)
+
+        rows = s0 + sl_r
+        r64 = rows.to(tl.int64)
+        tl.store(dx_ptr + bb * stride_dx_b + r64[:, None] * stride_dx_l + offs_c[None, :] * stride_dx_c,
+                 du.to(dx_ptr.dtype.element_ty), mask=((rows >= 0) & (rows < seqlen))[:, None] & mask_c[None, :])
+        if NEED_DHALO:
+            if s0 < 0:
+                tl.store(dhalo_ptr + bb * stride_dh_b + (r64 + (TAPS - 1))[:, None] * stride_dh_l
+                         + offs_c[None, :] * stride_dh_c, du, mask=(rows < 0)[:, None] & mask_c[None, :])
+
+    part = bb * stride_dw_b + pid_g.to(tl.int64) * stride_dw_g
+    tl.store(dw_part_ptr + part + kk.to(tl.int64)[:, None] * stride_dw_k + offs_c[None, :] * stride_dw_c,
+             dw_acc, mask=(kk < TAPS)[:, None] & mask_c[None, :])
+    if HAS_BIAS:
+        tl.store(db_part_ptr + bb * stride_db_b + pid_g.to(tl.int64) * stride_db_g + offs_c * stride_db_c,
+                 db_acc, mask=mask_c)
+
+
+def conv1d_bwd(dout, xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=None, need_dhalo=True, silu=True,
+               dx=None):
+    """Gradients of conv1d_fwd: (dxBC, dhalo, dweight, dbias).
+
+    dxBC (b, l, dim) in xBC's dtype (or written into `dx`, any strides: a channel slice of the
+    caller's gradient buffer, say); dhalo (b, d_conv-1, dim) fp32, None without a halo or with
+    need_dhalo=False; dweight (dim, d_conv) fp32; dbias (dim,) fp32, None without bias.
+    Deterministic: no atomics, partial sums are reduced by torch in a fixed order.
+    """
+    b, l, dim, d = _check_conv_inputs(xBC, weight, bias, halo, seq_idx, halo_seq)
+    _check_tensor(dout, "dout", (b, l, dim), xBC, dtypes=_FLOATS, allow_none=False)
+    flags = _conv_flags(bias, halo, seq_idx, silu)
+    halo_seq = halo_seq.to(seq_idx.dtype) if flags["HAS_HALO_SEQ"] else None   # one id type in the kernel
+    need_dhalo = bool(need_dhalo) and halo is not None
+    shift = d - 1 if halo is not None else 0    # tiles start at the halo: its rows feed dweight
+    t = tuning()
+    BT, BC = _conv_blocks(shift + l, dim, t.conv_bwd_blocks)
+    HB = max(2, _next_pow2(d - 1))  # rows of g past a tile that the tile needs
+    n_tb, n_cb = _cdiv(shift + l, BT), _cdiv(dim, BC)
+    n_inner = min(n_tb, max(1, _cdiv(n_tb * n_cb * b, t.conv_bwd_programs)))   # token blocks per program
+    n_groups = _cdiv(n_tb, n_inner)
+
+    if dx is None:
+        dx = torch.empty((b, l, dim), device=xBC.device, dtype=xBC.dtype)
+    _check_tensor(dx, "dx", (b, l, dim), xBC, dtypes=(xBC.dtype,))
+    dhalo = torch.empty((b, d - 1, dim), device=xBC.device, dtype=torch.float32) if need_dhalo else None
+    dw_part = torch.empty((b, n_groups, d, dim), device=xBC.device, dtype=torch.float32)
+    db_part = torch.empty((b, n_groups, dim), device=xBC.device, dtype=torch.float32) \
+        if bias is not None else None
+    scratch = torch.empty((b, n_groups, n_cb, BT + HB, BC), device=xBC.device, dtype=torch.float32)
+    grid = (n_groups, n_cb, b)
+    _conv_bwd_kernel[grid](
+        dout, xBC, weight, _stand_in(bias, xBC), _stand_in(halo, xBC), _stand_in(seq_idx, xBC),
+        _stand_in(halo_seq, xBC),
+        dx, _stand_in(dhalo, dw_part), dw_part, _stand_in(db_part, dw_part), scratch,
+        l, dim, n_inner,
+        *dout.stride(), *xBC.stride(), *weight.stride(), *_strides(bias, 1), *_strides(halo, 3),
+        *_strides(seq_idx, 2), *_strides(halo_seq, 2), *dx.stride(), *_strides(dhalo, 3),
+        *dw_part.stride(), *_strides(db_part, 3),
+        TAPS=d, BT=BT, BC=BC, HB=HB, DP=_next_pow2(d), SHIFT=shift,
+        NEED_DHALO=need_dhalo, num_warps=t.conv_bwd_warps, **flags)
+    dweight = dw_part.sum(dim=(0, 1)).t().contiguous()                          # (dim, d)
+    dbias = db_part.sum(dim=(0, 1)) if bias is not None else None               # (dim,)
+    return dx, dhalo, dweight, dbias
+
+
+# ---------------------------------------------------------------------------------------------
+# 10. The fused Conv1d + SSD with state-passing CP: mamba_conv1d_ssd_cp
 # ---------------------------------------------------------------------------------------------
 
 
@@ -2194,8 +2272,8 @@ def _conv1d_ssd_cp_fwd(xBC: Tensor, dt: Tensor, conv_weight: Tensor, conv_bias: 
     else:
         u = conv1d_fwd(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, silu=silu)  # (rows, s, conv_dim)
         x, B, C = _split_xBC(u, cfg)
-    k = _Launch(x, B, min(cfg.chunk, MAX_CHUNK_FWD), dt_bias, True, cfg.dt_limit, seq_idx, state_dtype)
-    summary = Summary(x, dt, A, B, dt_bias, seq_idx, k)
+    plan = _LaunchPlan(x, B, min(cfg.chunk, tuning().chunk_fwd), dt_bias, True, cfg.dt_limit, seq_idx, state_dtype)
+    summary = Summary(x, dt, A, B, dt_bias, seq_idx, plan)
     S_ext, a = summary.affine()                                                 # (rows, h, p, n), (rows, h)
     every, work = _gather_summaries(S_ext, a, seq_idx, cfg)
     if work is not None:
@@ -2260,10 +2338,10 @@ def _conv1d_ssd_cp_backward(dy, dfinal, xBC, dt, conv_weight, conv_bias, dt_bias
     halo, halo_seq, e = _none_if_empty(halo), _none_if_empty(halo_seq), _none_if_empty(e)
     u = conv1d_fwd(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, silu=silu)
     x, B, C = _split_xBC(u, cfg)
-    k = _Launch(x, B, min(cfg.chunk, MAX_CHUNK_BWD), dt_bias, True, cfg.dt_limit, seq_idx, state_dtype)
-    grad_pass = GradPass(dy, C, dt, A, dt_bias, seq_idx, k)
+    plan = _LaunchPlan(x, B, min(cfg.chunk, tuning().chunk_bwd), dt_bias, True, cfg.dt_limit, seq_idx, state_dtype)
+    grad_pass = GradPass(dy, C, dt, A, dt_bias, seq_idx, plan)
     every, work = _gather_G(grad_pass.G, dfinal, cfg)
-    summary = Summary(x, dt, A, B, dt_bias, seq_idx, k)                        # overlaps the gather
+    summary = Summary(x, dt, A, B, dt_bias, seq_idx, plan)                        # overlaps the gather
     if work is not None:
         work.wait()
     dexit, dinit = _scan_shards_bwd(every, a_all, e, cfg)
@@ -2463,7 +2541,8 @@ def mamba_conv1d_ssd_cp(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_si
 
 
 # ---------------------------------------------------------------------------------------------
-# 9b. mamba_ssm's fused entry, the one Mamba2 mixers call: mamba_split_conv1d_scan_combined
+# 11. The mixer entry: mamba_split_conv1d_scan_combined
+#    mamba_ssm's fused entry, the one Mamba2 mixers call.
 #
 # zxbcdt = [z0 | x0 | z | xBC | dt] (widths d_nonssm, d_nonssm, dim, conv_dim, nheads). The core
 # (conv + SSD, with CP) runs on the xBC and dt channels; everything else is per token and stays
@@ -2555,10 +2634,6 @@ def _gate_norm_bwd_kernel(do_ptr, y_ptr, z_ptr, w_ptr, dy_ptr, dz_ptr, dw_part_p
         tl.store(dw_part_ptr + tl.program_id(0).to(tl.int64) * stride_dw_r + cols, dw, mask=in_group)
 
 
-# (token rows, channels) per program: the interpreter pays per program, the GPU wants many of them
-_GATE_PROGRAMS = 4096
-
-
 class _GateNorm:
     """The gate y * silu(z), or the gated RMSNorm, over (b, l, dim) tensors (any strides with a
     unit channel stride), and its gradient; launches the two kernels above."""
@@ -2569,10 +2644,10 @@ class _GateNorm:
 
     def tiles(self, dim):
         """(channels per program: one norm group, else up to 1024; their power-of-two tile;
-        token rows per program, about 4096 elements a tile on the GPU). Not tuned yet."""
+        token rows per program, about the tuning's gate_tile elements a tile)."""
         gs = self.group_size if self.norm else min(dim, 1024)
         BG = _next_pow2(gs)
-        return gs, BG, max(1, (64 if INTERPRET else 4096) // BG)
+        return gs, BG, max(1, tuning().gate_tile // BG)
 
     def forward(self, y, z, out):
         """Writes the gated output into out (b, l, dim), a view."""
@@ -2588,7 +2663,7 @@ class _GateNorm:
         b, l, dim = y.shape
         gs, BG, BR = self.tiles(dim)
         n_blocks, n_cols = _cdiv(b * l, BR), _cdiv(dim, gs)
-        n_inner = max(1, _cdiv(n_blocks * n_cols, _GATE_PROGRAMS))
+        n_inner = max(1, _cdiv(n_blocks * n_cols, tuning().gate_programs))
         n_row_progs = _cdiv(n_blocks, n_inner)
         dy = torch.empty(y.shape, device=y.device, dtype=y.dtype)
         dw_part = torch.empty((n_row_progs, dim), device=y.device, dtype=torch.float32) if self.norm else None
@@ -2845,7 +2920,8 @@ def mamba_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias
 
 
 # ---------------------------------------------------------------------------------------------
-# 10. The baseline it replaces: head-parallel all-to-all CP
+# 12. The all-to-all baseline
+#    The head-parallel CP it replaces.
 # ---------------------------------------------------------------------------------------------
 
 
@@ -2987,8 +3063,9 @@ def mamba_conv1d_ssd_a2a(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_s
 
 
 # ---------------------------------------------------------------------------------------------
-# 11. A worked example: `python mamba_cp.py` runs two gloo ranks on this machine over a handful
-#     of tokens and prints each step of state passing, checked against the float64 oracle.
+# 13. A worked example
+#    `python mamba_cp.py` runs two gloo ranks on this machine over a handful of tokens and
+#    prints each step of state passing, checked against the float64 oracle.
 # ---------------------------------------------------------------------------------------------
 
 
@@ -3013,8 +3090,8 @@ def _worked_example(rank, world, port):
     u = conv1d_fwd(x_loc, w, bias, halo)
     x, B, C = _split_xBC(u, cfg)
     # 2. this rank's summary, from a zero entry state: S_out = a * S_in + S_ext
-    k = _Launch(x, B, 16, dt_bias, True, (0.0, float("inf")), None)
-    summary = Summary(x, dt_loc, A, B, dt_bias, None, k)
+    plan = _LaunchPlan(x, B, 16, dt_bias, True, (0.0, float("inf")), None)
+    summary = Summary(x, dt_loc, A, B, dt_bias, None, plan)
     S_ext, a = summary.affine()
     say(f"summary: a = {a.flatten().tolist()}, S_ext =\n{S_ext[0, 0]}")
     # 3. all-gather the summaries and scan: S_in(0) = 0, S_in(1) = a_0 S_in(0) + S_ext(0)

@@ -8,6 +8,7 @@ Criterion (README "Tests and benchmark"): relative RMS error rms(got - want) / r
 for the output, the final state and every gradient.
 """
 
+import dataclasses
 import datetime
 import functools
 import math
@@ -35,6 +36,15 @@ DEVICE = "cuda" if CUDA else "cpu"  # without CUDA the kernels run in the Triton
 FP32_BOUND = 1e-5
 BF16_BOUND = 1e-2
 gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA (these shapes are too large for the interpreter)")
+
+
+@pytest.fixture
+def tuned():
+    """Run a test under another mamba_cp.Tuning (a name in TUNINGS, or a Tuning), restored after."""
+    previous = []
+    yield lambda t: previous.append(mamba_cp.set_tuning(t))
+    if previous:
+        mamba_cp.set_tuning(previous[0])
 
 
 def rel_rms(got, want):
@@ -181,17 +191,10 @@ def test_awkward_shapes(shape):
                                       initial_states=True)), FP32_BOUND)
 
 
-def test_gpu_program_shapes(monkeypatch):
-    """The GPU's program shapes, which the interpreter does not use by default: one head per
-    output program, and a state tile as wide as the whole state in both chunk-backward kernels."""
-    init = mamba_cp._Launch.__init__
-
-    def gpu_like(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        self.heads_per_output = 1
-        self.BN_x = self.BN_bc = self.BN
-
-    monkeypatch.setattr(mamba_cp._Launch, "__init__", gpu_like)
+def test_gpu_program_shapes(tuned):
+    """The GPU's tuning in the interpreter: one head per output program, the whole state as one
+    tile in both chunk-backward kernels, the GPU's segments and conv and gate tiles."""
+    tuned("gpu")
     assert_close(run_both(make_inputs(1, **SMALL, **OPTIONS["all"])), FP32_BOUND)
 
 
@@ -708,19 +711,17 @@ def test_conv_non_contiguous(d):
     conv_check(inp, dout)
 
 
-def test_conv_small_tiles_many_programs(monkeypatch):
+def test_conv_small_tiles_many_programs(tuned):
     """Tiles smaller than the sequence and the channels, several token blocks per backward program:
     taps cross tile edges, channel masks, partial sums folded across blocks."""
-    monkeypatch.setattr(mamba_cp, "_INTERP_BLOCKS", (32, 32))
-    monkeypatch.setattr(mamba_cp, "_FWD_BLOCKS", (32, 32))
-    monkeypatch.setattr(mamba_cp, "_BWD_BLOCKS", (32, 32))
-    monkeypatch.setattr(mamba_cp, "_BWD_PROGRAMS", 7)   # 3 token x 2 channel blocks x 2 rows -> 2 blocks each
+    tuned(dataclasses.replace(mamba_cp.tuning(), conv_fwd_blocks=(32, 32), conv_bwd_blocks=(32, 32),
+                              conv_bwd_programs=7))     # 3 token x 2 channel blocks x 2 rows -> 2 blocks each
     inp, dout = conv_inputs(2, 77, 40, 4, halo=True, bias=True, starts=CONV_STARTS["mixed"], seed=3)
     conv_check(inp, dout)
 
 
-def test_conv_deterministic(monkeypatch):
-    monkeypatch.setattr(mamba_cp, "_BWD_PROGRAMS", 1)   # every token block of a row in one program
+def test_conv_deterministic(tuned):
+    tuned(dataclasses.replace(mamba_cp.tuning(), conv_bwd_programs=1))   # a row's token blocks in one program
     inp, dout = conv_inputs(2, 77, 40, 4, halo=True, bias=True, starts=CONV_STARTS["mixed"], seed=11)
     a, b = mamba_cp.conv1d_bwd(dout, **inp), mamba_cp.conv1d_bwd(dout, **inp)
     for x, y in zip(a, b):
@@ -1197,10 +1198,10 @@ SPLIT_RECORD = dict(batch=1, nheads=64, headdim=64, ngroups=8, dstate=128, d_con
                     dtype=torch.bfloat16)
 
 
-def test_split_gate_norm_programs_loop(monkeypatch):
+def test_split_gate_norm_programs_loop(tuned):
     """Few programs, so each walks several row blocks and sums the norm weight's gradient over
     them (the GPU's plan at long sequences)."""
-    monkeypatch.setattr(mamba_cp, "_GATE_PROGRAMS", 2)
+    tuned(dataclasses.replace(mamba_cp.tuning(), gate_programs=2))
     errs = split_case_errors(dict(SPLIT_SMALL, layout="none", seed=6, norm=True), 0, 1, None, DEVICE)
     assert all(e <= FP32_BOUND for e in errs.values()), errs
 
@@ -1677,6 +1678,27 @@ def test_cuda_graph_capture_single_device():
     checks = graph_capture_check(0, 1, None, "cuda")
     assert all(checks.values()), checks
 
+
+
+# ---------------------------------------------------------------------------------------------
+# The module reads in the order the method runs
+# ---------------------------------------------------------------------------------------------
+
+
+def _reading_order():
+    """(module docstring map, section headers) of mamba_cp.py, as [(number, title)] each."""
+    import re
+    doc = [(int(n), t.strip()) for n, t in re.findall(r"^ {2,3}(\d+)\. (.+)$", mamba_cp.__doc__, flags=re.M)]
+    with open(mamba_cp.__file__) as f:
+        headers = [(int(n), t.strip()) for n, t in re.findall(r"^# -{20,}\n# (\d+)\. (.+)$", f.read(), flags=re.M)]
+    return doc, headers
+
+
+def test_module_map_is_the_section_list():
+    """The module docstring's reading order is the list of section headers, in order."""
+    doc, headers = _reading_order()
+    assert len(headers) >= 10 and [n for n, _ in headers] == list(range(1, len(headers) + 1)), headers
+    assert doc == headers, f"docstring map {doc} differs from the section headers {headers}"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """State-passing context parallelism for a Hugging Face transformers Mamba2 model, through mamba_cp.
 
-Copy this file next to mamba_cp.py in a trainer. Two calls:
+Copy this file next to mamba_cp.py in a trainer. A training step:
 
     model = enable_mamba_cp(model, cp_group, load_balancing="virtual")   # once, after loading
     batch = shard_batch(input_ids, labels, rank, world)                  # per step, on every rank

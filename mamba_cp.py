@@ -431,23 +431,23 @@ def _state_fwd(x, dt, A, B, dt_bias, seq_idx, plan):
 
 @triton.jit
 def _segment_scan_kernel(
-    src_ptr, a_ptr, e_ptr, start_ptr, out_ptr, end_ptr,
+    src_ptr, a_ptr, cont_ptr, start_ptr, out_ptr, end_ptr,
     nseg, nheads, size,
     stride_src_b, stride_src_s, stride_src_h,
     stride_a_b, stride_a_s, stride_a_h,
-    stride_e_b, stride_e_s,
+    stride_cont_b, stride_cont_s,
     stride_start_b, stride_start_h,
     stride_out_b, stride_out_s, stride_out_h,
     stride_end_b, stride_end_h,
-    BLOCK: tl.constexpr, HAS_E: tl.constexpr, HAS_START: tl.constexpr, REVERSE: tl.constexpr,
+    BLOCK: tl.constexpr, HAS_CONT: tl.constexpr, HAS_START: tl.constexpr, REVERSE: tl.constexpr,
 ):
     """The exclusive scan over segment summaries, for one (batch, head, slice of the p*n state).
     Forward (src = S_ext), from S_entry(0) = initial:
-        S_entry(k+1) = e_{k+1} (a_k S_entry(k) + S_ext(k))
+        S_entry(k+1) = cont_{k+1} (a_k S_entry(k) + S_ext(k))
     Reverse (src = G, the pull of each segment's own outputs on its entry), from the final
     state's gradient, the gradient arriving at each segment's exit:
-        dS_exit(k-1) = e_k (G(k) + a_k dS_exit(k))
-    e_k = 0 where segment k starts a new document (e_0 = 1). Stores every S_entry(k) (dS_exit(k))
+        dS_exit(k-1) = cont_k (G(k) + a_k dS_exit(k))
+    cont_k = 0 where segment k starts a new document (cont_0 = 1). Stores every S_entry(k) (dS_exit(k))
     and what is left at the end: the exit of the last segment (the initial state's gradient).
     States are contiguous in p*n."""
     pid = tl.program_id(0)
@@ -463,13 +463,13 @@ def _segment_scan_kernel(
     for i in range(nseg):
         k = nseg - 1 - i if REVERSE else i
         k64 = tl.cast(k, tl.int64)
-        if HAS_E and not REVERSE:
-            S *= tl.load(e_ptr + b * stride_e_b + k64 * stride_e_s)
+        if HAS_CONT and not REVERSE:
+            S *= tl.load(cont_ptr + b * stride_cont_b + k64 * stride_cont_s)
         tl.store(out_ptr + b * stride_out_b + k64 * stride_out_s + h * stride_out_h + offs, S, mask=mask)
         a = tl.load(a_ptr + b * stride_a_b + k64 * stride_a_s + h * stride_a_h)
         S = a * S + tl.load(src_ptr + b * stride_src_b + k64 * stride_src_s + h * stride_src_h + offs, mask=mask)
-        if HAS_E and REVERSE:
-            S *= tl.load(e_ptr + b * stride_e_b + k64 * stride_e_s)
+        if HAS_CONT and REVERSE:
+            S *= tl.load(cont_ptr + b * stride_cont_b + k64 * stride_cont_s)
     tl.store(end_ptr + b * stride_end_b + h * stride_end_h + offs, S, mask=mask)
 
 
@@ -477,31 +477,31 @@ def _scan_block(size):
     return min(tuning().scan_block or _next_pow2(size), _next_pow2(size))
 
 
-def _scan(src, a, start, e, reverse):
+def _scan(src, a, start, cont, reverse):
     b, K, h, p, n = src.shape
     out = torch.empty_like(src)
     end = torch.empty(b, h, p, n, device=src.device, dtype=torch.float32)
     start = None if start is None else start.float().contiguous()
     BLOCK = _scan_block(p * n)
     _segment_scan_kernel[(_cdiv(p * n, BLOCK), b * h)](
-        src, a, e, start, out, end, K, h, p * n,
-        *src.stride()[:3], *a.stride(), *_strides(e, 2), *(start.stride()[:2] if start is not None else (0, 0)),
+        src, a, cont, start, out, end, K, h, p * n,
+        *src.stride()[:3], *a.stride(), *_strides(cont, 2), *(start.stride()[:2] if start is not None else (0, 0)),
         *out.stride()[:3], *end.stride()[:2],
-        BLOCK=BLOCK, HAS_E=e is not None, HAS_START=start is not None, REVERSE=reverse)
+        BLOCK=BLOCK, HAS_CONT=cont is not None, HAS_START=start is not None, REVERSE=reverse)
     return out, end
 
 
-def scan_segments(S_ext, a, initial=None, e=None):
+def scan_segments(S_ext, a, initial=None, cont=None):
     """Exclusive scan over segment summaries: the entry state of every segment (b, K, h, p, n)
     and the exit state of the last (b, h, p, n), all fp32. S_ext (b, K, h, p, n) and a (b, K, h)
-    contiguous; initial (b, h, p, n) or None; e (b, K) fp32 document-continuation flags or None."""
-    return _scan(S_ext, a, initial, e, reverse=False)
+    contiguous; initial (b, h, p, n) or None; cont (b, K) fp32 document-continuation flags or None."""
+    return _scan(S_ext, a, initial, cont, reverse=False)
 
 
-def scan_segments_bwd(G, a, dfinal=None, e=None):
+def scan_segments_bwd(G, a, dfinal=None, cont=None):
     """Reverse exclusive scan: the gradient arriving at every segment's exit (b, K, h, p, n) and
     the gradient of the initial state (b, h, p, n), all fp32."""
-    return _scan(G, a, dfinal, e, reverse=True)
+    return _scan(G, a, dfinal, cont, reverse=True)
 
 
 @triton.jit
@@ -1671,11 +1671,11 @@ def _return_halo_grad(dxBC, dhalo, cfg):
 
 
 def _document_flags(first, last):
-    """e (b, K) fp32: 0 where segment k starts a new document (its first id differs from segment
+    """cont (b, K) fp32: 0 where segment k starts a new document (its first id differs from segment
     k-1's last), 1 elsewhere and for segment 0 (initial_states reach the first document)."""
-    e = torch.ones(first.shape, device=first.device, dtype=torch.float32)
-    e[:, 1:] = (first[:, 1:] == last[:, :-1]).float()
-    return e
+    cont = torch.ones(first.shape, device=first.device, dtype=torch.float32)
+    cont[:, 1:] = (first[:, 1:] == last[:, :-1]).float()
+    return cont
 
 
 def _gather_summaries(S_ext, a, seq_idx, cfg):
@@ -1692,14 +1692,14 @@ def _gather_summaries(S_ext, a, seq_idx, cfg):
 def _scan_shards(every, initial_states, has_seq, cfg):
     """Finish forward state passing once the gather is done: the exclusive scan in global
     segment order. Returns this rank's segment entry states (rows, h, p, n), the final state of
-    the whole sequence (b, h, p, n), and what backward needs: a and e in global order."""
+    the whole sequence (b, h, p, n), and what backward needs: a and cont in global order."""
     h, p, n = cfg.state_shape
     shapes = [((h, p, n), torch.float32), ((h,), torch.float32)]
     shapes += [((1,), torch.int32), ((1,), torch.int32)] if has_seq else []
     S_all, a_all, *ids = _unpack(cfg.segs.gather_order(every, cfg.batch), shapes)  # (b, K, ...)
-    e = _document_flags(ids[0][..., 0], ids[1][..., 0]) if ids else None
-    entries, final = scan_segments(S_all.contiguous(), a_all.contiguous(), initial_states, e)
-    return cfg.segs.own(entries), final, a_all.contiguous(), e
+    cont = _document_flags(ids[0][..., 0], ids[1][..., 0]) if ids else None
+    entries, final = scan_segments(S_all.contiguous(), a_all.contiguous(), initial_states, cont)
+    return cfg.segs.own(entries), final, a_all.contiguous(), cont
 
 
 def _gather_G(G, dfinal, cfg):
@@ -1714,7 +1714,7 @@ def _gather_G(G, dfinal, cfg):
     return _all_gather(buf, cfg.group, async_op=True)
 
 
-def _scan_shards_bwd(every, a_all, e, cfg):
+def _scan_shards_bwd(every, a_all, cont, cfg):
     """Finish backward state passing once the gather is done: the reverse exclusive scan.
     Returns the gradient arriving at this rank's segment exits (rows, h, p, n) and that of
     initial_states (b, h, p, n)."""
@@ -1723,7 +1723,7 @@ def _scan_shards_bwd(every, a_all, e, cfg):
     G_part, dfin = every[:, :rows * h * p * n], every[:, rows * h * p * n:]
     G_all = cfg.segs.gather_order(G_part.reshape(cfg.world, rows, h, p, n), cfg.batch)  # (b, K, h, p, n)
     dfinal = dfin.reshape(cfg.world, cfg.batch, h, p, n).sum(dim=0)
-    dexit_all, dinit = scan_segments_bwd(G_all.contiguous(), a_all, dfinal, e)
+    dexit_all, dinit = scan_segments_bwd(G_all.contiguous(), a_all, dfinal, cont)
     return cfg.segs.own(dexit_all), dinit
 
 
@@ -2247,7 +2247,7 @@ def _conv1d_ssd_cp_fwd(xBC: Tensor, dt: Tensor, conv_weight: Tensor, conv_bias: 
                        state_dtype: Optional[torch.dtype], agree: bool) -> list[Tensor]:
     """Forward of one causal segment per row: xBC (rows, s, conv_dim), dt (rows, s, h), seq_idx
     (rows, s). Returns [y, final state, and what backward needs: halo, halo_seq, entries, a_all,
-    e] (absent ones empty). With agree (a compiled call), the checks that read device values and
+    cont] (absent ones empty). With agree (a compiled call), the checks that read device values and
     the ranks' agreement run here first, where an eager call has run them before.
 
     Halo exchange, conv of the x and B channels, the state pass from a zero entry (the segment's
@@ -2280,14 +2280,14 @@ def _conv1d_ssd_cp_fwd(xBC: Tensor, dt: Tensor, conv_weight: Tensor, conv_bias: 
         C = _conv_channels(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, slice(x_ch + B_ch, None), silu)
         C = C.unflatten(-1, (cfg.ngroups, cfg.dstate))
         work.wait()
-    entries, final, a_all, e = _scan_shards(every, initial_states, seq_idx is not None, cfg)
+    entries, final, a_all, cont = _scan_shards(every, initial_states, seq_idx is not None, cfg)
     y, _ = ssd_output(x, dt, A, B, C, D, dt_bias, seq_idx, summary, entries)
     f32 = dict(device=xBC.device, dtype=torch.float32)
     rows = xBC.shape[0]
     return [y, final, xBC.new_empty((rows, 0, xBC.shape[2])) if halo is None else halo.clone(),
             torch.empty((rows, 0) if seq_idx is not None else 0, device=xBC.device, dtype=torch.int32)
             if halo_seq is None else halo_seq.clone(),
-            entries.contiguous(), a_all.clone(), torch.empty(0, **f32) if e is None else e]
+            entries.contiguous(), a_all.clone(), torch.empty(0, **f32) if cont is None else cont]
 
 
 @_conv1d_ssd_cp_fwd.register_fake
@@ -2312,18 +2312,18 @@ def _conv1d_ssd_cp_fwd_fake(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, init
 def _conv1d_ssd_cp_bwd(dy: Tensor, dfinal: Optional[Tensor], xBC: Tensor, dt: Tensor, conv_weight: Tensor,
                        conv_bias: Optional[Tensor], dt_bias: Optional[Tensor], A: Tensor, D: Optional[Tensor],
                        initial_states: Optional[Tensor], seq_idx: Optional[Tensor], halo: Tensor, halo_seq: Tensor,
-                       entries: Tensor, a_all: Tensor, e: Tensor, group: str, load_balancing: str, batch: int,
+                       entries: Tensor, a_all: Tensor, cont: Tensor, group: str, load_balancing: str, batch: int,
                        chunk_size: int, headdim: int, ngroups: int, dt_min: float, dt_max: float, silu: bool,
                        state_dtype: Optional[torch.dtype]) -> list[Tensor]:
     """[dxBC, ddt, dconv_weight, dconv_bias, ddt_bias, dA, dD, dinitial_states] (absent ones empty)."""
     grads = _conv1d_ssd_cp_backward(dy, dfinal, xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states,
-                                   seq_idx, halo, halo_seq, entries, a_all, e, group, load_balancing, batch,
+                                   seq_idx, halo, halo_seq, entries, a_all, cont, group, load_balancing, batch,
                                    chunk_size, headdim, ngroups, dt_min, dt_max, silu, state_dtype)
     return [_empty_if_none(g, xBC) for g in grads]
 
 
 def _conv1d_ssd_cp_backward(dy, dfinal, xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx,
-                            halo, halo_seq, entries, a_all, e, group, load_balancing, batch, chunk_size, headdim,
+                            halo, halo_seq, entries, a_all, cont, group, load_balancing, batch, chunk_size, headdim,
                             ngroups, dt_min, dt_max, silu, state_dtype, dxBC_into=None, ddt_into=None):
     """The backward op's body: [dxBC, ddt, dconv_weight, dconv_bias, ddt_bias, dA, dD,
     dinitial_states], None where absent. Given dxBC_into (rows, s, conv_dim) and ddt_into (rows,
@@ -2335,7 +2335,7 @@ def _conv1d_ssd_cp_backward(dy, dfinal, xBC, dt, conv_weight, conv_bias, dt_bias
     the halo's gradient goes back to its owner."""
     cfg = _cp_config(xBC, dt, conv_weight, group, load_balancing, batch, chunk_size, headdim, ngroups,
                      (dt_min, dt_max))
-    halo, halo_seq, e = _none_if_empty(halo), _none_if_empty(halo_seq), _none_if_empty(e)
+    halo, halo_seq, cont = _none_if_empty(halo), _none_if_empty(halo_seq), _none_if_empty(cont)
     u = conv1d_fwd(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, silu=silu)
     x, B, C = _split_xBC(u, cfg)
     plan = _LaunchPlan(x, B, min(cfg.chunk, tuning().chunk_bwd), dt_bias, True, cfg.dt_limit, seq_idx, state_dtype)
@@ -2344,7 +2344,7 @@ def _conv1d_ssd_cp_backward(dy, dfinal, xBC, dt, conv_weight, conv_bias, dt_bias
     summary = Summary(x, dt, A, B, dt_bias, seq_idx, plan)                        # overlaps the gather
     if work is not None:
         work.wait()
-    dexit, dinit = _scan_shards_bwd(every, a_all, e, cfg)
+    dexit, dinit = _scan_shards_bwd(every, a_all, cont, cfg)
 
     du = torch.empty_like(u)
     dx, dB, dC = _split_xBC(du, cfg)
@@ -2363,7 +2363,7 @@ def _conv1d_ssd_cp_backward(dy, dfinal, xBC, dt, conv_weight, conv_bias, dt_bias
 
 @_conv1d_ssd_cp_bwd.register_fake
 def _(dy, dfinal, xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, halo, halo_seq, entries,
-      a_all, e, group, load_balancing, batch, chunk_size, headdim, ngroups, dt_min, dt_max, silu, state_dtype):
+      a_all, cont, group, load_balancing, batch, chunk_size, headdim, ngroups, dt_min, dt_max, silu, state_dtype):
     like = (xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states)
     return [xBC.new_empty(0) if t is None else torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in like]
 
@@ -2375,10 +2375,10 @@ class _Conv1dSSDCPFn(torch.autograd.Function):
     def forward(ctx, xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, group, load_balancing,
                 batch, chunk_size, headdim, ngroups, dt_limit, silu, state_dtype, agree):
         opts = (group, load_balancing, batch, chunk_size, headdim, ngroups, dt_limit[0], dt_limit[1], silu, state_dtype)
-        y, final, halo, halo_seq, entries, a_all, e = _conv1d_ssd_cp_fwd(
+        y, final, halo, halo_seq, entries, a_all, cont = _conv1d_ssd_cp_fwd(
             xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, *opts, agree)
         ctx.save_for_backward(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx,
-                              halo, halo_seq, entries, a_all, e)
+                              halo, halo_seq, entries, a_all, cont)
         ctx.opts = opts
         return y, final
 
@@ -2738,7 +2738,7 @@ def _split_conv1d_scan_bwd(dout: Tensor, dfinal: Optional[Tensor], zxbcdt: Tenso
                            initial_states: Optional[Tensor], rmsnorm_weight: Optional[Tensor],
                            outproj_weight: Optional[Tensor], outproj_bias: Optional[Tensor], seq_idx: Optional[Tensor],
                            y: Tensor, xBC_rows: Tensor, dt_rows: Tensor, halo: Tensor, halo_seq: Tensor,
-                           entries: Tensor, a_all: Tensor, e: Tensor, widths: list[int], core_opts: list[float],
+                           entries: Tensor, a_all: Tensor, cont: Tensor, widths: list[int], core_opts: list[float],
                            group: str, load_balancing: str, state_dtype: Optional[torch.dtype], eps: float,
                            group_size: int, norm_before_gate: bool, permute: bool) -> list[Tensor]:
     """[dzxbcdt, dconv_weight, dconv_bias, ddt_bias, dA, dD, dinitial_states, drmsnorm_weight,
@@ -2773,7 +2773,7 @@ def _split_conv1d_scan_bwd(dout: Tensor, dfinal: Optional[Tensor], zxbcdt: Tenso
     # strides allow no per-segment view: then they are copied in once
     into = (None, None) if permute else (segs.rows_view(dxBC_out), segs.rows_view(ddt_out))
     grads = _conv1d_ssd_cp_backward(dy, dfinal, xBC_rows, dt_rows, conv_weight, conv_bias, dt_bias, A, D,
-                                    initial_states, seq_idx, halo, halo_seq, entries, a_all, e, *opts,
+                                    initial_states, seq_idx, halo, halo_seq, entries, a_all, cont, *opts,
                                     dxBC_into=into[0], ddt_into=into[1])
     dxBC, ddt, dconv_w, dconv_b, ddt_bias, dA, dD, dinit = grads
     for rows_grad, view, out in ((dxBC, into[0], dxBC_out), (ddt, into[1], ddt_out)):
@@ -2787,7 +2787,7 @@ def _split_conv1d_scan_bwd(dout: Tensor, dfinal: Optional[Tensor], zxbcdt: Tenso
 
 @_split_conv1d_scan_bwd.register_fake
 def _(dout, dfinal, zxbcdt, conv_weight, conv_bias, dt_bias, A, D, initial_states, rmsnorm_weight, outproj_weight,
-      outproj_bias, seq_idx, y, xBC_rows, dt_rows, halo, halo_seq, entries, a_all, e, widths, core_opts, group,
+      outproj_bias, seq_idx, y, xBC_rows, dt_rows, halo, halo_seq, entries, a_all, cont, widths, core_opts, group,
       load_balancing, state_dtype, eps, group_size, norm_before_gate, permute):
     like = (zxbcdt, conv_weight, conv_bias, dt_bias, A, D, initial_states, rmsnorm_weight, outproj_weight, outproj_bias)
     return [zxbcdt.new_empty(0) if t is None else torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in like]

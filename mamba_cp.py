@@ -281,11 +281,13 @@ TUNINGS = {
 _TUNING = [TUNINGS["interpreter" if INTERPRET else "gpu"]]
 
 
-def set_tuning(tuning):
-    """Make `tuning` (a Tuning, or a name in TUNINGS) the one every launch uses; returns the
+def set_tuning(choice):
+    """Make `choice` (a Tuning, or a name in TUNINGS) the one every launch uses; returns the
     previous one. Tests pick the GPU's in the interpreter this way; bench.py its variants."""
+    if isinstance(choice, str) and choice not in TUNINGS or not isinstance(choice, (str, Tuning)):
+        raise ValueError(f"set_tuning: got {choice!r}, expected a Tuning or one of {sorted(TUNINGS)}")
     previous = _TUNING[0]
-    _TUNING[0] = TUNINGS[tuning] if isinstance(tuning, str) else tuning
+    _TUNING[0] = TUNINGS[choice] if isinstance(choice, str) else choice
     return previous
 
 

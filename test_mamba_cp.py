@@ -191,6 +191,12 @@ def test_awkward_shapes(shape):
                                       initial_states=True)), FP32_BOUND)
 
 
+def test_set_tuning_refuses_unknown_names():
+    with pytest.raises(ValueError, match="expected a Tuning or one of"):
+        mamba_cp.set_tuning("h100")
+    assert mamba_cp.tuning() is mamba_cp.TUNINGS["gpu" if CUDA else "interpreter"]
+
+
 def test_gpu_program_shapes(tuned):
     """The GPU's tuning in the interpreter: one head per output program, the whole state as one
     tile in both chunk-backward kernels, the GPU's segments and conv and gate tiles."""

@@ -1336,7 +1336,7 @@ def _chunk_scan_fwd(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chun
     out, y_kept = y, y.new_empty(0)
     if z is not None:
         out, y_kept = torch.empty_like(y), y
-        _GateNorm(None, 0.0, 0, True).forward(_flat_heads(y), _flat_heads(z), out.flatten(-2))
+        _Z_GATE.forward(_flat_heads(y), _flat_heads(z), out.flatten(-2))
     return out, _empty_if_none(final, y, torch.float32), _empty_if_none(doc_states, y, torch.float32), y_kept
 
 
@@ -1361,8 +1361,7 @@ def _chunk_scan_bwd(dout: Tensor, dfinal: Optional[Tensor], x: Tensor, dt: Tenso
     dy, dz = dout, None
     if z is not None:                                  # through the gate first
         dz = torch.empty(z.shape, device=z.device, dtype=z.dtype)
-        dy, _ = _GateNorm(None, 0.0, 0, True).backward(_flat_heads(dout), _flat_heads(y), _flat_heads(z),
-                                                       dz.flatten(-2))
+        dy, _ = _Z_GATE.backward(_flat_heads(dout), _flat_heads(y), _flat_heads(z), dz.flatten(-2))
         dy = dy.unflatten(-1, x.shape[2:])
     plan = _LaunchPlan(x, B, min(chunk_size, tuning().chunk_bwd), dt_bias, dt_softplus, (dt_min, dt_max), seq_idx,
                        state_dtype)
@@ -2675,6 +2674,10 @@ class _GateNorm:
             dy.stride(0), dy.stride(1), dz.stride(0), dz.stride(1), dw_part.stride(0) if self.norm else 0,
             BR=BR, BG=BG, NORM=self.norm, BEFORE=self.before)
         return dy, (dw_part.sum(0) if self.norm else None)
+
+
+
+_Z_GATE = _GateNorm(None, 0.0, 0, True)   # the plain gate y * silu(z), also mamba_chunk_scan_combined's
 
 
 def _swiglu(z0, x0):

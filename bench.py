@@ -117,7 +117,10 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 COPY_REPS = 10  # back-to-back copies per timed sample of the copy floor
 MIB = 2 ** 20
-PATHS = ("a2a", "none", "permute_p2p", "permute_a2a", "virtual")   # "a2a" first: the speedup baseline
+# "a2a" first: the speedup baseline. A state-passing path is its load_balancing, with the summaries
+# and halos all-gathered; "+scan" sends them by prefix scan and from the neighbours instead
+# (summary_exchange="scan"; the library's default "auto" picks one of the two by its link model)
+PATHS = ("a2a", "none", "permute_p2p", "permute_a2a", "virtual", "none+scan", "virtual+scan")
 
 # shape of record on a GPU; a small shape for the CPU interpreter
 GPU_DEFAULTS = dict(lengths="4096,16384,65536", iters=20, warmup=5, dtype="bf16",
@@ -489,9 +492,15 @@ def make_gate_local(args, L, device):
     return split, separate, grad
 
 
+def layout_of(path):
+    """(load_balancing, summary_exchange) of a path; a2a's load_balancing is its input's."""
+    layout, _, scan = path.partition("+")
+    return ("virtual" if layout == "a2a" else layout), ("scan" if scan else "all_gather")
+
+
 def input_layout(path):
     """The load_balancing of the shard a path is fed: contiguous for "none", zigzag otherwise."""
-    return "none" if path == "none" else "virtual"
+    return "none" if layout_of(path)[0] == "none" else "virtual"
 
 
 def cp_call(path, t, args, group):
@@ -501,16 +510,18 @@ def cp_call(path, t, args, group):
         return unfused_call(t, args)
     if path.startswith("mixer:"):   # torchrun --entry mixer: the entry Mamba2 mixers call, z gate included
         layout = path.split(":")[1]
-        if layout == "a2a":          # the baseline has no mixer entry: its core on views, the gate in torch
+        if layout.startswith("a2a"):          # the baseline has no mixer entry: its core on views, the gate in torch
             dim = args.nheads * args.headdim
             z, xBC, dt = t["zxbcdt"].split([dim, t["zxbcdt"].shape[2] - dim - args.nheads, args.nheads], dim=-1)
             y = mamba_cp.mamba_conv1d_ssd_a2a(xBC, dt, t["conv_weight"], t["conv_bias"], t["dt_bias"], t["A"], t["D"],
                                               args.chunk, headdim=args.headdim, ngroups=args.ngroups, cp_group=group,
                                               load_balancing="virtual")
             return y.flatten(-2) * torch.nn.functional.silu(z)
+        layout, exchange = layout_of(layout)
         return mamba_cp.mamba_split_conv1d_scan_combined(
             t["zxbcdt"], t["conv_weight"], t["conv_bias"], t["dt_bias"], t["A"], t["D"], args.chunk,
-            headdim=args.headdim, ngroups=args.ngroups, cp_group=group, load_balancing=layout)
+            headdim=args.headdim, ngroups=args.ngroups, cp_group=group, load_balancing=layout,
+            summary_exchange=exchange)
     if path == "split":        # the entry Mamba2 mixers call, z gate included
         return mamba_cp.mamba_split_conv1d_scan_combined(
             t["zxbcdt"], t["conv_weight"], t["conv_bias"], t["dt_bias"], t["A"], t["D"], args.chunk,
@@ -519,10 +530,13 @@ def cp_call(path, t, args, group):
         y = mamba_cp.mamba_conv1d_ssd_cp(t["xBC"], t["dt"], t["conv_weight"], t["conv_bias"], t["dt_bias"], t["A"],
                                          t["D"], args.chunk, headdim=args.headdim, ngroups=args.ngroups, cp_group=group)
         return y.flatten(-2) * torch.nn.functional.silu(t["z"])
-    fn = mamba_cp.mamba_conv1d_ssd_a2a if path == "a2a" else mamba_cp.mamba_conv1d_ssd_cp
-    return fn(t["xBC"], t["dt"], t["conv_weight"], t["conv_bias"], t["dt_bias"], t["A"], t["D"], args.chunk,
-              headdim=args.headdim, ngroups=args.ngroups, cp_group=group,
-              load_balancing="virtual" if path == "a2a" else path)
+    layout, exchange = layout_of(path)
+    common = (t["xBC"], t["dt"], t["conv_weight"], t["conv_bias"], t["dt_bias"], t["A"], t["D"], args.chunk)
+    if path == "a2a":
+        return mamba_cp.mamba_conv1d_ssd_a2a(*common, headdim=args.headdim, ngroups=args.ngroups, cp_group=group,
+                                             load_balancing=layout)
+    return mamba_cp.mamba_conv1d_ssd_cp(*common, headdim=args.headdim, ngroups=args.ngroups, cp_group=group,
+                                        load_balancing=layout, summary_exchange=exchange)
 
 
 class ConvFn(torch.autograd.Function):
@@ -567,7 +581,7 @@ def make_cp_step(path, leaves, grad_y, args, group):
 # communication volume, from the shapes
 # ---------------------------------------------------------------------------------------------
 
-VALIDATION_INTS = 9 * 7 + 5 + 1   # mamba_cp._agree: 9 tensor args x (ndim + 5 dims + dtype), 5 options, verdict
+VALIDATION_INTS = 9 * 7 + 6 + 1   # mamba_cp._agree: 9 tensor args x (ndim + 5 dims + dtype), 6 options, verdict
 
 
 def permuted_pieces(W):
@@ -580,29 +594,39 @@ def permuted_pieces(W):
 def comm_bytes(path, W, L, batch, shape, dtype_bytes, documents=False):
     """Bytes one rank receives from the other ranks, per layer call, forward and backward, as
     mamba_cp moves them (for every exchange here a rank sends as much as it receives; where
-    ranks differ, the busiest rank). Returns dict(fwd=, bwd=, terms={name: bytes}), or None
-    when the path cannot run (a2a with nheads not divisible by W; L not divisible by 2W).
+    ranks differ, the busiest rank). Returns dict(fwd=, bwd=, terms={name: bytes},
+    latencies={name: messages in sequence}), or None when the path cannot run (a2a with nheads
+    not divisible by W; L not divisible by 2W). model_seconds() turns the two into time.
 
     Notation: b batch, h nheads, p headdim, n dstate, g ngroups, d1 = d_conv - 1, conv_dim =
     h*p + 2*g*n, e = dtype_bytes (xBC, y and their gradients), dt and its gradient fp32 (4 bytes),
-    l = L/W tokens per rank, s = L/(2W) tokens per zigzag piece. An all-gather of a block of B
-    bytes per rank makes each rank receive (W-1) * B. `documents` adds the seq_idx terms
-    (int32), which the benchmark itself does not use.
+    l = L/W tokens per rank, s = L/(2W) tokens per zigzag piece, R = ceil(log2 W). An all-gather
+    of a block of B bytes per rank makes each rank receive (W-1) * B, in W-1 ring steps.
+    `documents` adds the seq_idx terms (int32), which the benchmark itself does not use.
 
     Every path, forward: the input check's all-gather ("validation"), VALIDATION_INTS int64
-    per rank: (W-1) * 69 * 8.
+    per rank: (W-1) * 70 * 8.
 
-    State passing, "none" (k = 1 segment per rank) and "virtual" (k = 2), rows = b*k:
+    State passing, "none" (k = 1 segment per rank) and "virtual" (k = 2), rows = b*k, with the
+    summaries all-gathered:
       fwd  conv halo all-gather: (W-1) * rows * d1 * conv_dim * 4 (the halo travels packed as
            fp32, mamba_cp._pack, whatever the input dtype) [+ (W-1) * rows * d1 * 4 ids]
       fwd  summary all-gather, fp32: (W-1) * rows * (h*p*n + h [+ 2 ids]) * 4
       bwd  G all-gather, fp32: (W-1) * (rows * h*p*n + b*h*p*n) * 4 (G of every segment plus the
            rank's final-state gradient, sent even when zero)
       bwd  halo-gradient all-gather, fp32: (W-1) * rows * d1 * conv_dim * 4
+    "+scan" (summary_exchange="scan"), the same quantities point to point:
+      fwd  halos from the neighbours: rows * d1 * conv_dim * 4 [+ rows * d1 * 4 ids]; 1 message
+      fwd  R prefix rounds of one map per segment: R * rows * (h*p*n + h [+ 2 ids]) * 4; R
+      fwd  the totals' broadcasts, one per chain: rows * (h*p*n + h [+ 2 ids]) * 4; k * R
+      bwd  the final-state gradient's all-reduce: 2 (W-1)/W * b*h*p*n * 4; 2R
+      bwd  R rounds of the gradient maps: R * rows * (h*p*n + h) * 4; R
+      bwd  "virtual": the second halves' total, broadcast: b * (h*p*n + h) * 4; R
+      bwd  halo gradients to the neighbours: rows * d1 * conv_dim * 4; 1
 
     "permute_p2p" / "permute_a2a": the state passing of "none" plus the zigzag <-> contiguous
     moves of the activations, P = permuted_pieces(W) pieces per direction (both variants move
-    the same bytes; pieces a rank keeps do not count):
+    the same bytes; pieces a rank keeps do not count; p2p in 1 message time, a2a in W-1):
       fwd  xBC and dt to contiguous: P * b * s * (conv_dim*e + h*4) [+ P * b * s * 4 ids]
       fwd  y back to zigzag: P * b * s * h*p*e
       bwd  dy to contiguous: P * b * s * h*p*e
@@ -611,7 +635,7 @@ def comm_bytes(path, W, L, batch, shape, dtype_bytes, documents=False):
     "a2a" (head-parallel; needs h % W == 0; hw = h/W heads per rank; gr = groups of B and C a
     rank needs: g/W when W divides g, else 1 when its heads share one group, else one copy per
     head, hw; as mamba_cp._a2a_heads): every rank sends each other rank that rank's channels of
-    its l local tokens (its own block stays):
+    its l local tokens (its own block stays), W-1 messages each:
       fwd  xBC all-to-all: (W-1) * b * l * (hw*p + 2*gr*n) * e
       fwd  dt all-to-all: (W-1) * b * l * hw * 4
       fwd  y all-to-all back: (W-1) * b * l * hw*p * e
@@ -622,35 +646,59 @@ def comm_bytes(path, W, L, batch, shape, dtype_bytes, documents=False):
     e, f4 = dtype_bytes, 4
     if L % (2 * W) or (path == "a2a" and h % W):
         return None
-    o = W - 1
-    fwd, bwd = {"validation all-gather": o * VALIDATION_INTS * 8}, {}
+    o, R, ids = W - 1, max(0, W - 1).bit_length(), (1 if documents else 0)
+    layout, exchange = layout_of(path)
+    fwd, bwd, lat = {}, {}, {}
+
+    def add(side, name, nbytes, latencies):
+        side[name] = nbytes
+        lat[("fwd: " if side is fwd else "bwd: ") + name] = latencies
+
+    add(fwd, "validation all-gather", o * VALIDATION_INTS * 8, o)
     if path == "a2a":
         hw = h // W
         gr = len(mamba_cp._a2a_heads(h, g, W, 0)[1])
         l = L // W
-        fwd["xBC all-to-all"] = o * batch * l * (hw * p + 2 * gr * n) * e
-        fwd["dt all-to-all"] = o * batch * l * hw * f4
-        fwd["y all-to-all"] = o * batch * l * hw * p * e
+        for side in (fwd, bwd):
+            add(side, "xBC all-to-all" if side is fwd else "dxBC all-to-all", o * batch * l * (hw * p + 2 * gr * n) * e, o)
+            add(side, "dt all-to-all" if side is fwd else "ddt all-to-all", o * batch * l * hw * f4, o)
+            add(side, "y all-to-all" if side is fwd else "dy all-to-all", o * batch * l * hw * p * e, o)
         if documents:
-            fwd["seq_idx all-gather"] = o * batch * l * 4
-        bwd["dy all-to-all"] = fwd["y all-to-all"]
-        bwd["dxBC all-to-all"] = fwd["xBC all-to-all"]
-        bwd["ddt all-to-all"] = fwd["dt all-to-all"]
+            add(fwd, "seq_idx all-gather", o * batch * l * 4, o)
     else:
-        rows = batch * (2 if path == "virtual" else 1)
-        fwd["halo all-gather"] = o * rows * d1 * (cd + (1 if documents else 0)) * f4
-        fwd["summary all-gather"] = o * rows * (h * p * n + h + (2 if documents else 0)) * f4
-        bwd["G all-gather"] = o * (rows + batch) * h * p * n * f4
-        bwd["halo-gradient all-gather"] = o * rows * d1 * cd * f4
-        if path.startswith("permute"):
+        k = 2 if layout == "virtual" else 1
+        rows, state = batch * k, h * p * n
+        if exchange == "all_gather":
+            add(fwd, "halo all-gather", o * rows * d1 * (cd + ids) * f4, o)
+            add(fwd, "summary all-gather", o * rows * (state + h + 2 * ids) * f4, o)
+            add(bwd, "G all-gather", o * (rows + batch) * state * f4, o)
+            add(bwd, "halo-gradient all-gather", o * rows * d1 * cd * f4, o)
+        else:
+            add(fwd, "halos from the neighbours", rows * d1 * (cd + ids) * f4, 1)
+            add(fwd, "summary prefix rounds", R * rows * (state + h + 2 * ids) * f4, R)
+            add(fwd, "totals broadcast", rows * (state + h + 2 * ids) * f4, k * R)
+            add(bwd, "final-gradient all-reduce", 2 * o * batch * state * f4 // W, 2 * R)
+            add(bwd, "gradient prefix rounds", R * rows * (state + h) * f4, R)
+            if k == 2:
+                add(bwd, "second halves broadcast", batch * (state + h) * f4, R)
+            add(bwd, "halo gradients to the neighbours", rows * d1 * cd * f4, 1)
+        if layout.startswith("permute"):
             P, s = permuted_pieces(W), L // (2 * W)
-            fwd["xBC, dt to contiguous"] = P * batch * s * (cd * e + h * f4 + (4 if documents else 0))
-            fwd["y to zigzag"] = P * batch * s * h * p * e
-            bwd["dy to contiguous"] = P * batch * s * h * p * e
-            bwd["dxBC, ddt to zigzag"] = P * batch * s * (cd * e + h * f4)
+            m = 1 if layout == "permute_p2p" else o
+            add(fwd, "xBC, dt to contiguous", P * batch * s * (cd * e + h * f4 + 4 * ids), m)
+            add(fwd, "y to zigzag", P * batch * s * h * p * e, m)
+            add(bwd, "dy to contiguous", P * batch * s * h * p * e, m)
+            add(bwd, "dxBC, ddt to zigzag", P * batch * s * (cd * e + h * f4), m)
     terms = {f"fwd: {k}": v for k, v in fwd.items()}
     terms.update({f"bwd: {k}": v for k, v in bwd.items()})
-    return dict(fwd=sum(fwd.values()), bwd=sum(bwd.values()), terms=terms)
+    return dict(fwd=sum(fwd.values()), bwd=sum(bwd.values()), terms=terms, latencies=lat)
+
+
+def model_seconds(c, link):
+    """The latency-bandwidth model's time of comm_bytes' terms c on a mamba_cp.LinkModel: each
+    term, its messages in sequence times alpha plus its bytes times beta, summed over the
+    terms (forward and backward; no overlap with compute)."""
+    return sum(c["latencies"][name] * link.alpha + nbytes * link.beta for name, nbytes in c["terms"].items())
 
 
 def fmt_bytes(nbytes):
@@ -700,6 +748,96 @@ def report_comm_table(args):
                          error=None if c is not None else "not runnable (nheads % W or L % 2W)")
                 print("RESULT " + json.dumps(r))
     sys.stdout.flush()
+
+
+# ---------------------------------------------------------------------------------------------
+# the exchange model: each path's communication time per layer from alpha and beta
+# ---------------------------------------------------------------------------------------------
+
+MODEL_WORLDS = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+MODEL_PATHS = ("a2a", "none", "none+scan", "virtual", "virtual+scan")
+
+
+def measure_link(device, sizes=(8, 64 * MIB), iters=20):
+    """alpha and beta between ranks 0 and 1 of the WORLD group, by ping-pong: the p50 of half a
+    round trip at a small and a large message; the other ranks wait. Returns a LinkModel on every rank."""
+    rank = dist.get_rank()
+    half = []
+    for nbytes in sizes:
+        buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        times = []
+        for i in range(iters + 3):
+            sync_barrier(device)
+            t0 = time.perf_counter()
+            if rank == 0:
+                dist.send(buf, 1)
+                dist.recv(buf, 1)
+            elif rank == 1:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+            if CUDA:
+                torch.cuda.synchronize()
+            if i >= 3:
+                times.append((time.perf_counter() - t0) / 2)
+        half.append(statistics.median(times))
+    t = torch.tensor(half, dtype=torch.float64, device=device)
+    dist.broadcast(t, 0)
+    (t_small, t_large), (small, large) = t.tolist(), sizes
+    beta = max(t_large - t_small, 1e-15) / (large - small)
+    return mamba_cp.LinkModel(alpha=max(t_small - beta * small, 0.0), beta=beta)
+
+
+def report_model_table(args, links, local_length):
+    """Per link, each path's modelled communication time per layer call (forward+backward, ms)
+    at the record shape, local_length tokens per rank, W = 2 to 1024; and the exchange
+    summary_exchange="auto" picks there for "virtual" (from mamba_cp's own model)."""
+    shape, dtype = RECORD_SHAPE, RECORD_DTYPE
+    batch = 1
+    print(f"\n# Modelled communication per layer call, forward+backward, ms (comm_bytes' terms: messages x "
+          f"alpha + bytes x beta, no overlap with compute): record shape, {dtype}, batch {batch}, "
+          f"{local_length} tokens per rank (L = W x {local_length}); a2a needs nheads % W == 0")
+    for name, link in links.items():
+        print(f"link {name}: alpha {link.alpha * 1e6:.2f} us, beta {1 / link.beta / 1e9:.1f} GB/s")
+        print(f"{'W':>6}" + "".join(f"{p:>14}" for p in MODEL_PATHS) + f"{'auto (virtual)':>16}")
+        previous, rows = mamba_cp.set_link_model(link), []
+        try:
+            for W in MODEL_WORLDS:
+                L = W * local_length
+                cells, r = [], dict(bench="exchange_model", link=name, alpha_s=link.alpha, beta_s_per_byte=link.beta,
+                                    W=W, L=L, batch=batch, dtype=dtype, ms={})
+                for path in MODEL_PATHS:
+                    c = comm_bytes(path, W, L, batch, shape, DTYPE_BYTES[dtype])
+                    ms = None if c is None else model_seconds(c, link) * 1e3
+                    r["ms"][path] = ms
+                    cells.append(fmt(ms, ".3f"))
+                r["auto_virtual"] = mamba_cp._chosen_exchange("auto", W, "virtual", batch, (shape.nheads, shape.headdim,
+                                                              shape.dstate), shape.conv_dim, shape.d_conv)
+                print(f"{W:>6}" + "".join(f"{cell:>14}" for cell in cells) + f"{r['auto_virtual']:>16}")
+                rows.append(r)
+        finally:
+            mamba_cp.set_link_model(previous)
+        for r in rows:
+            print("RESULT " + json.dumps(r))
+    sys.stdout.flush()
+
+
+def main_model(args):
+    """--model: measure alpha and beta where run with W >= 2 (torchrun), then the table for that
+    link and for mamba_cp.LINKS' assumed ones."""
+    links = {}
+    if is_distributed(args):
+        rank, world, device = init_distributed(args)
+        if world >= 2:
+            link = measure_link(device)
+            links[f"measured ({'NCCL' if CUDA else 'gloo'}, ranks 0-1)"] = link
+        sync_barrier(device)
+        dist.destroy_process_group()
+        if rank != 0:
+            return
+    if not links:
+        print("# link not measured: one process (run under torchrun with 2 or more ranks to measure it)")
+    links.update({f"{name} (assumed)": link for name, link in mamba_cp.LINKS.items()})
+    report_model_table(args, links, args.model_local_length)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -918,7 +1056,7 @@ def bench_cp_path(args, path, L, rank, world, device):
     c = comm_bytes(path, world, L, args.batch, s, DTYPE_BYTES[args.dtype])
     r = dict(bench="cp_paths", path=path,
              input_layout="zigzag" if input_layout(path) == "virtual" else "contiguous",
-             load_balancing="virtual" if path == "a2a" else path,
+             load_balancing=layout_of(path)[0], summary_exchange=None if path == "a2a" else layout_of(path)[1],
              function=("mamba_conv1d_ssd_a2a" if path == "a2a" else "mamba_conv1d_ssd_cp") if args.entry == "core"
              else ("mamba_conv1d_ssd_a2a then y * silu(z)" if path == "a2a" else "mamba_split_conv1d_scan_combined"),
              entry=args.entry,
@@ -1224,6 +1362,11 @@ def parse_args(argv=None):
     ap.add_argument("--timeout", type=int, default=600,
                     help="torchrun: process-group timeout in seconds (a failure on some ranks only ends there)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", action="store_true",
+                    help="print only the exchange model: each path's communication time per layer for W = 2..1024 "
+                         "(alpha and beta measured under torchrun with 2 or more ranks, and mamba_cp.LINKS' assumed)")
+    ap.add_argument("--model-local-length", dest="model_local_length", type=int, default=16384,
+                    help="--model: tokens per rank (default 16384)")
     ap.add_argument("--launch", metavar="JSON",
                     help="tuning: replace kernels' launch options, e.g. '{\"bwd_x\": {\"num_warps\": 4}}' "
                          f"(kernels: {', '.join(mamba_cp._KERNELS)}; GPU only)")
@@ -1300,7 +1443,9 @@ def main_single(args):
 
 def main(argv=None):
     args = parse_args(argv)
-    if is_distributed(args):
+    if args.model:
+        main_model(args)
+    elif is_distributed(args):
         main_distributed(args)
     else:
         main_single(args)

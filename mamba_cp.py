@@ -47,7 +47,7 @@ are opaque custom ops (mamba_cp::...): see the comment above _chunk_scan_fwd.
 
 import dataclasses
 import os
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -1651,11 +1651,15 @@ def _exchange_halo(xBC, seq_idx, cfg):
     if seq_idx is not None:
         parts.append(seq_idx[:, seq_idx.shape[1] - d1:])
     buf = _pack(xBC.shape[0], *parts)                                              # (rows, numel)
-    every = _all_gather(buf, cfg.group) if cfg.world > 1 else buf[None]
-    glob = cfg.segs.gather_order(every, cfg.batch)                                 # (b, K, numel)
-    before = torch.cat([torch.zeros_like(glob[:, :1]), glob[:, :-1]], dim=1)      # segment k gets k-1's tail
+    if cfg.exchange == "scan":
+        before = _from_neighbours(buf, cfg, later=True)                           # (rows, numel)
+    else:
+        every = _all_gather(buf, cfg.group) if cfg.world > 1 else buf[None]
+        glob = cfg.segs.gather_order(every, cfg.batch)                             # (b, K, numel)
+        glob = torch.cat([torch.zeros_like(glob[:, :1]), glob[:, :-1]], dim=1)    # segment k gets k-1's tail
+        before = cfg.segs.own(glob)
     shapes = [((d1, xBC.shape[2]), torch.float32)] + ([((d1,), torch.int32)] if seq_idx is not None else [])
-    halo, *halo_seq = _unpack(cfg.segs.own(before), shapes)
+    halo, *halo_seq = _unpack(before, shapes)
     return halo.to(xBC.dtype), (halo_seq[0] if halo_seq else None)
 
 
@@ -1664,10 +1668,14 @@ def _return_halo_grad(dxBC, dhalo, cfg):
     gradient of its last d_conv-1 tokens. dxBC (rows, s, dim) is updated in place."""
     d1 = cfg.d_conv - 1
     buf = dhalo.float().reshape(dhalo.shape[0], -1)
-    every = _all_gather(buf, cfg.group) if cfg.world > 1 else buf[None]
-    glob = cfg.segs.gather_order(every, cfg.batch)                                 # (b, K, numel)
-    after = torch.cat([glob[:, 1:], torch.zeros_like(glob[:, :1])], dim=1)        # segment k gets k+1's
-    own = cfg.segs.own(after).reshape(dxBC.shape[0], d1, dxBC.shape[2])
+    if cfg.exchange == "scan":
+        after = _from_neighbours(buf, cfg, later=False)                           # (rows, numel)
+    else:
+        every = _all_gather(buf, cfg.group) if cfg.world > 1 else buf[None]
+        glob = cfg.segs.gather_order(every, cfg.batch)                             # (b, K, numel)
+        glob = torch.cat([glob[:, 1:], torch.zeros_like(glob[:, :1])], dim=1)     # segment k gets k+1's
+        after = cfg.segs.own(glob)
+    own = after.reshape(dxBC.shape[0], d1, dxBC.shape[2])
     dxBC[:, dxBC.shape[1] - d1:] += own.to(dxBC.dtype)
 
 
@@ -1726,6 +1734,293 @@ def _scan_shards_bwd(every, a_all, cont, cfg):
     dfinal = dfin.reshape(cfg.world, cfg.batch, h, p, n).sum(dim=0)
     dexit_all, dinit = scan_segments_bwd(G_all.contiguous(), a_all, dfinal, cont)
     return cfg.segs.own(dexit_all), dinit
+
+
+# The summaries by prefix scan over ranks (summary_exchange="scan"). The all-gather above hands
+# every rank all K summaries: (W-1) * per_row of them received per rank, which grows with W.
+# The composition of summaries is associative, so a rank can instead form the composition of
+# everything before its segments in ceil(log2 W) rounds of one point-to-point message per
+# chain (Kogge-Stone), and receive the totals it needs by broadcast. The conv halo then comes
+# from the neighbouring segment alone. Nothing a rank receives grows with W beyond log2 W
+# summaries; the rounds cost latency, which is why "auto" (below) keeps the all-gather for
+# small worlds.
+
+class _StateMap(NamedTuple):
+    """The affine map E -> a * E + S that a run of consecutive segments applies to the state
+    entering it, per batch row: a (b, h), S (b, h, p, n) fp32. first and last (b,) int32: the
+    document ids at the run's two ends (None without documents); the run carries the state in
+    only where its first id is the last id before it."""
+    a: Tensor
+    S: Tensor
+    first: Optional[Tensor] = None
+    last: Optional[Tensor] = None
+
+
+def _then(earlier, later):
+    """The map of `earlier` followed by `later`, (a2, S2) o (a1, S1) = (a2 c a1, a2 c S1 + S2),
+    where c = 0 for the rows whose state does not continue (later starts a new document)."""
+    a2 = later.a
+    if later.first is not None:
+        a2 = a2 * (later.first == earlier.last).to(a2.dtype)[:, None]
+    return _StateMap(a2 * earlier.a, a2[..., None, None] * earlier.S + later.S, earlier.first, later.last)
+
+
+def _applied(m, E):
+    """m applied to the state E (b, h, p, n) entering it (E None: zero)."""
+    return m.S if E is None else m.a[..., None, None] * E + m.S
+
+
+def _packed_map(m):
+    return _pack(m.a.shape[0], *(t for t in m if t is not None))
+
+
+def _unpacked_map(buf, like):
+    fields = [t for t in like if t is not None]
+    parts = iter(_unpack(buf, [(tuple(t.shape[1:]), t.dtype) for t in fields]))
+    return _StateMap(*(None if t is None else next(parts) for t in like))
+
+
+def _global_rank(group, r):
+    return r if group is None else dist.get_global_rank(group, r)
+
+
+def _prefix_over_ranks(chains, cfg):
+    """Exclusive and inclusive prefix compositions along chains of ranks. chains: a list of
+    (this rank's map, order), order listing every rank of the group in chain order; two chains
+    run in opposite directions, so no two messages of a round share sender and receiver. In
+    round d each rank sends its inclusive prefix d places down its chain and composes in what
+    arrives from d places up: ceil(log2 W) rounds. Returns [exclusive (None at the chain's
+    head), inclusive] per chain."""
+    me, world, group = cfg.rank, cfg.world, cfg.group
+    state = [[None, m] for m, _ in chains]
+    d = 1
+    while d < world:
+        ops, landing = [], []
+        for i, (_, order) in enumerate(chains):
+            pos = order.index(me)
+            sent = _packed_map(state[i][1])
+            if pos + d < world:
+                ops.append(dist.P2POp(dist.isend, sent, _global_rank(group, order[pos + d]), group))
+            if pos - d >= 0:
+                landing.append((i, torch.empty_like(sent)))
+                ops.append(dist.P2POp(dist.irecv, landing[-1][1], _global_rank(group, order[pos - d]), group))
+        for work in dist.batch_isend_irecv(ops) if ops else []:
+            work.wait()
+        for i, buf in landing:
+            got = _unpacked_map(buf, state[i][1])
+            excl, incl = state[i]
+            state[i] = [got if excl is None else _then(got, excl), _then(got, incl)]
+        d *= 2
+    return state
+
+
+def _broadcast_map(m, src, cfg):
+    """The map held by rank src, on every rank (m: this rank's, of the same shapes)."""
+    if cfg.world == 1:
+        return m
+    buf = _packed_map(m)
+    dist.broadcast(buf, _global_rank(cfg.group, src), group=cfg.group)
+    return _unpacked_map(buf, m)
+
+
+def _own_maps(a, S, seq_idx, cfg):
+    """This rank's segment maps by local index j: (rows, ...) tensors as per_row (b, ...) maps."""
+    per = cfg.segs.per_row
+
+    def j_of(t, j):
+        return None if t is None else t.reshape(cfg.batch, per, *t.shape[1:])[:, j]
+
+    first, last = (None, None) if seq_idx is None else (seq_idx[:, 0], seq_idx[:, -1])
+    return [_StateMap(j_of(a, j), j_of(S, j), j_of(first, j), j_of(last, j)) for j in range(per)]
+
+
+def _chains(cfg, backward):
+    """Rank orders of the chains, by local segment index: "none" runs one chain over the ranks
+    in order; "virtual" a second one back down, for the second halves (segment 2W-1-r on rank
+    r). The backward walks each the other way, second halves first."""
+    up, down = list(range(cfg.world)), list(range(cfg.world - 1, -1, -1))
+    if cfg.segs.per_row == 1:
+        return [down if backward else up]
+    return [down, up] if backward else [up, down]
+
+
+def _rows(per_segment, cfg):
+    """Per-local-segment (b, ...) tensors as (rows, ...), rows in (batch, segment) order."""
+    return torch.stack(per_segment, dim=1).reshape(cfg.batch * len(per_segment), *per_segment[0].shape[1:])
+
+
+def _scan_summaries(S_ext, a, seq_idx, initial_states, cfg):
+    """Forward state passing by prefix scan. S_ext (rows, h, p, n) and a (rows, h) this rank's
+    summaries, seq_idx (rows, s) or None. Returns the entry states of this rank's segments
+    (rows, h, p, n), the final state of the whole sequence (b, h, p, n), identical on every
+    rank, and what backward needs: a (rows, h) and cont (rows,) of this rank's segments (cont
+    None without documents)."""
+    own = _own_maps(a, S_ext, seq_idx, cfg)
+    (excl0, incl0), *second = _prefix_over_ranks(list(zip(own, _chains(cfg, False))), cfg)
+    first_half = _broadcast_map(incl0, cfg.world - 1, cfg)                       # segments 0..W-1
+    prefixes = [excl0]
+    total = first_half
+    if second:     # "virtual": the second halves follow the first, from rank W-1 back to rank 0
+        excl1, incl1 = second[0]
+        prefixes.append(first_half if excl1 is None else _then(first_half, excl1))
+        total = _then(first_half, _broadcast_map(incl1, 0, cfg))
+    init = None if initial_states is None else initial_states.float()
+    entries, conts = [], []
+    for m, prefix in zip(own, prefixes):
+        if prefix is None:                                       # segment 0: the initial state
+            entries.append(torch.zeros_like(m.S) if init is None else init.clone())
+            conts.append(torch.ones(cfg.batch, device=m.S.device))
+            continue
+        cont = (torch.ones(cfg.batch, device=m.S.device) if m.first is None
+                else (m.first == prefix.last).float())
+        entries.append(cont[:, None, None, None] * _applied(prefix, init))
+        conts.append(cont)
+    return _rows(entries, cfg), _applied(total, init), a, None if seq_idx is None else _rows(conts, cfg)
+
+
+def _scan_grads(G, dfinal, a, cont, cfg):
+    """Backward state passing by prefix scan, the reverse of _scan_summaries: each segment maps
+    the gradient at its exit to that at the exit before it, dE -> cont (a dE + G). G (rows, h, p,
+    n); dfinal (b, h, p, n) this rank's copy's gradient or None; a (rows, h) and cont (rows,) or
+    None as _scan_summaries returned them. Returns the gradient arriving at this rank's segment exits
+    (rows, h, p, n) and that of the initial state (b, h, p, n; zeros but on the rank holding
+    segment 0)."""
+    h, p, n = cfg.state_shape
+    dfin = torch.zeros((cfg.batch, h, p, n), device=G.device) if dfinal is None else dfinal.float().clone()
+    if cfg.world > 1:
+        dist.all_reduce(dfin, group=cfg.group)                    # every copy of the final state
+    cont = torch.ones(a.shape[0], device=a.device) if cont is None else cont
+    own = _own_maps(cont[:, None] * a, cont[:, None, None, None] * G, None, cfg)
+    (excl0, incl0), *second = _prefix_over_ranks(list(zip(own, _chains(cfg, True))), cfg)
+    if not second:
+        after, everything = [excl0], incl0                  # what follows each segment; all of it
+    else:          # "virtual": the second halves come first, from rank 0 up to rank W-1
+        excl1, incl1 = second[0]
+        second_halves = _broadcast_map(incl1, cfg.world - 1, cfg)
+        after = [second_halves if excl0 is None else _then(second_halves, excl0), excl1]
+        everything = _then(second_halves, incl0)
+    dexits = [dfin if m is None else _applied(m, dfin) for m in after]
+    dinit = _applied(everything, dfin) if cfg.holds_first else torch.zeros_like(dfin)
+    return _rows(dexits, cfg), dinit
+
+
+# Which exchange: a latency-bandwidth model of the link. A message of m bytes costs alpha +
+# beta * m. The all-gather is W - 1 ring steps of the per-rank block; the scan ceil(log2 W)
+# rounds of one block plus a broadcast of the totals (a pipelined tree: log2 W latencies, the
+# bytes once). Per layer call, forward and backward, with s the bytes of one segment's summary
+# and k segments per rank:
+#     all_gather  (W-1)(alpha + k s beta) + (W-1)(alpha + (k+1) s beta)
+#     scan        2 ceil(log2 W)(alpha + k s beta) + the broadcasts and the final gradient's
+#                 all-reduce, about (k + 2) (ceil(log2 W) alpha + s beta)
+# (and the halos, small either way). At the record shape (a 2 MiB summary, batch 1) with the
+# figures of LINKS below, the scan is the faster from W = 4 with "none" (k = 1), and with
+# "virtual" (k = 2) from W = 6 on NVLink, W = 4 between nodes; at W = 2 the all-gather takes
+# half the scan's time (bench.py --model prints the table). The all-gather also holds W k s
+# bytes of summaries per rank: 4 GiB at W = 1024 with "virtual".
+
+SUMMARY_EXCHANGES = ("auto", "all_gather", "scan")
+
+
+def _log2_rounds(world):
+    return max(0, world - 1).bit_length()            # ceil(log2 W)
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkModel:
+    """A link's cost model: one message of m bytes takes alpha + beta * m seconds."""
+
+    alpha: float      # seconds per message
+    beta: float       # seconds per byte
+
+    def p2p(self, m):
+        return self.alpha + self.beta * m
+
+    def all_gather(self, m, world):
+        return (world - 1) * self.p2p(m)
+
+    def broadcast(self, m, world):
+        return _log2_rounds(world) * self.alpha + self.beta * m
+
+    def all_reduce(self, m, world):
+        return 2 * self.broadcast(m, world)
+
+
+# Assumed figures, not measured here (one GPU was lent): NVLink 4 as NCCL reaches it between
+# two H100/H200 (about 350 GB/s of the 450 each way, about 10 us a message), and an inter-node
+# link of one 400 Gb/s NIC per GPU (about 45 GB/s, 20 us). bench.py --model measures alpha and
+# beta on the group it runs on.
+LINKS = {"nvlink": LinkModel(alpha=10e-6, beta=1 / 350e9), "inter_node": LinkModel(alpha=20e-6, beta=1 / 45e9)}
+_LINK = [LINKS["nvlink"]]
+
+
+def set_link_model(link):
+    """Make `link` (a LinkModel, or a name in LINKS) the one summary_exchange="auto" decides by;
+    returns the previous one. Every rank of a group must set the same."""
+    if isinstance(link, str) and link not in LINKS or not isinstance(link, (str, LinkModel)):
+        raise ValueError(f"set_link_model: got {link!r}, expected a LinkModel or one of {sorted(LINKS)}")
+    previous = _LINK[0]
+    _LINK[0] = LINKS[link] if isinstance(link, str) else link
+    return previous
+
+
+def exchange_seconds(exchange, world, per_row, summary_bytes, halo_bytes, link=None):
+    """The model's time of one layer call's exchanges, forward plus backward: `exchange`
+    "all_gather" or "scan", per_row segments per rank, summary_bytes and halo_bytes those of one
+    segment (all batch rows), link a LinkModel (default: the one set_link_model chose)."""
+    link = link or _LINK[0]
+    if world == 1:
+        return 0.0
+    m, rounds = per_row * summary_bytes, _log2_rounds(world)
+    if exchange == "all_gather":    # summaries; G with the final state's gradient; halos both ways
+        return (link.all_gather(m, world) + link.all_gather(m + summary_bytes, world)
+                + 2 * link.all_gather(per_row * halo_bytes, world))
+    forward = rounds * link.p2p(m) + per_row * link.broadcast(summary_bytes, world)
+    backward = (link.all_reduce(summary_bytes, world) + rounds * link.p2p(m)
+                + (per_row - 1) * link.broadcast(summary_bytes, world))
+    return forward + backward + 2 * link.p2p(per_row * halo_bytes)
+
+
+def _segment_bytes(batch, state_shape, conv_dim, d_conv):
+    """(summary, halo) bytes of one segment as they travel: fp32, with their document ids."""
+    h, p, n = state_shape
+    return batch * (h * p * n + h + 2) * 4, batch * (d_conv - 1) * (conv_dim + 1) * 4
+
+
+def _chosen_exchange(choice, world, load_balancing, batch, state_shape, conv_dim, d_conv):
+    """summary_exchange resolved: "auto" takes the faster by the model (the all-gather on a tie)."""
+    if choice != "auto":
+        return choice
+    per_row = 2 if load_balancing == "virtual" else 1
+    s, halo = _segment_bytes(batch, state_shape, conv_dim, d_conv)
+    scan, gather = (exchange_seconds(e, world, per_row, s, halo) for e in ("scan", "all_gather"))
+    return "scan" if scan < gather else "all_gather"
+
+
+def _from_neighbours(blocks, cfg, later):
+    """Point-to-point: each of this rank's segments sends its row of blocks (rows, numel) to the
+    segment after it (later) or before it in the global sequence, and gets the same from the
+    other side (zeros at the sequence's ends). A rank sends at most one block to each other rank.
+    Returns (rows, numel)."""
+    step = 1 if later else -1
+    mine = blocks.reshape(cfg.batch, cfg.segs.per_row, -1)
+    got = torch.zeros_like(mine)
+    ops, landing = [], []
+    for j, k in enumerate(cfg.segs.ids):
+        if 0 <= k + step < cfg.segs.count and cfg.segs.where[k + step][0] != cfg.rank:
+            to = cfg.segs.where[k + step][0]
+            ops.append(dist.P2POp(dist.isend, mine[:, j].contiguous(), _global_rank(cfg.group, to), cfg.group))
+        if 0 <= k - step < cfg.segs.count:
+            frm, i = cfg.segs.where[k - step]
+            if frm == cfg.rank:
+                got[:, j] = mine[:, i]
+            else:
+                landing.append((j, torch.empty_like(mine[:, j])))
+                ops.append(dist.P2POp(dist.irecv, landing[-1][1], _global_rank(cfg.group, frm), cfg.group))
+    for work in dist.batch_isend_irecv(ops) if ops else []:
+        work.wait()
+    for j, buf in landing:
+        got[:, j] = buf
+    return got.reshape(blocks.shape)
 
 
 def _zigzag_and_contiguous(world):
@@ -2232,23 +2527,25 @@ def _split_xBC(u, cfg):
     return x, B, C
 
 
-def _cp_config(xBC, dt, conv_weight, group, load_balancing, batch, chunk_size, headdim, ngroups, dt_limit):
+def _cp_config(xBC, dt, conv_weight, group, load_balancing, exchange, batch, chunk_size, headdim, ngroups,
+               dt_limit):
     """The _CPConfig of an op's call: xBC and dt hold one segment per row."""
     group = _resolve_group(group)
     rank, world = (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
     return _CPConfig(xBC, dt, conv_weight, chunk_size, headdim, ngroups, group, rank, world, load_balancing,
-                     dt_limit, batch=batch)
+                     dt_limit, batch=batch, exchange=exchange)
 
 
 @torch.library.custom_op("mamba_cp::conv1d_ssd_cp_fwd", mutates_args=())
 def _conv1d_ssd_cp_fwd(xBC: Tensor, dt: Tensor, conv_weight: Tensor, conv_bias: Optional[Tensor],
                        dt_bias: Optional[Tensor], A: Tensor, D: Optional[Tensor], initial_states: Optional[Tensor],
-                       seq_idx: Optional[Tensor], group: str, load_balancing: str, batch: int, chunk_size: int,
+                       seq_idx: Optional[Tensor], group: str, load_balancing: str, exchange: str, batch: int, chunk_size: int,
                        headdim: int, ngroups: int, dt_min: float, dt_max: float, silu: bool,
                        state_dtype: Optional[torch.dtype], agree: bool) -> list[Tensor]:
     """Forward of one causal segment per row: xBC (rows, s, conv_dim), dt (rows, s, h), seq_idx
-    (rows, s). Returns [y, final state, and what backward needs: halo, halo_seq, entries, a_all,
-    cont] (absent ones empty). With agree (a compiled call), the checks that read device values and
+    (rows, s). Returns [y, final state, and what backward needs: halo, halo_seq, entries, a_kept,
+    cont] (absent ones empty): a and cont of every segment (b, K, h) and (b, K) with the
+    all-gather exchange, of this rank's (rows, h) and (rows,) with the scan. With agree (a compiled call), the checks that read device values and
     the ranks' agreement run here first, where an eager call has run them before.
 
     Halo exchange, conv of the x and B channels, the state pass from a zero entry (the segment's
@@ -2256,7 +2553,7 @@ def _conv1d_ssd_cp_fwd(xBC: Tensor, dt: Tensor, conv_weight: Tensor, conv_bias: 
     summary does not need; in a world of one all channels are convolved at once) and exclusive
     scan (true entry states and the global final state), the outputs with the entry state folded
     in. Nothing kept for backward grows with length beyond the inputs."""
-    cfg = _cp_config(xBC, dt, conv_weight, group, load_balancing, batch, chunk_size, headdim, ngroups,
+    cfg = _cp_config(xBC, dt, conv_weight, group, load_balancing, exchange, batch, chunk_size, headdim, ngroups,
                      (dt_min, dt_max))
     if agree:
         _validate_everywhere(lambda: _check_document_values(seq_idx), cfg.group, cfg.world, xBC,
@@ -2266,7 +2563,8 @@ def _conv1d_ssd_cp_fwd(xBC: Tensor, dt: Tensor, conv_weight: Tensor, conv_bias: 
     # which spares every conv tile the halo's masked loads
     halo, halo_seq = _exchange_halo(xBC, seq_idx, cfg) if cfg.segs.count > 1 else (None, None)
     x_ch, B_ch = cfg.nheads * cfg.headdim, cfg.ngroups * cfg.dstate
-    if cfg.world > 1:   # the summaries need x and B only: C's conv runs while they travel
+    overlap = cfg.world > 1 and cfg.exchange == "all_gather"
+    if overlap:   # the summaries need x and B only: C's conv runs while they travel
         uxB = _conv_channels(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, slice(0, x_ch + B_ch), silu)
         x = uxB[..., :x_ch].unflatten(-1, (cfg.nheads, cfg.headdim))
         B = uxB[..., x_ch:].unflatten(-1, (cfg.ngroups, cfg.dstate))
@@ -2276,55 +2574,59 @@ def _conv1d_ssd_cp_fwd(xBC: Tensor, dt: Tensor, conv_weight: Tensor, conv_bias: 
     plan = _LaunchPlan(x, B, min(cfg.chunk, tuning().chunk_fwd), dt_bias, True, cfg.dt_limit, seq_idx, state_dtype)
     summary = Summary(x, dt, A, B, dt_bias, seq_idx, plan)
     S_ext, a = summary.affine()                                                 # (rows, h, p, n), (rows, h)
-    every, work = _gather_summaries(S_ext, a, seq_idx, cfg)
-    if work is not None:
-        C = _conv_channels(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, slice(x_ch + B_ch, None), silu)
-        C = C.unflatten(-1, (cfg.ngroups, cfg.dstate))
-        work.wait()
-    entries, final, a_all, cont = _scan_shards(every, initial_states, seq_idx is not None, cfg)
+    if cfg.exchange == "scan":
+        entries, final, a_kept, cont = _scan_summaries(S_ext, a, seq_idx, initial_states, cfg)
+    else:
+        every, work = _gather_summaries(S_ext, a, seq_idx, cfg)
+        if overlap:
+            C = _conv_channels(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, slice(x_ch + B_ch, None), silu)
+            C = C.unflatten(-1, (cfg.ngroups, cfg.dstate))
+            work.wait()
+        entries, final, a_kept, cont = _scan_shards(every, initial_states, seq_idx is not None, cfg)
     y, _ = ssd_output(x, dt, A, B, C, D, dt_bias, seq_idx, summary, entries)
     f32 = dict(device=xBC.device, dtype=torch.float32)
     rows = xBC.shape[0]
     return [y, final, xBC.new_empty((rows, 0, xBC.shape[2])) if halo is None else halo.clone(),
             torch.empty((rows, 0) if seq_idx is not None else 0, device=xBC.device, dtype=torch.int32)
             if halo_seq is None else halo_seq.clone(),
-            entries.contiguous(), a_all.clone(), torch.empty(0, **f32) if cont is None else cont]
+            entries.contiguous(), a_kept.clone(), torch.empty(0, **f32) if cont is None else cont]
 
 
 @_conv1d_ssd_cp_fwd.register_fake
 def _conv1d_ssd_cp_fwd_fake(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, group,
-                            load_balancing, batch, chunk_size, headdim, ngroups, dt_min, dt_max, silu, state_dtype,
-                            agree):
-    cfg = _cp_config(xBC, dt, conv_weight, group, load_balancing, batch, chunk_size, headdim, ngroups,
+                            load_balancing, exchange, batch, chunk_size, headdim, ngroups, dt_min, dt_max, silu,
+                            state_dtype, agree):
+    cfg = _cp_config(xBC, dt, conv_weight, group, load_balancing, exchange, batch, chunk_size, headdim, ngroups,
                      (dt_min, dt_max))
     rows, s, conv_dim = xBC.shape
     h, p, n = cfg.state_shape
-    K = cfg.segs.count
+    K, scan = cfg.segs.count, exchange == "scan"
     halo_rows = cfg.d_conv - 1 if K > 1 else 0      # (rows, 0, ...): no halo (a single segment)
     f32 = dict(device=xBC.device, dtype=torch.float32)
     return [torch.empty((rows, s, h, p), device=xBC.device, dtype=xBC.dtype), torch.empty((batch, h, p, n), **f32),
             torch.empty((rows, halo_rows, conv_dim), device=xBC.device, dtype=xBC.dtype),
             torch.empty((rows, halo_rows) if seq_idx is not None else 0, device=xBC.device, dtype=torch.int32),
-            torch.empty((rows, h, p, n), **f32), torch.empty((batch, K, h), **f32),
-            torch.empty((batch, K) if seq_idx is not None else 0, **f32)]
+            torch.empty((rows, h, p, n), **f32), torch.empty((rows, h) if scan else (batch, K, h), **f32),
+            torch.empty(((rows,) if scan else (batch, K)) if seq_idx is not None else 0, **f32)]
 
 
 @torch.library.custom_op("mamba_cp::conv1d_ssd_cp_bwd", mutates_args=())
 def _conv1d_ssd_cp_bwd(dy: Tensor, dfinal: Optional[Tensor], xBC: Tensor, dt: Tensor, conv_weight: Tensor,
                        conv_bias: Optional[Tensor], dt_bias: Optional[Tensor], A: Tensor, D: Optional[Tensor],
                        initial_states: Optional[Tensor], seq_idx: Optional[Tensor], halo: Tensor, halo_seq: Tensor,
-                       entries: Tensor, a_all: Tensor, cont: Tensor, group: str, load_balancing: str, batch: int,
+                       entries: Tensor, a_kept: Tensor, cont: Tensor, group: str, load_balancing: str, exchange: str,
+                       batch: int,
                        chunk_size: int, headdim: int, ngroups: int, dt_min: float, dt_max: float, silu: bool,
                        state_dtype: Optional[torch.dtype]) -> list[Tensor]:
     """[dxBC, ddt, dconv_weight, dconv_bias, ddt_bias, dA, dD, dinitial_states] (absent ones empty)."""
     grads = _conv1d_ssd_cp_backward(dy, dfinal, xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states,
-                                   seq_idx, halo, halo_seq, entries, a_all, cont, group, load_balancing, batch,
+                                   seq_idx, halo, halo_seq, entries, a_kept, cont, group, load_balancing, exchange, batch,
                                    chunk_size, headdim, ngroups, dt_min, dt_max, silu, state_dtype)
     return [_empty_if_none(g, xBC) for g in grads]
 
 
 def _conv1d_ssd_cp_backward(dy, dfinal, xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx,
-                            halo, halo_seq, entries, a_all, cont, group, load_balancing, batch, chunk_size, headdim,
+                            halo, halo_seq, entries, a_kept, cont, group, load_balancing, exchange, batch, chunk_size, headdim,
                             ngroups, dt_min, dt_max, silu, state_dtype, dxBC_into=None, ddt_into=None):
     """The backward op's body: [dxBC, ddt, dconv_weight, dconv_bias, ddt_bias, dA, dD,
     dinitial_states], None where absent. Given dxBC_into (rows, s, conv_dim) and ddt_into (rows,
@@ -2334,18 +2636,22 @@ def _conv1d_ssd_cp_backward(dy, dfinal, xBC, dt, conv_weight, conv_bias, dt_bias
     runs while the forward state pass is recomputed; the reverse scan gives each segment's exit
     gradient; one fused chunk backward writes dx, dB, dC straight into the conv backward's input;
     the halo's gradient goes back to its owner."""
-    cfg = _cp_config(xBC, dt, conv_weight, group, load_balancing, batch, chunk_size, headdim, ngroups,
+    cfg = _cp_config(xBC, dt, conv_weight, group, load_balancing, exchange, batch, chunk_size, headdim, ngroups,
                      (dt_min, dt_max))
     halo, halo_seq, cont = _none_if_empty(halo), _none_if_empty(halo_seq), _none_if_empty(cont)
     u = conv1d_fwd(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, silu=silu)
     x, B, C = _split_xBC(u, cfg)
     plan = _LaunchPlan(x, B, min(cfg.chunk, tuning().chunk_bwd), dt_bias, True, cfg.dt_limit, seq_idx, state_dtype)
     grad_pass = GradPass(dy, C, dt, A, dt_bias, seq_idx, plan)
-    every, work = _gather_G(grad_pass.G, dfinal, cfg)
-    summary = Summary(x, dt, A, B, dt_bias, seq_idx, plan)                        # overlaps the gather
-    if work is not None:
-        work.wait()
-    dexit, dinit = _scan_shards_bwd(every, a_all, cont, cfg)
+    if cfg.exchange == "scan":
+        dexit, dinit = _scan_grads(grad_pass.G, dfinal, a_kept, cont, cfg)
+        summary = Summary(x, dt, A, B, dt_bias, seq_idx, plan)
+    else:
+        every, work = _gather_G(grad_pass.G, dfinal, cfg)
+        summary = Summary(x, dt, A, B, dt_bias, seq_idx, plan)                    # overlaps the gather
+        if work is not None:
+            work.wait()
+        dexit, dinit = _scan_shards_bwd(every, a_kept, cont, cfg)
 
     du = torch.empty_like(u)
     dx, dB, dC = _split_xBC(du, cfg)
@@ -2364,7 +2670,8 @@ def _conv1d_ssd_cp_backward(dy, dfinal, xBC, dt, conv_weight, conv_bias, dt_bias
 
 @_conv1d_ssd_cp_bwd.register_fake
 def _(dy, dfinal, xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, halo, halo_seq, entries,
-      a_all, cont, group, load_balancing, batch, chunk_size, headdim, ngroups, dt_min, dt_max, silu, state_dtype):
+      a_kept, cont, group, load_balancing, exchange, batch, chunk_size, headdim, ngroups, dt_min, dt_max, silu,
+      state_dtype):
     like = (xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states)
     return [xBC.new_empty(0) if t is None else torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in like]
 
@@ -2374,28 +2681,30 @@ class _Conv1dSSDCPFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, group, load_balancing,
-                batch, chunk_size, headdim, ngroups, dt_limit, silu, state_dtype, agree):
-        opts = (group, load_balancing, batch, chunk_size, headdim, ngroups, dt_limit[0], dt_limit[1], silu, state_dtype)
-        y, final, halo, halo_seq, entries, a_all, cont = _conv1d_ssd_cp_fwd(
+                exchange, batch, chunk_size, headdim, ngroups, dt_limit, silu, state_dtype, agree):
+        opts = (group, load_balancing, exchange, batch, chunk_size, headdim, ngroups, dt_limit[0], dt_limit[1], silu,
+                state_dtype)
+        y, final, halo, halo_seq, entries, a_kept, cont = _conv1d_ssd_cp_fwd(
             xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, *opts, agree)
         ctx.save_for_backward(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx,
-                              halo, halo_seq, entries, a_all, cont)
+                              halo, halo_seq, entries, a_kept, cont)
         ctx.opts = opts
         return y, final
 
     @staticmethod
     def backward(ctx, dy, dfinal):
         grads = _conv1d_ssd_cp_bwd(dy, dfinal, *ctx.saved_tensors, *ctx.opts)
-        return (*(_none_if_empty(g) for g in grads), *([None] * 11))
+        return (*(_none_if_empty(g) for g in grads), *([None] * 12))
 
 
 class _CPConfig:
     """What the CP function derives once per call from its arguments and the group."""
 
     def __init__(self, xBC, dt, conv_weight, chunk_size, headdim, ngroups, cp_group, rank, world,
-                 load_balancing, dt_limit, batch=None):
+                 load_balancing, dt_limit, batch=None, exchange="all_gather"):
         self.group, self.rank, self.world = cp_group, rank, world
         self.load_balancing = load_balancing
+        self.exchange = exchange                    # of the summaries and halos: "all_gather" or "scan"
         self.segs = _Segments(rank, world, load_balancing)
         self.holds_first = 0 in self.segs.ids
         self.batch = xBC.shape[0] if batch is None else batch
@@ -2435,7 +2744,7 @@ def _op_signature(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states
 
 
 def _call_signature(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size, headdim, ngroups, seq_idx,
-                    initial_states, load_balancing, return_final_states):
+                    initial_states, load_balancing, return_final_states, summary_exchange="auto"):
     def t(v):
         return v if isinstance(v, torch.Tensor) else None
 
@@ -2446,15 +2755,20 @@ def _call_signature(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size, 
                 A=t(A), D=t(D), seq_idx=t(seq_idx), initial_states=t(initial_states), chunk_size=i(chunk_size),
                 headdim=i(headdim), ngroups=i(ngroups),
                 load_balancing=LAYOUTS.index(load_balancing) if load_balancing in LAYOUTS else -1,
-                return_final_states=bool(return_final_states))
+                return_final_states=bool(return_final_states),
+                summary_exchange=(SUMMARY_EXCHANGES.index(summary_exchange)
+                                  if isinstance(summary_exchange, str) and summary_exchange in SUMMARY_EXCHANGES else -1))
 
 
 _ACTIVATIONS = ("silu", "swish", None)
 
 
 def _check_cp_inputs(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size, headdim, ngroups,
-                     seq_idx, initial_states, load_balancing, dt_limit, activation="silu", state_dtype=None):
+                     seq_idx, initial_states, load_balancing, dt_limit, activation="silu", state_dtype=None,
+                     summary_exchange="auto"):
     _check_layout(load_balancing)
+    _expect(isinstance(summary_exchange, str) and summary_exchange in SUMMARY_EXCHANGES, "summary_exchange",
+            repr(summary_exchange), f"one of {SUMMARY_EXCHANGES}")
     _expect(activation in _ACTIVATIONS, "activation", repr(activation), f"one of {_ACTIVATIONS}")
     _expect(state_dtype in _STATE_DTYPES, "state_dtype", state_dtype, f"one of {_STATE_DTYPES}")
     per_row = 1 if load_balancing == "none" else 2
@@ -2500,7 +2814,7 @@ def _check_cp_inputs(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size,
 def mamba_conv1d_ssd_cp(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size, *, headdim, ngroups,
                         cp_group=None, load_balancing="none", seq_idx=None, initial_states=None,
                         dt_limit=(0.0, float("inf")), return_final_states=False, activation="silu",
-                        state_dtype=None):
+                        state_dtype=None, summary_exchange="auto"):
     """Mamba2's post-projection core, conv1d + SSD, with state-passing context parallelism.
 
     xBC (b, l_local, nheads*headdim + 2*ngroups*dstate) pre-conv; dt (b, l_local, nheads) raw
@@ -2513,16 +2827,23 @@ def mamba_conv1d_ssd_cp(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_si
     Parameter and initial_states gradients are this rank's contribution (sum them over the
     group, as over data parallelism); the final state's gradients from every rank add up.
     activation: "silu" (or "swish") after the conv, or None; state_dtype as in
-    mamba_chunk_scan_combined."""
+    mamba_chunk_scan_combined. summary_exchange: how the summaries and halos travel,
+    "all_gather" (every rank receives every segment's), "scan" (a prefix scan over ranks in
+    ceil(log2 W) point-to-point rounds; halos from the neighbours) or "auto" (the faster by the
+    link model of set_link_model); the results agree to float32 rounding."""
     ref = xBC if isinstance(xBC, torch.Tensor) else torch.empty(0)
     rank, world = _group_info(cp_group, ref)
     _validate_everywhere(
         lambda: _check_cp_inputs(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size, headdim, ngroups,
-                                 seq_idx, initial_states, load_balancing, dt_limit, activation, state_dtype),
+                                 seq_idx, initial_states, load_balancing, dt_limit, activation, state_dtype,
+                                 summary_exchange),
         cp_group, world, ref, **_call_signature(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size, headdim,
-                                                ngroups, seq_idx, initial_states, load_balancing, return_final_states))
+                                                ngroups, seq_idx, initial_states, load_balancing, return_final_states,
+                                                summary_exchange))
     cfg = _CPConfig(xBC, dt, conv_weight, chunk_size, headdim, ngroups, cp_group, rank, world,
                     load_balancing, dt_limit)
+    exchange = _chosen_exchange(summary_exchange, world, load_balancing, cfg.batch, cfg.state_shape,
+                                xBC.shape[2], cfg.d_conv)
     if seq_idx is not None:
         seq_idx = seq_idx.to(torch.int32)
     permuted = load_balancing.startswith("permute") and world > 1
@@ -2532,8 +2853,8 @@ def mamba_conv1d_ssd_cp(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_si
     rows = cfg.segs.to_rows
     y, final = _Conv1dSSDCPFn.apply(
         rows(xBC), rows(dt), conv_weight, conv_bias, dt_bias, A, D, initial_states,
-        None if seq_idx is None else rows(seq_idx).contiguous(), _group_name(cp_group), load_balancing, cfg.batch,
-        chunk_size, headdim, ngroups, tuple(dt_limit), activation is not None, state_dtype,
+        None if seq_idx is None else rows(seq_idx).contiguous(), _group_name(cp_group), load_balancing, exchange,
+        cfg.batch, chunk_size, headdim, ngroups, tuple(dt_limit), activation is not None, state_dtype,
         world > 1 and torch.compiler.is_compiling())
     y = cfg.segs.from_rows(y, cfg.batch)
     if permuted:
@@ -2695,14 +3016,15 @@ def _split_conv1d_scan_fwd(zxbcdt: Tensor, conv_weight: Tensor, conv_bias: Optio
                            A: Tensor, D: Optional[Tensor], initial_states: Optional[Tensor],
                            rmsnorm_weight: Optional[Tensor], outproj_weight: Optional[Tensor],
                            outproj_bias: Optional[Tensor], seq_idx: Optional[Tensor], widths: list[int],
-                           core_opts: list[float], group: str, load_balancing: str, state_dtype: Optional[torch.dtype],
-                           agree: bool, eps: float, group_size: int, norm_before_gate: bool,
+                           core_opts: list[float], group: str, load_balancing: str, exchange: str,
+                           state_dtype: Optional[torch.dtype], agree: bool, eps: float, group_size: int, norm_before_gate: bool,
                            permute: bool) -> list[Tensor]:
     """[out, final state, y (b, l, dim) before the gate, the permuted xBC and dt rows (empty
     unless permute), and the core's saved tensors]. core_opts: batch, chunk_size, headdim,
     ngroups, dt_min, dt_max, silu (numbers; the op schema has no mixed lists)."""
     batch, chunk, headdim, ngroups, dt_min, dt_max, silu = core_opts
-    opts = (group, load_balancing, int(batch), int(chunk), int(headdim), int(ngroups), dt_min, dt_max, bool(silu),
+    opts = (group, load_balancing, exchange, int(batch), int(chunk), int(headdim), int(ngroups), dt_min, dt_max,
+            bool(silu),
             state_dtype)
     z0, x0, z, xBC, dt = zxbcdt.split(widths, dim=-1)
     rows = _Segments(*_rank_world(group), load_balancing).to_rows
@@ -2722,13 +3044,14 @@ def _split_conv1d_scan_fwd(zxbcdt: Tensor, conv_weight: Tensor, conv_bias: Optio
 
 @_split_conv1d_scan_fwd.register_fake
 def _(zxbcdt, conv_weight, conv_bias, dt_bias, A, D, initial_states, rmsnorm_weight, outproj_weight, outproj_bias,
-      seq_idx, widths, core_opts, group, load_balancing, state_dtype, agree, eps, group_size, norm_before_gate, permute):
+      seq_idx, widths, core_opts, group, load_balancing, exchange, state_dtype, agree, eps, group_size, norm_before_gate,
+      permute):
     batch, chunk, headdim, ngroups, dt_min, dt_max, silu = core_opts
     segs = _Segments(*_rank_world(group), load_balancing)
     b, l, _ = zxbcdt.shape
     xBC, dt = (segs.to_rows(torch.empty((b, l, w), device=zxbcdt.device, dtype=zxbcdt.dtype)) for w in widths[3:])
     y, final, *saved = _conv1d_ssd_cp_fwd_fake(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx,
-                                               group, load_balancing, int(batch), int(chunk), int(headdim),
+                                               group, load_balancing, exchange, int(batch), int(chunk), int(headdim),
                                                int(ngroups), dt_min, dt_max, bool(silu), state_dtype, agree)
     d_out = outproj_weight.shape[0] if outproj_weight is not None else widths[0] + widths[2]
     out_dtype = outproj_weight.dtype if outproj_weight is not None else zxbcdt.dtype
@@ -2743,14 +3066,15 @@ def _split_conv1d_scan_bwd(dout: Tensor, dfinal: Optional[Tensor], zxbcdt: Tenso
                            initial_states: Optional[Tensor], rmsnorm_weight: Optional[Tensor],
                            outproj_weight: Optional[Tensor], outproj_bias: Optional[Tensor], seq_idx: Optional[Tensor],
                            y: Tensor, xBC_rows: Tensor, dt_rows: Tensor, halo: Tensor, halo_seq: Tensor,
-                           entries: Tensor, a_all: Tensor, cont: Tensor, widths: list[int], core_opts: list[float],
-                           group: str, load_balancing: str, state_dtype: Optional[torch.dtype], eps: float,
+                           entries: Tensor, a_kept: Tensor, cont: Tensor, widths: list[int], core_opts: list[float],
+                           group: str, load_balancing: str, exchange: str, state_dtype: Optional[torch.dtype], eps: float,
                            group_size: int, norm_before_gate: bool, permute: bool) -> list[Tensor]:
     """[dzxbcdt, dconv_weight, dconv_bias, ddt_bias, dA, dD, dinitial_states, drmsnorm_weight,
     doutproj_weight, doutproj_bias] (absent ones empty); dzxbcdt is one buffer, its channel
     slices written in place (the gate's kernel writes dz there directly)."""
     batch, chunk, headdim, ngroups, dt_min, dt_max, silu = core_opts
-    opts = (group, load_balancing, int(batch), int(chunk), int(headdim), int(ngroups), dt_min, dt_max, bool(silu),
+    opts = (group, load_balancing, exchange, int(batch), int(chunk), int(headdim), int(ngroups), dt_min, dt_max,
+            bool(silu),
             state_dtype)
     segs = _Segments(*_rank_world(group), load_balancing)
     dout = dout.contiguous()                       # the gate's kernels take unit channel strides
@@ -2778,7 +3102,7 @@ def _split_conv1d_scan_bwd(dout: Tensor, dfinal: Optional[Tensor], zxbcdt: Tenso
     # strides allow no per-segment view: then they are copied in once
     into = (None, None) if permute else (segs.rows_view(dxBC_out), segs.rows_view(ddt_out))
     grads = _conv1d_ssd_cp_backward(dy, dfinal, xBC_rows, dt_rows, conv_weight, conv_bias, dt_bias, A, D,
-                                    initial_states, seq_idx, halo, halo_seq, entries, a_all, cont, *opts,
+                                    initial_states, seq_idx, halo, halo_seq, entries, a_kept, cont, *opts,
                                     dxBC_into=into[0], ddt_into=into[1])
     dxBC, ddt, dconv_w, dconv_b, ddt_bias, dA, dD, dinit = grads
     for rows_grad, view, out in ((dxBC, into[0], dxBC_out), (ddt, into[1], ddt_out)):
@@ -2792,8 +3116,8 @@ def _split_conv1d_scan_bwd(dout: Tensor, dfinal: Optional[Tensor], zxbcdt: Tenso
 
 @_split_conv1d_scan_bwd.register_fake
 def _(dout, dfinal, zxbcdt, conv_weight, conv_bias, dt_bias, A, D, initial_states, rmsnorm_weight, outproj_weight,
-      outproj_bias, seq_idx, y, xBC_rows, dt_rows, halo, halo_seq, entries, a_all, cont, widths, core_opts, group,
-      load_balancing, state_dtype, eps, group_size, norm_before_gate, permute):
+      outproj_bias, seq_idx, y, xBC_rows, dt_rows, halo, halo_seq, entries, a_kept, cont, widths, core_opts, group,
+      load_balancing, exchange, state_dtype, eps, group_size, norm_before_gate, permute):
     like = (zxbcdt, conv_weight, conv_bias, dt_bias, A, D, initial_states, rmsnorm_weight, outproj_weight, outproj_bias)
     return [zxbcdt.new_empty(0) if t is None else torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in like]
 
@@ -2879,7 +3203,7 @@ def mamba_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias
                                      return_final_states=False, activation="silu", rmsnorm_weight=None,
                                      rmsnorm_eps=1e-6, outproj_weight=None, outproj_bias=None, headdim=None,
                                      ngroups=1, norm_before_gate=True, state_dtype=None, *, cp_group=None,
-                                     load_balancing="none"):
+                                     load_balancing="none", summary_exchange="auto"):
     """mamba_ssm's fused Mamba2 entry, with state-passing CP; the same signature and results.
 
     zxbcdt (b, l_local, 2*d_nonssm + 2*dim + 2*ngroups*dstate + nheads) = [z0 | x0 | z | xBC | dt],
@@ -2888,7 +3212,7 @@ def mamba_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias
     dim), or out_features with outproj_weight, in the layout `load_balancing`: silu(z0) * x0,
     then y * silu(z) or the gated RMSNorm (groups of dim / ngroups channels); with
     return_final_states also the fp32 state after the whole global sequence. Gradient ownership
-    as in mamba_conv1d_ssd_cp: parameters get this rank's contribution."""
+    and summary_exchange as in mamba_conv1d_ssd_cp: parameters get this rank's contribution."""
     ref = zxbcdt if isinstance(zxbcdt, torch.Tensor) else torch.empty(0)
     rank, world = _group_info(cp_group, ref)
     found = {}
@@ -2900,12 +3224,16 @@ def mamba_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias
                              ngroups, zxbcdt)
         _, _, z, xBC, dt = zxbcdt.split(widths, dim=-1)
         _check_cp_inputs(xBC, dt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, found["headdim"], ngroups,
-                         seq_idx, initial_states, load_balancing, dt_limit, activation, state_dtype)
+                         seq_idx, initial_states, load_balancing, dt_limit, activation, state_dtype,
+                         summary_exchange)
 
     _validate_everywhere(check, cp_group, world, ref, **_call_signature(
         zxbcdt, None, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, headdim, ngroups, seq_idx,
-        initial_states, load_balancing, return_final_states))
+        initial_states, load_balancing, return_final_states, summary_exchange))
     widths, p = found["widths"], found["headdim"]
+    dstate = (widths[3] - widths[2]) // (2 * ngroups)
+    exchange = _chosen_exchange(summary_exchange, world, load_balancing, zxbcdt.shape[0],
+                                (widths[4], p, dstate), widths[3], conv1d_weight.shape[1])
     if zxbcdt.stride(-1) != 1:                     # the gate's kernels take unit channel strides
         zxbcdt = zxbcdt.contiguous()
     if seq_idx is not None:
@@ -2919,7 +3247,7 @@ def mamba_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias
     out, final = _SplitConv1dScanFn.apply(
         zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, initial_states, rmsnorm_weight, outproj_weight,
         outproj_bias, None if seq_idx is None else segs.to_rows(seq_idx).contiguous(), list(widths), core_opts,
-        (_group_name(cp_group), load_balancing, state_dtype), world > 1 and torch.compiler.is_compiling(),
+        (_group_name(cp_group), load_balancing, exchange, state_dtype), world > 1 and torch.compiler.is_compiling(),
         (float(rmsnorm_eps), widths[2] // ngroups, bool(norm_before_gate)), permute)
     return (out, final) if return_final_states else out
 

@@ -814,11 +814,13 @@ CP_PARAMS = ("conv_weight", "conv_bias", "dt_bias", "A", "D", "initial_states")
 CP_ACTIVATIONS = ("xBC", "dt")
 
 
-def cp_case_errors(case, rank, world, group, device):
-    """Relative RMS errors of one CP case on this rank, against the oracle on the full sequence."""
+def cp_case_errors(case, rank, world, group, device, keep=None):
+    """Relative RMS errors of one CP case on this rank, against the oracle on the full sequence.
+    keep: a dict that receives this rank's results (y, final_states and the gradients)."""
     full, opts = cp_inputs(case.get("seed", 0), world, device=device, **{k: v for k, v in case.items() if k != "seed"})
     layout, path = case["layout"], case.get("path", "cp")
     fn = mamba_cp.mamba_conv1d_ssd_cp if path == "cp" else mamba_cp.mamba_conv1d_ssd_a2a
+    exchange = dict(summary_exchange=case["exchange"]) if "exchange" in case else {}
     wg = torch.Generator().manual_seed(99)
     b, L = full["xBC"].shape[:2]
     h, p, n = case["nheads"], case["headdim"], case["dstate"]
@@ -847,10 +849,13 @@ def cp_case_errors(case, rank, world, group, device):
     y, f = fn(kw["xBC"], kw["dt"], kw["conv_weight"], kw["conv_bias"], kw["dt_bias"], kw["A"], kw["D"],
               opts["chunk_size"], headdim=opts["headdim"], ngroups=opts["ngroups"], cp_group=group,
               load_balancing=layout, seq_idx=kw["seq_idx"], initial_states=kw["initial_states"],
-              dt_limit=opts["dt_limit"], return_final_states=True, activation=case.get("activation", "silu"))
+              dt_limit=opts["dt_limit"], return_final_states=True, activation=case.get("activation", "silu"),
+              **exchange)
     wy = mamba_cp.shard(wy_full, rank, world, layout)
     grads = dict(zip(mine, torch.autograd.grad((y.float() * wy).sum() + (f * wf_all[rank]).sum(),
                                                list(mine.values()))))
+    if keep is not None:
+        keep.update(y=y, final_states=f, **{"d" + k: v for k, v in grads.items()})
     return shard_errors({"y": (y, y_ref)}, (f, f_ref), grads, g_ref, CP_ACTIVATIONS, rank, world, group, layout)
 
 
@@ -927,6 +932,12 @@ def cp_world_check(rank, world, group, device, gpu=False, report=None):
             errs = {"exception: " + repr(e)[:200]: float("inf")}
         results[case["name"]] = errs
     results["zigzag round trip"] = cp_round_trip_errors(rank, world, group, device)
+    return errors_everywhere(results, world, group, device)
+
+
+def errors_everywhere(results, world, group, device):
+    """{case: {tensor: error}} with every error replaced by its MAX over the group, so every
+    rank reaches the same verdict (a rank whose entries differ, an exception's, keeps its own)."""
     names = sorted((c, t) for c, errs in results.items() for t in errs)
     vec = torch.tensor([results[c][t] for c, t in names], dtype=torch.float64, device=device)
     if world > 1:
@@ -1029,6 +1040,22 @@ def spawn_world(world, fn_name, *args, timeout=600):
     return [results[r] for r in range(world)]
 
 
+def world_results(world, fn_name, *args, timeout=600):
+    """spawn_world, failing unless every rank returned: the results, by rank."""
+    per_rank = spawn_world(world, fn_name, *args, timeout=timeout)
+    errors = [v for status, v in per_rank if status != "ok"]
+    assert not errors, errors[0]
+    return [v for _, v in per_rank]
+
+
+def world_verdict(world, fn_name, *args, timeout=600):
+    """world_results of a check whose errors the ranks reduced together: the one verdict, which
+    every rank must have reached."""
+    results = world_results(world, fn_name, *args, timeout=timeout)
+    assert all(r == results[0] for r in results), "ranks reached different verdicts"
+    return results[0]
+
+
 def _cp_verdict(results, bound):
     failures = {}
     for case, errs in results.items():
@@ -1042,18 +1069,174 @@ def _cp_verdict(results, bound):
 def test_cp_against_oracle(world):
     """Every layout, the baseline, documents across rank boundaries, initial and final states,
     ragged lengths, and the zigzag round trip, for W ranks on gloo."""
-    per_rank = spawn_world(world, "cp_world_check")
-    errors = [v for status, v in per_rank if status != "ok"]
-    assert not errors, errors[0]
-    verdicts = [r for _, r in per_rank]
-    assert all(v == verdicts[0] for v in verdicts), "ranks reached different verdicts"
+    verdict = world_verdict(world, "cp_world_check")
     worst = {}
-    for case, errs in verdicts[0].items():
+    for case, errs in verdict.items():
         for tensor, err in errs.items():
             worst[tensor] = max(worst.get(tensor, 0.0), err)
-    failures = _cp_verdict(verdicts[0], FP32_BOUND)
+    failures = _cp_verdict(verdict, FP32_BOUND)
     assert not failures, f"relative RMS above {FP32_BOUND:g}: {failures}"
     print(f"W={world}: largest relative RMS per tensor: {worst}")
+
+
+# ---------------------------------------------------------------- the two summary exchanges
+# The prefix scan over ranks (summary_exchange="scan") alone, on random summaries of every
+# global segment: against the float64 recurrence (forward) and its autograd (backward), and
+# bitwise against the same compositions in the same order in one process. Then the whole
+# fused core with both exchanges, every layout, against the oracle and against each other.
+
+def random_summaries(world, layout, seed=7, batch=2, h=3, p=4, n=5):
+    """Every global segment's (a, S_ext, first id, last id), initial state, G, and one dfinal
+    per rank. Decays a in (0, 1.3): some segments grow. Document ids rise by 0 or 1 at each
+    segment end and inside segments, so documents start at boundaries, inside segments, and
+    span several."""
+    g = torch.Generator().manual_seed(seed)
+    K = mamba_cp._pieces(0, world, layout)[1]
+    ids = torch.cumsum(torch.randint(0, 2, (batch, 2 * K), generator=g), dim=1).to(torch.int32)
+    return dict(a=torch.rand(batch, K, h, generator=g) * 1.3, S=torch.randn(batch, K, h, p, n, generator=g),
+                first=ids[:, 0::2], last=ids[:, 1::2], init=torch.randn(batch, h, p, n, generator=g),
+                G=torch.randn(batch, K, h, p, n, generator=g), dfinal=torch.randn(world, batch, h, p, n, generator=g))
+
+
+def sequential_summaries(s):
+    """The float64 recurrence over segments in global order: entries, final, cont; and the
+    gradients of sum_k <G_k, entry_k> + <sum of dfinal, final> w.r.t. S_ext (the gradient at each
+    segment's exit) and the initial state."""
+    S = s["S"].double().requires_grad_(True)
+    init = s["init"].double().requires_grad_(True)
+    K = S.shape[1]
+    cont = torch.ones(s["a"].shape[:2], dtype=torch.float64)
+    cont[:, 1:] = (s["first"][:, 1:] == s["last"][:, :-1]).double()
+    E, entries = init, []
+    for k in range(K):
+        entries.append(cont[:, k, None, None, None] * E)
+        E = s["a"][:, k, :, None, None].double() * entries[-1] + S[:, k]
+    entries = torch.stack(entries, dim=1)
+    loss = (entries * s["G"].double()).sum() + (E * s["dfinal"].double().sum(0)).sum()
+    dexit, dinit = torch.autograd.grad(loss, [S, init])
+    return dict(entries=entries.detach(), final=E.detach(), cont=cont, dexit=dexit, dinit=dinit)
+
+
+def kogge_stone(maps):
+    """The compositions _prefix_over_ranks forms, in its order, in one process: per chain
+    position [exclusive (None at the head), inclusive]."""
+    W, excl, incl, d = len(maps), [None] * len(maps), list(maps), 1
+    while d < W:
+        excl = [excl[i] if i < d else incl[i - d] if excl[i] is None else mamba_cp._then(incl[i - d], excl[i])
+                for i in range(W)]
+        incl = [incl[i] if i < d else mamba_cp._then(incl[i - d], incl[i]) for i in range(W)]
+        d *= 2
+    return excl, incl
+
+
+def scan_config(world, rank, group, layout, s):
+    b, _, h, p, n = s["S"].shape
+    xBC = torch.zeros(b, 2, h * p + 2 * n)
+    return mamba_cp._CPConfig(xBC, torch.zeros(b, 2, h), torch.zeros(h * p + 2 * n, 4), 16, p, 1, group, rank,
+                              world, layout, (0.0, float("inf")), exchange="scan")
+
+
+def scan_in_one_process(s, layout, world, rank):
+    """This rank's expected entries and final, and dexit and dinit, composed as the module does."""
+    then, applied = mamba_cp._then, mamba_cp._applied
+    segs = mamba_cp._Segments(rank, world, layout)
+    fwd = [mamba_cp._StateMap(s["a"][:, k], s["S"][:, k], s["first"][:, k], s["last"][:, k]) for k in range(segs.count)]
+    cont = sequential_summaries({k: v.cpu() for k, v in s.items()})["cont"].float().to(s["S"].device)
+    bwd = [mamba_cp._StateMap(cont[:, k, None] * s["a"][:, k], cont[:, k, None, None, None] * s["G"][:, k])
+           for k in range(segs.count)]
+    dfin = s["dfinal"].sum(0) if world > 1 else s["dfinal"][0]
+    fe, fi = kogge_stone(fwd[:world])
+    be, bi = kogge_stone(bwd[:world][::-1])
+    if layout == "none":
+        prefix, total = fe[rank], fi[-1]
+        after, everything = [be[world - 1 - rank]], bi[-1]
+        prefixes = [prefix]
+    else:
+        se, si = kogge_stone(fwd[world:])                      # second halves, in sequence order
+        prefixes = [fe[rank], then(fi[-1], se[world - 1 - rank]) if se[world - 1 - rank] is not None else fi[-1]]
+        total = then(fi[-1], si[-1])
+        re_, ri = kogge_stone(bwd[world:][::-1])
+        last = ri[-1]
+        after = [then(last, be[world - 1 - rank]) if be[world - 1 - rank] is not None else last, re_[rank]]
+        everything = then(last, bi[-1])
+    entries = []
+    for j, k in enumerate(segs.ids):
+        P = prefixes[j]
+        entries.append(s["init"].clone() if P is None else cont[:, k, None, None, None] * applied(P, s["init"]))
+    dexit = [dfin if m is None else applied(m, dfin) for m in after]
+    return (torch.stack(entries, 1), applied(total, s["init"]), torch.stack(dexit, 1),
+            applied(everything, dfin) if rank == 0 else torch.zeros_like(dfin))
+
+
+def scan_helper_errors(rank, world, group, device):
+    """_scan_summaries and _scan_grads on random summaries, both layouts, with documents."""
+    results = {}
+    for layout in ("none", "virtual"):
+        s = random_summaries(world, layout)
+        want = {k: v.to(device) for k, v in sequential_summaries(s).items()}
+        s = {k: v.to(device) for k, v in s.items()}
+        cfg = scan_config(world, rank, group, layout, s)
+        ids = cfg.segs.ids
+        rows = lambda t: t[:, ids].reshape(-1, *t.shape[2:])                   # noqa: E731
+        seq = torch.stack([rows(s["first"]), rows(s["last"])], dim=1)          # (rows, 2): first, last
+        entries, final, a, cont = mamba_cp._scan_summaries(rows(s["S"]), rows(s["a"]), seq, s["init"], cfg)
+        dexit, dinit = mamba_cp._scan_grads(rows(s["G"]), s["dfinal"][rank], a, cont, cfg)
+        errs = {"entries": rel_rms(entries, rows(want["entries"])), "final": rel_rms(final, want["final"]),
+                "cont": float((cont.double() != rows(want["cont"])).sum()), "dexit": rel_rms(dexit, rows(want["dexit"])),
+                "dinit": rel_rms(dinit, want["dinit"]) if cfg.holds_first else float(dinit.abs().max())}
+        # bitwise: the all-reduce of dfinal sums in an order of its own, so here only the last
+        # rank's copy has a gradient (x + 0 is exact)
+        s["dfinal"][:-1] = 0.0
+        dexit, dinit = mamba_cp._scan_grads(rows(s["G"]), s["dfinal"][rank], a, cont, cfg)
+        e1, f1, d1, i1 = scan_in_one_process(s, layout, world, rank)
+        bitwise = (torch.equal(entries, e1.reshape(entries.shape)) and torch.equal(final, f1)
+                   and torch.equal(dexit, d1.reshape(dexit.shape)) and torch.equal(dinit, i1))
+        finals = [torch.empty_like(final) for _ in range(world)]
+        dist.all_gather(finals, final, group=group)
+        errs["bitwise as composed in one process"] = 0.0 if bitwise else float("inf")
+        errs["final identical on every rank"] = 0.0 if all(torch.equal(f, final) for f in finals) else float("inf")
+        results[layout] = errs
+    return errors_everywhere(results, world, group, device)
+
+
+@pytest.mark.parametrize("world", [2, 5, 16])
+def test_summary_scan_alone(world):
+    """The prefix scan over W gloo ranks on random summaries (no kernels): within float32 of the
+    float64 recurrence and its gradient, and bitwise the compositions it promises."""
+    verdict = world_verdict(world, "scan_helper_errors", timeout=300)
+    failures = _cp_verdict(verdict, 1e-6)
+    assert not failures, f"W={world}: {failures}"
+
+
+def exchange_world_check(rank, world, group, device):
+    """Every layout with both summary exchanges, documents across ranks, initial and final
+    states: each against the oracle, and the scan against the all-gather."""
+    piece = 16
+    base = dict(CP_SMALL, batch=1, piece=piece, seq=[3, 9, 10, piece, piece + 5, 4 * piece + 7],
+                dt_limit=(0.05, 2.0), seed=1)
+    results = {}
+    for layout in mamba_cp.LAYOUTS:
+        kept = {}
+        for exchange in ("all_gather", "scan"):
+            kept[exchange] = {}
+            try:
+                results[f"{layout} {exchange}"] = cp_case_errors(dict(base, layout=layout, exchange=exchange), rank,
+                                                                 world, group, device, keep=kept[exchange])
+            except Exception as e:  # noqa: BLE001 - a failure on one rank must still reach the reduction
+                results[f"{layout} {exchange}"] = {"exception: " + repr(e)[:200]: float("inf")}
+        both = kept["all_gather"].keys() & kept["scan"].keys()
+        results[f"{layout} scan vs all_gather"] = {k: rel_rms(kept["scan"][k], kept["all_gather"][k]) for k in both}
+    return errors_everywhere(results, world, group, device)
+
+
+@pytest.mark.parametrize("world", [2, 3, 5, 8])
+def test_cp_summary_exchanges(world):
+    """summary_exchange="all_gather" and "scan" on W gloo ranks, every layout."""
+    verdict = world_verdict(world, "exchange_world_check")
+    assert all(len(verdict[f"{layout} scan vs all_gather"]) == 10 for layout in mamba_cp.LAYOUTS), verdict
+    failures = _cp_verdict(verdict, FP32_BOUND)
+    assert not failures, f"W={world}: relative RMS above {FP32_BOUND:g}: {failures}"
+    print({case: max(errs.values()) for case, errs in verdict.items()})
 
 
 def cp_bad_input_messages(rank, world, group, device):
@@ -1063,12 +1246,12 @@ def cp_bad_input_messages(rank, world, group, device):
     local = {k: (mamba_cp.shard(v, rank, world, "none") if k in CP_ACTIVATIONS + ("seq_idx",) and v is not None
                  else v) for k, v in full.items()}
 
-    def call(fn=mamba_cp.mamba_conv1d_ssd_cp, layout="none", **change):
+    def call(fn=mamba_cp.mamba_conv1d_ssd_cp, layout="none", exchange=None, **change):
         kw = dict(local, **change)
         return fn(kw["xBC"], kw["dt"], kw["conv_weight"], kw["conv_bias"], kw["dt_bias"], kw["A"], kw["D"],
                   opts["chunk_size"], headdim=opts["headdim"], ngroups=opts["ngroups"],
                   cp_group=kw.get("cp_group", group), load_balancing=layout, seq_idx=kw["seq_idx"],
-                  initial_states=kw["initial_states"])
+                  initial_states=kw["initial_states"], **({} if exchange is None else dict(summary_exchange=exchange)))
 
     xBC = local["xBC"]
     cases = {
@@ -1080,6 +1263,8 @@ def cp_bad_input_messages(rank, world, group, device):
         "virtual segment shorter than d_conv - 1": lambda: call(layout="virtual", xBC=xBC[:, :4],
                                                                 dt=local["dt"][:, :4]),
         "unknown load_balancing": lambda: call(layout="zigzag"),
+        "unknown summary_exchange": lambda: call(exchange="ring"),
+        "summary_exchange differs across ranks": lambda: call(exchange="scan" if rank else "all_gather"),
         "cp_group is not a process group": lambda: call(cp_group="world"),
         "a2a: nheads not divisible by W": lambda: call(fn=mamba_cp.mamba_conv1d_ssd_a2a),
         "seq_idx decreasing on one rank": lambda: call(seq_idx=torch.zeros_like(xBC[..., 0], dtype=torch.int32)
@@ -1100,10 +1285,7 @@ def cp_bad_input_messages(rank, world, group, device):
 def test_cp_bad_input_raises_on_every_rank():
     """W = 3 (nheads 4 is not divisible by 3 for the baseline): every bad call raises the same
     ValueError on every rank, and promptly (a hang would trip the spawn's timeout)."""
-    per_rank = spawn_world(3, "cp_bad_input_messages", timeout=240)
-    errors = [v for status, v in per_rank if status != "ok"]
-    assert not errors, errors[0]
-    messages = [r for _, r in per_rank]
+    messages = world_results(3, "cp_bad_input_messages", timeout=240)
     for case in messages[0]:
         seen = [m[case] for m in messages]
         assert all(m.startswith("ValueError: ") for m in seen), f"{case}: {seen}"
@@ -1176,7 +1358,8 @@ def split_case_errors(case, rank, world, group, device):
              for k, v in full.items()}
     mine = {k: local[k].detach().clone().requires_grad_(True) for k in leaves}
     out, f = mamba_cp.mamba_split_conv1d_scan_combined(
-        **{**local, **mine}, **opts, return_final_states=True, cp_group=group, load_balancing=layout)
+        **{**local, **mine}, **opts, return_final_states=True, cp_group=group, load_balancing=layout,
+        summary_exchange=case.get("exchange", "auto"))
     w = mamba_cp.shard(w_full, rank, world, layout)
     grads = dict(zip(mine, torch.autograd.grad((out.float() * w).sum() + (f * wf_all[rank]).sum(),
                                                list(mine.values()))))
@@ -1221,6 +1404,8 @@ def split_world_check(rank, world, group, device, gpu=False):
                       dt_limit=(0.05, 2.0))
     cases = [dict(base, layout=layout, seed=2, name=f"{layout} all options", **everything)
              for layout in mamba_cp.LAYOUTS]
+    cases.append(dict(base, layout="virtual", seed=2, name="virtual all options, scan exchange", exchange="scan",
+                      **everything))
     if not gpu:
         cases.append(dict(base, layout="virtual", seed=3, name="virtual gate, no activation", activation=None))
     results = {}
@@ -1229,22 +1414,13 @@ def split_world_check(rank, world, group, device, gpu=False):
             results[case["name"]] = split_case_errors(case, rank, world, group, device)
         except Exception as e:  # noqa: BLE001 - a failure on one rank must still reach the reduction
             results[case["name"]] = {"exception: " + repr(e)[:200]: float("inf")}
-    names = sorted((c, t) for c, errs in results.items() for t in errs)
-    count = torch.tensor([len(names)], device=device)
-    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
-    vec = torch.tensor([results[c][t] for c, t in names], dtype=torch.float64, device=device)
-    if count.item() == len(names):
-        dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
-    return {f"{c}: {t}": v for (c, t), v in zip(names, vec.tolist())}
+    results = errors_everywhere(results, world, group, device)
+    return {f"{c}: {t}": v for c, errs in results.items() for t, v in errs.items()}
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_split_conv1d_scan_cp(world):
-    per_rank = spawn_world(world, "split_world_check")
-    errors = [v for status, v in per_rank if status != "ok"]
-    assert not errors, errors[0]
-    verdict = per_rank[0][1]
-    assert all(v == verdict for _, v in per_rank), "ranks reached different verdicts"
+    verdict = world_verdict(world, "split_world_check")
     bad = {k: e for k, e in verdict.items() if not e <= FP32_BOUND}
     assert not bad, f"relative RMS above {FP32_BOUND:g}: {bad}"
 
@@ -1260,6 +1436,7 @@ def test_split_conv1d_scan_bad_inputs():
         "outproj_bias": dict(outproj_weight=None),
         "activation": dict(activation="gelu"),
         "headdim": dict(D=full["D"][:, 0], headdim=None),
+        "summary_exchange": dict(summary_exchange="ring"),
     }
     for name, change in cases.items():
         with pytest.raises(ValueError, match=rf"^{name}: got .*, expected "):
@@ -1406,10 +1583,8 @@ def compile_world_check(rank, world, group, device):
 
 def test_torch_compile_two_ranks():
     """Every layout of the fused core and the baseline, compiled on two gloo ranks."""
-    per_rank = spawn_world(2, "compile_world_check", timeout=900)
-    errors = [v for status, v in per_rank if status != "ok"]
-    assert not errors, errors[0]
-    bad = {k: v for k, v in per_rank[0][1].items() if not v <= compile_bound(k)}
+    verdict = world_results(2, "compile_world_check", timeout=900)[0]
+    bad = {k: v for k, v in verdict.items() if not v <= compile_bound(k)}
     assert not bad, f"compiled differs from eager: {bad}"
 
 
@@ -1496,10 +1671,7 @@ def _mixer_parity_failures(losses):
 
 
 def test_mixer_loss_parity():
-    per_rank = spawn_world(2, "mixer_parity_losses", timeout=600)
-    errors = [v for status, v in per_rank if status != "ok"]
-    assert not errors, errors[0]
-    for losses in (r for _, r in per_rank):
+    for losses in world_results(2, "mixer_parity_losses", timeout=600):
         assert set(losses) == set(MIXER_LAYOUTS) and all(len(cp) == 3 for cp, _ in losses.values())
         bad = _mixer_parity_failures(losses)
         assert not bad, bad
@@ -1735,10 +1907,7 @@ def hf_parity(rank, world, group, device):
 
 @needs_transformers
 def test_transformers_mamba2_cp_parity():
-    per_rank = spawn_world(2, "hf_parity", timeout=900)
-    errors = [v for status, v in per_rank if status != "ok"]
-    assert not errors, errors[0]
-    for result, checks in (r for _, r in per_rank):
+    for result, checks in world_results(2, "hf_parity", timeout=900):
         assert all(checks.values()), checks
         for layout, r in result.items():
             worst = max(r["params"], key=lambda n: r["params"][n][0])
@@ -1883,6 +2052,13 @@ def main():
         singles = [dist.new_group([r]) for r in range(world)]
         p, f = _report(rank, "W=1", cp_world_check(0, 1, singles[rank], device, gpu=CUDA), bound)
         passed, failed = passed + p, failed + f
+    # the two summary exchanges: the scan alone on random summaries, and the fused core with each
+    p, f = _report(rank, f"W={world} summary scan alone", scan_helper_errors(rank, world, dist.group.WORLD, device),
+                   1e-6)
+    passed, failed = passed + p, failed + f
+    p, f = _report(rank, f"W={world} summary exchanges",
+                   exchange_world_check(rank, world, dist.group.WORLD, device), FP32_BOUND)
+    passed, failed = passed + p, failed + f
     if CUDA:  # forward and backward, collectives included, in one CUDA graph
         for check, ok in graph_capture_check(rank, world, dist.group.WORLD, device).items():
             passed, failed = passed + ok, failed + (not ok)

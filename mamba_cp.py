@@ -13,8 +13,9 @@ sum of dt'*A inside a chunk. A chunk entered with state S_in produces
 
 so a chunk (and, the same way, a whole shard of the sequence) maps its entry state to its exit
 state affinely: S_out = a * S_in + S_ext. That is what makes context parallelism cheap: each
-rank summarises its shard as (S_ext, a), the summaries are all-gathered, and an exclusive scan
-over them gives every rank its true entry state (README walkthrough c, d).
+rank summarises its shard as (S_ext, a), the summaries are exchanged (all-gathered, or by a
+prefix scan over the ranks in log2 W rounds), and an exclusive scan over them gives every rank
+its true entry state (README walkthrough c, d).
 
 Reading order, which is the order the method runs (the section headers below; a test keeps
 this list true):
@@ -1549,7 +1550,8 @@ class _Segments:
 
 # ---------------------------------------------------------------------------------------------
 # 8. Communication
-#    Validation, the summary all-gather, the conv halo, the zigzag permutation.
+#    Validation; the summaries all-gathered, or by prefix scan over the ranks, and the model that
+#    chooses; the conv halo; the zigzag permutation.
 # ---------------------------------------------------------------------------------------------
 
 

@@ -66,6 +66,96 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # 1. Shared kernel pieces: dt processing and the decays of one chunk
 # ---------------------------------------------------------------------------------------------
 
+# What the kernels are given. A caller's tensor comes with its strides as one named tuple
+# (Triton kernels take tuples and specialise their fields as they do scalars: a unit stride
+# still vectorises). The buffers the module allocates itself are contiguous, and the kernels
+# compute their offsets from the sizes (_state_tile, _row_head).
+
+class _BLHP(NamedTuple):
+    """Strides of a (batch, token, head, headdim) tensor: x, y and their gradients."""
+    b: int
+    l: int  # noqa: E741
+    h: int
+    p: int
+
+
+class _BLGN(NamedTuple):
+    """Strides of a (batch, token, group, dstate) tensor: B, C and their gradients."""
+    b: int
+    l: int  # noqa: E741
+    g: int
+    n: int
+
+
+class _BLH(NamedTuple):
+    """Strides of a (batch, token, head) tensor: dt."""
+    b: int
+    l: int  # noqa: E741
+    h: int
+
+
+class _BL(NamedTuple):
+    """Strides of a (batch, token) tensor: seq_idx."""
+    b: int
+    l: int  # noqa: E741
+
+
+class _HP(NamedTuple):
+    """Strides of D as (head, headdim); a (nheads,) D broadcasts over headdim (p = 0)."""
+    h: int
+    p: int
+
+
+class _BLC(NamedTuple):
+    """Strides of a (batch, token, channel) tensor: the conv's xBC, its halo, and their gradients."""
+    b: int
+    l: int  # noqa: E741
+    c: int
+
+
+class _CK(NamedTuple):
+    """Strides of the conv weight (channel, tap)."""
+    c: int
+    k: int
+
+
+def _strides_of(t, record):
+    """t's strides as `record`; zeros for an absent tensor, which the kernels never read."""
+    return record(*((0,) * len(record._fields) if t is None else t.stride()))
+
+
+class _ChunkEdge(NamedTuple):
+    """The buffers that give every chunk's true entry state (or exit gradient), chunk c of
+    segment s being  stored(c) + decay(c) * segment(s)  (README walkthrough c, e): what a state
+    pass stored from a zero segment entry (exit), (b, nchunks, h, p, n); the decay from the
+    segment's entry to c's (from c's exit to the segment's), (b, nchunks, h) fp32; and the
+    segments' entry states (exit gradients), (b, nseg, h, p, n) fp32, or a stand-in where zero."""
+    stored: Tensor
+    decay: Tensor
+    segment: Tensor
+
+
+@triton.jit
+def _state_tile(row, h, offs_p, offs_n, nheads, headdim, dstate):
+    """int64 offsets of head h's (p, n) tile in a contiguous (rows, nheads, headdim, dstate)
+    buffer: row = b * nchunks + c for chunk states, b * nseg + s for segment states."""
+    return ((row.to(tl.int64) * nheads + h) * headdim + offs_p[:, None]) * dstate + offs_n[None, :]
+
+
+@triton.jit
+def _row_head(row, h, nheads):
+    """int64 offset of (row, head) in a contiguous (rows, nheads) buffer: gamma, rho, a, partials."""
+    return row.to(tl.int64) * nheads + h
+
+
+@triton.jit
+def _chunk_rows(b, c, seqlen, chunks_per_seg, Q: tl.constexpr):
+    """Chunk c of batch row b as a row of the chunk buffers (b * nchunks + c) and of the
+    segment buffers (b * nseg + the segment holding c)."""
+    nchunks = tl.cdiv(seqlen, Q)
+    b64 = b.to(tl.int64)
+    return b64 * nchunks + c, b64 * tl.cdiv(nchunks, chunks_per_seg) + c // chunks_per_seg
+
 
 @triton.jit
 def _softplus(v):
@@ -76,16 +166,14 @@ def _softplus(v):
 
 
 @triton.jit
-def _chunk_dt(dt_ptr, dt_bias_ptr, A_ptr, b, h, start, seqlen,
-              stride_dt_b, stride_dt_l, stride_dt_h,
-              Q: tl.constexpr, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
-              HAS_DT_LIMIT: tl.constexpr, dt_min, dt_max):
+def _chunk_dt(dt_ptr, dt_bias_ptr, A_ptr, b, h, start, seqlen, stride_dt, Q: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+              DT_SOFTPLUS: tl.constexpr, HAS_DT_LIMIT: tl.constexpr, dt_min, dt_max):
     """dt', dt'*A and d dt'/d dt_raw (the softplus slope, zero where dt_limit clamps) of one
     chunk of one head, (Q,) float32 each; zero past the sequence end. Kernels that do not use
     the slope do not pay for it (dead code is removed)."""
     t = start + tl.arange(0, Q)
     valid = t < seqlen
-    dt = tl.load(dt_ptr + b.to(tl.int64) * stride_dt_b + t.to(tl.int64) * stride_dt_l + h * stride_dt_h,
+    dt = tl.load(dt_ptr + b.to(tl.int64) * stride_dt.b + t.to(tl.int64) * stride_dt.l + h * stride_dt.h,
                  mask=valid, other=0.0).to(tl.float32)
     if HAS_DT_BIAS:
         dt += tl.load(dt_bias_ptr + h).to(tl.float32)
@@ -126,14 +214,14 @@ def _selected_exp(keep, log_v):
 
 
 @triton.jit
-def _seq_ids(seq_ptr, b, start, seqlen, stride_seq_b, stride_seq_l, Q: tl.constexpr):
+def _seq_ids(seq_ptr, b, start, seqlen, stride_seq, Q: tl.constexpr):
     """Document ids of one chunk: per token (Q,), the last valid token's, and the token's
     before the chunk (for chunk 0, the first token's: initial_states reach the first document)."""
     t = start + tl.arange(0, Q)
-    base = seq_ptr + b.to(tl.int64) * stride_seq_b
-    seq = tl.load(base + t.to(tl.int64) * stride_seq_l, mask=t < seqlen, other=-1)
-    last = tl.load(base + tl.cast(tl.minimum(start + Q, seqlen) - 1, tl.int64) * stride_seq_l)
-    prev = tl.load(base + tl.cast(tl.maximum(start - 1, 0), tl.int64) * stride_seq_l)
+    base = seq_ptr + b.to(tl.int64) * stride_seq.b
+    seq = tl.load(base + t.to(tl.int64) * stride_seq.l, mask=t < seqlen, other=-1)
+    last = tl.load(base + tl.cast(tl.minimum(start + Q, seqlen) - 1, tl.int64) * stride_seq.l)
+    prev = tl.load(base + tl.cast(tl.maximum(start - 1, 0), tl.int64) * stride_seq.l)
     return seq, last, prev
 
 
@@ -150,34 +238,25 @@ def _state_program(nheads, heads_per_group, n_p_tiles, n_n_tiles):
 
 
 @triton.jit
-def _entry_term(entry_ptr, gamma_ptr, b, c, h, offs_p, offs_n, mask_pn, chunks_per_seg,
-                stride_en_b, stride_en_s, stride_en_h, stride_en_p, stride_en_n,
-                stride_ga_b, stride_ga_c, stride_ga_h):
-    """gamma(c) * S_entry[b, segment of c, h] as a (BP, BN) float32 tile: what the segment's
-    entry state adds to chunk c's entry state (forward), or, with rho for gamma and dS_exit for
-    S_entry, what the gradient at the segment's exit adds to chunk c's exit gradient."""
-    gamma = tl.load(gamma_ptr + b.to(tl.int64) * stride_ga_b + tl.cast(c, tl.int64) * stride_ga_c + h * stride_ga_h)
-    seg = tl.cast(c // chunks_per_seg, tl.int64)
-    S = tl.load(entry_ptr + b.to(tl.int64) * stride_en_b + seg * stride_en_s + h * stride_en_h
-                + offs_p[:, None] * stride_en_p + offs_n[None, :] * stride_en_n, mask=mask_pn, other=0.0)
-    return gamma * S.to(tl.float32)
+def _entry_term(edge, chunk_row, seg_row, h, offs_p, offs_n, mask_pn, nheads, headdim, dstate):
+    """decay(c) * segment(s) as a (BP, BN) float32 tile: what the segment's entry state adds to
+    chunk c's entry state (forward), or what the gradient at the segment's exit adds to chunk
+    c's exit gradient (backward); edge is a _ChunkEdge."""
+    decay = tl.load(edge.decay + _row_head(chunk_row, h, nheads))
+    S = tl.load(edge.segment + _state_tile(seg_row, h, offs_p, offs_n, nheads, headdim, dstate), mask=mask_pn,
+                other=0.0)
+    return decay * S.to(tl.float32)
 
 
 @triton.jit
-def _true_chunk_edge(stored_ptr, seg_ptr, decay_ptr, b64, c, h, offs_p, offs_n, mask_pn, chunks_per_seg,
-                     stride_st_b, stride_st_c, stride_st_h, stride_st_p, stride_st_n,
-                     stride_en_b, stride_en_s, stride_en_h, stride_en_p, stride_en_n,
-                     stride_ga_b, stride_ga_c, stride_ga_h, HAS_SEG: tl.constexpr):
-    """A (BP, BN) float32 tile of chunk c's true entry state (or exit gradient): the value a state
-    pass stored from a zero segment entry (exit), plus, with HAS_SEG, gamma(c) times the
-    segment's entry state (rho(c) times the gradient at its exit)."""
-    v = tl.load(stored_ptr + b64 * stride_st_b + tl.cast(c, tl.int64) * stride_st_c + h * stride_st_h
-                + offs_p[:, None] * stride_st_p + offs_n[None, :] * stride_st_n,
+def _true_chunk_edge(edge, chunk_row, seg_row, h, offs_p, offs_n, mask_pn, nheads, headdim, dstate,
+                     HAS_SEG: tl.constexpr):
+    """A (BP, BN) float32 tile of chunk c's true entry state (or exit gradient): the stored
+    value, plus, with HAS_SEG, the segment's term."""
+    v = tl.load(edge.stored + _state_tile(chunk_row, h, offs_p, offs_n, nheads, headdim, dstate),
                 mask=mask_pn, other=0.0).to(tl.float32)
     if HAS_SEG:
-        v += _entry_term(seg_ptr, decay_ptr, b64, c, h, offs_p, offs_n, mask_pn, chunks_per_seg,
-                         stride_en_b, stride_en_s, stride_en_h, stride_en_p, stride_en_n,
-                         stride_ga_b, stride_ga_c, stride_ga_h)
+        v += _entry_term(edge, chunk_row, seg_row, h, offs_p, offs_n, mask_pn, nheads, headdim, dstate)
     return v
 
 
@@ -199,11 +278,6 @@ def _next_pow2(v):
 
 def _pow2(v, lo=16):
     return max(lo, _next_pow2(v))
-
-
-def _strides(t, ndim):
-    """Strides of an optional tensor (zeros when absent), so one kernel serves every option."""
-    return tuple(t.stride()) if t is not None else (0,) * ndim
 
 
 def _stand_in(t, placeholder):
@@ -341,15 +415,7 @@ class _LaunchPlan:
 def _state_fwd_kernel(
     x_ptr, B_ptr, dt_ptr, dt_bias_ptr, A_ptr, seq_ptr, states_ptr, gamma_ptr, a_ptr, ext_ptr,
     seqlen, nheads, headdim, dstate, nchunks, chunks_per_seg, n_p_tiles, n_n_tiles, heads_per_group,
-    dt_min, dt_max,
-    stride_x_b, stride_x_l, stride_x_h, stride_x_p,
-    stride_B_b, stride_B_l, stride_B_g, stride_B_n,
-    stride_dt_b, stride_dt_l, stride_dt_h,
-    stride_seq_b, stride_seq_l,
-    stride_st_b, stride_st_c, stride_st_h, stride_st_p, stride_st_n,
-    stride_ga_b, stride_ga_c, stride_ga_h,
-    stride_a_b, stride_a_s, stride_a_h,
-    stride_ext_b, stride_ext_s, stride_ext_h, stride_ext_p, stride_ext_n,
+    dt_min, dt_max, stride_x, stride_B, stride_dt, stride_seq,
     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_DT_LIMIT: tl.constexpr,
     HAS_SEQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -368,11 +434,8 @@ def _state_fwd_kernel(
     offs_n = pid_n * BN + tl.arange(0, BN)
     mask_pn = (offs_p[:, None] < headdim) & (offs_n[None, :] < dstate)
 
-    x_base = x_ptr + b64 * stride_x_b + h * stride_x_h + offs_p[None, :] * stride_x_p
-    B_base = B_ptr + b64 * stride_B_b + g * stride_B_g + offs_n[None, :] * stride_B_n
-    st_base = (states_ptr + b64 * stride_st_b + h * stride_st_h
-               + offs_p[:, None] * stride_st_p + offs_n[None, :] * stride_st_n)
-    ga_base = gamma_ptr + b64 * stride_ga_b + h * stride_ga_h
+    x_base = x_ptr + b64 * stride_x.b + h * stride_x.h + offs_p[None, :] * stride_x.p
+    B_base = B_ptr + b64 * stride_B.b + g * stride_B.g + offs_n[None, :] * stride_B.n
     first_tile = (pid_p == 0) & (pid_n == 0)          # one program per head writes the decays
 
     S = tl.zeros((BP, BN), dtype=tl.float32)                                      # (BP, BN)
@@ -381,34 +444,34 @@ def _state_fwd_kernel(
     c_end = tl.minimum((seg + 1) * chunks_per_seg, nchunks)
     for c in range(seg * chunks_per_seg, c_end):
         start = c * Q
-        tl.store(st_base + tl.cast(c, tl.int64) * stride_st_c, S.to(states_ptr.dtype.element_ty), mask=mask_pn)
-        tl.store(ga_base + tl.cast(c, tl.int64) * stride_ga_c, _selected_exp(alive, log_gamma), mask=first_tile)
-        dt, dA, slope = _chunk_dt(dt_ptr, dt_bias_ptr, A_ptr, b, h, start, seqlen,
-                           stride_dt_b, stride_dt_l, stride_dt_h,
-                           Q, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT, dt_min, dt_max)
+        tl.store(states_ptr + _state_tile(b64 * nchunks + c, h, offs_p, offs_n, nheads, headdim, dstate),
+                 S.to(states_ptr.dtype.element_ty), mask=mask_pn)
+        tl.store(gamma_ptr + _row_head(b64 * nchunks + c, h, nheads), _selected_exp(alive, log_gamma),
+                 mask=first_tile)
+        dt, dA, slope = _chunk_dt(dt_ptr, dt_bias_ptr, A_ptr, b, h, start, seqlen, stride_dt,
+                                  Q, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT, dt_min, dt_max)
         cs = tl.cumsum(dA.to(tl.float64), axis=0)                                 # (Q,) float64
         total = tl.sum(dA.to(tl.float64), axis=0)
         w = tl.exp((total - cs).to(tl.float32)) * dt                              # (Q,) weight of token j
         decay = tl.exp(total.to(tl.float32))
         log_gamma += total
         if HAS_SEQ:
-            seq, last, prev = _seq_ids(seq_ptr, b, start, seqlen, stride_seq_b, stride_seq_l, Q)
+            seq, last, prev = _seq_ids(seq_ptr, b, start, seqlen, stride_seq, Q)
             w = tl.where(seq == last, w, 0.0)          # only the last document reaches the exit
             decay = tl.where(last == prev, decay, 0.0)  # a document starts inside: entry is cut off
             alive = alive & (last == prev)
         t = start + offs_q
         valid = t < seqlen
-        x = tl.load(x_base + t.to(tl.int64)[:, None] * stride_x_l,
+        x = tl.load(x_base + t.to(tl.int64)[:, None] * stride_x.l,
                     mask=valid[:, None] & (offs_p[None, :] < headdim), other=0.0)  # (Q, BP)
-        Bm = tl.load(B_base + t.to(tl.int64)[:, None] * stride_B_l,
+        Bm = tl.load(B_base + t.to(tl.int64)[:, None] * stride_B.l,
                      mask=valid[:, None] & (offs_n[None, :] < dstate), other=0.0)  # (Q, BN)
         xw = (x.to(tl.float32) * w[:, None]).to(x.dtype)
         S = decay * S + tl.dot(tl.trans(xw), Bm, input_precision=DOT_PRECISION)  # (BP, BN)
 
-    tl.store(a_ptr + b64 * stride_a_b + tl.cast(seg, tl.int64) * stride_a_s + h * stride_a_h,
-             _selected_exp(alive, log_gamma), mask=first_tile)
-    tl.store(ext_ptr + b64 * stride_ext_b + tl.cast(seg, tl.int64) * stride_ext_s + h * stride_ext_h
-             + offs_p[:, None] * stride_ext_p + offs_n[None, :] * stride_ext_n, S, mask=mask_pn)
+    seg_row = b64 * tl.cdiv(nchunks, chunks_per_seg) + seg
+    tl.store(a_ptr + _row_head(seg_row, h, nheads), _selected_exp(alive, log_gamma), mask=first_tile)
+    tl.store(ext_ptr + _state_tile(seg_row, h, offs_p, offs_n, nheads, headdim, dstate), S, mask=mask_pn)
 
 
 def _state_fwd(x, dt, A, B, dt_bias, seq_idx, plan):
@@ -425,8 +488,7 @@ def _state_fwd(x, dt, A, B, dt_bias, seq_idx, plan):
         plan.seqlen, plan.nheads, plan.headdim, plan.dstate, plan.nchunks, plan.chunks_per_seg, plan.n_p_tiles,
         plan.n_n_tiles,
         plan.heads_per_group, plan.dt_min, plan.dt_max,
-        *x.stride(), *B.stride(), *dt.stride(), *_strides(seq_idx, 2),
-        *states.stride(), *gamma.stride(), *a.stride(), *S_ext.stride(),
+        _BLHP(*x.stride()), _BLGN(*B.stride()), _BLH(*dt.stride()), _strides_of(seq_idx, _BL),
         Q=plan.Q, BP=plan.BP_state, BN=plan.BN_state, DOT_PRECISION=plan.precision, **plan.launch["state"],
         **plan.flags)
     return states, gamma, a, S_ext
@@ -434,14 +496,7 @@ def _state_fwd(x, dt, A, B, dt_bias, seq_idx, plan):
 
 @triton.jit
 def _segment_scan_kernel(
-    src_ptr, a_ptr, cont_ptr, start_ptr, out_ptr, end_ptr,
-    nseg, nheads, size,
-    stride_src_b, stride_src_s, stride_src_h,
-    stride_a_b, stride_a_s, stride_a_h,
-    stride_cont_b, stride_cont_s,
-    stride_start_b, stride_start_h,
-    stride_out_b, stride_out_s, stride_out_h,
-    stride_end_b, stride_end_h,
+    src_ptr, a_ptr, cont_ptr, start_ptr, out_ptr, end_ptr, nseg, nheads, size,
     BLOCK: tl.constexpr, HAS_CONT: tl.constexpr, HAS_START: tl.constexpr, REVERSE: tl.constexpr,
 ):
     """The exclusive scan over segment summaries, for one (batch, head, slice of the p*n state).
@@ -452,7 +507,8 @@ def _segment_scan_kernel(
         dS_exit(k-1) = cont_k (G(k) + a_k dS_exit(k))
     cont_k = 0 where segment k starts a new document (cont_0 = 1). Stores every S_entry(k) (dS_exit(k))
     and what is left at the end: the exit of the last segment (the initial state's gradient).
-    States are contiguous in p*n."""
+    Every buffer is contiguous: states (b, nseg, h, size), a (b, nseg, h), cont (b, nseg), start
+    and end (b, h, size)."""
     pid = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // nheads).to(tl.int64)
@@ -460,44 +516,45 @@ def _segment_scan_kernel(
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < size
     if HAS_START:
-        S = tl.load(start_ptr + b * stride_start_b + h * stride_start_h + offs, mask=mask, other=0.0).to(tl.float32)
+        S = tl.load(start_ptr + _row_head(b, h, nheads) * size + offs, mask=mask, other=0.0).to(tl.float32)
     else:
         S = tl.zeros((BLOCK,), dtype=tl.float32)
     for i in range(nseg):
-        k = nseg - 1 - i if REVERSE else i
-        k64 = tl.cast(k, tl.int64)
+        row = b * nseg + (nseg - 1 - i if REVERSE else i)
         if HAS_CONT and not REVERSE:
-            S *= tl.load(cont_ptr + b * stride_cont_b + k64 * stride_cont_s)
-        tl.store(out_ptr + b * stride_out_b + k64 * stride_out_s + h * stride_out_h + offs, S, mask=mask)
-        a = tl.load(a_ptr + b * stride_a_b + k64 * stride_a_s + h * stride_a_h)
-        S = a * S + tl.load(src_ptr + b * stride_src_b + k64 * stride_src_s + h * stride_src_h + offs, mask=mask)
+            S *= tl.load(cont_ptr + row)
+        tl.store(out_ptr + _row_head(row, h, nheads) * size + offs, S, mask=mask)
+        a = tl.load(a_ptr + _row_head(row, h, nheads))
+        S = a * S + tl.load(src_ptr + _row_head(row, h, nheads) * size + offs, mask=mask)
         if HAS_CONT and REVERSE:
-            S *= tl.load(cont_ptr + b * stride_cont_b + k64 * stride_cont_s)
-    tl.store(end_ptr + b * stride_end_b + h * stride_end_h + offs, S, mask=mask)
+            S *= tl.load(cont_ptr + row)
+    tl.store(end_ptr + _row_head(b, h, nheads) * size + offs, S, mask=mask)
 
 
 def _scan_block(size):
     return min(tuning().scan_block or _next_pow2(size), _next_pow2(size))
 
 
+def _f32_contiguous(t):
+    return None if t is None else t.float().contiguous()
+
+
 def _scan(src, a, start, cont, reverse):
     b, K, h, p, n = src.shape
+    src, a, start, cont = (_f32_contiguous(t) for t in (src, a, start, cont))
     out = torch.empty_like(src)
     end = torch.empty(b, h, p, n, device=src.device, dtype=torch.float32)
-    start = None if start is None else start.float().contiguous()
     BLOCK = _scan_block(p * n)
     _segment_scan_kernel[(_cdiv(p * n, BLOCK), b * h)](
         src, a, cont, start, out, end, K, h, p * n,
-        *src.stride()[:3], *a.stride(), *_strides(cont, 2), *(start.stride()[:2] if start is not None else (0, 0)),
-        *out.stride()[:3], *end.stride()[:2],
         BLOCK=BLOCK, HAS_CONT=cont is not None, HAS_START=start is not None, REVERSE=reverse)
     return out, end
 
 
 def scan_segments(S_ext, a, initial=None, cont=None):
     """Exclusive scan over segment summaries: the entry state of every segment (b, K, h, p, n)
-    and the exit state of the last (b, h, p, n), all fp32. S_ext (b, K, h, p, n) and a (b, K, h)
-    contiguous; initial (b, h, p, n) or None; cont (b, K) fp32 document-continuation flags or None."""
+    and the exit state of the last (b, h, p, n), all fp32. S_ext (b, K, h, p, n) and a (b, K, h);
+    initial (b, h, p, n) or None; cont (b, K) fp32 document-continuation flags or None."""
     return _scan(S_ext, a, initial, cont, reverse=False)
 
 
@@ -509,19 +566,9 @@ def scan_segments_bwd(G, a, dfinal=None, cont=None):
 
 @triton.jit
 def _output_fwd_kernel(
-    x_ptr, B_ptr, C_ptr, dt_ptr, dt_bias_ptr, A_ptr, D_ptr, seq_ptr, states_ptr, y_ptr,
-    entry_ptr, gamma_ptr,
+    x_ptr, B_ptr, C_ptr, dt_ptr, dt_bias_ptr, A_ptr, D_ptr, seq_ptr, y_ptr, entries,
     seqlen, headdim, dstate, heads_per_group, heads_per_program, nheads, batch, chunks_per_seg, dt_min, dt_max,
-    stride_x_b, stride_x_l, stride_x_h, stride_x_p,
-    stride_B_b, stride_B_l, stride_B_g, stride_B_n,
-    stride_C_b, stride_C_l, stride_C_g, stride_C_n,
-    stride_dt_b, stride_dt_l, stride_dt_h,
-    stride_D_h, stride_D_p,
-    stride_seq_b, stride_seq_l,
-    stride_st_b, stride_st_c, stride_st_h, stride_st_p, stride_st_n,
-    stride_y_b, stride_y_l, stride_y_h, stride_y_p,
-    stride_en_b, stride_en_s, stride_en_h, stride_en_p, stride_en_n,
-    stride_ga_b, stride_ga_c, stride_ga_h,
+    stride_x, stride_B, stride_C, stride_dt, stride_D, stride_seq, stride_y,
     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_DT_LIMIT: tl.constexpr,
     HAS_D: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_ENTRY: tl.constexpr,
@@ -530,7 +577,8 @@ def _output_fwd_kernel(
     """Outputs of one (chunk, batch, block of heads_per_program heads of one group, p-block):
     C.B is formed once and reused by the block's heads; then per head
     y = (C.B * decay * dt') x + exp(cs) C S_in (+ D x), with
-    S_in = states(c) + gamma(c) S_entry: the segment's entry state is folded in here."""
+    S_in = states(c) + gamma(c) S_entry (entries, a _ChunkEdge): the segment's entry state is
+    folded in here."""
     # heads_per_program heads of one group (a divisor of heads_per_group) per program; head
     # blocks vary fastest in the grid, so the programs running at once share a chunk's B and C
     pid = tl.program_id(0)
@@ -549,68 +597,66 @@ def _output_fwd_kernel(
     mask_qp = valid[:, None] & (offs_p[None, :] < headdim)
     mask_qn = valid[:, None] & (offs_n[None, :] < dstate)
     t64 = t.to(tl.int64)
+    b64 = b.to(tl.int64)
+    chunk_row, seg_row = _chunk_rows(b, c, seqlen, chunks_per_seg, Q)
 
-    Bm = tl.load(B_ptr + b.to(tl.int64) * stride_B_b + t64[:, None] * stride_B_l + g * stride_B_g
-                 + offs_n[None, :] * stride_B_n, mask=mask_qn, other=0.0)          # (Q, BN)
-    Cm = tl.load(C_ptr + b.to(tl.int64) * stride_C_b + t64[:, None] * stride_C_l + g * stride_C_g
-                 + offs_n[None, :] * stride_C_n, mask=mask_qn, other=0.0)          # (Q, BN)
+    Bm = tl.load(B_ptr + b64 * stride_B.b + t64[:, None] * stride_B.l + g * stride_B.g
+                 + offs_n[None, :] * stride_B.n, mask=mask_qn, other=0.0)          # (Q, BN)
+    Cm = tl.load(C_ptr + b64 * stride_C.b + t64[:, None] * stride_C.l + g * stride_C.g
+                 + offs_n[None, :] * stride_C.n, mask=mask_qn, other=0.0)          # (Q, BN)
     CB = tl.dot(Cm, tl.trans(Bm), input_precision=DOT_PRECISION)                   # (Q, Q)
 
     causal = offs_q[:, None] >= offs_q[None, :]
     entry = tl.full((Q,), 1, tl.int1)
     if HAS_SEQ:
-        seq, last, prev = _seq_ids(seq_ptr, b, start, seqlen, stride_seq_b, stride_seq_l, Q)
+        seq, last, prev = _seq_ids(seq_ptr, b, start, seqlen, stride_seq, Q)
         causal = causal & (seq[:, None] == seq[None, :])
         entry = seq == prev                  # the entry state reaches only the continuing document
 
     for hh in range(heads_per_program):
         h = h0 + hh
-        dt, dA, slope = _chunk_dt(dt_ptr, dt_bias_ptr, A_ptr, b, h, start, seqlen,
-                           stride_dt_b, stride_dt_l, stride_dt_h,
-                           Q, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT, dt_min, dt_max)
+        dt, dA, slope = _chunk_dt(dt_ptr, dt_bias_ptr, A_ptr, b, h, start, seqlen, stride_dt,
+                                  Q, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT, dt_min, dt_max)
         hi, lo = _cumsum_hi_lo(dA)
         M = CB * _pair_decay(hi, lo, causal) * dt[None, :]                          # (Q, Q)
-        x = tl.load(x_ptr + b.to(tl.int64) * stride_x_b + t64[:, None] * stride_x_l + h * stride_x_h
-                    + offs_p[None, :] * stride_x_p, mask=mask_qp, other=0.0)        # (Q, BP)
+        x = tl.load(x_ptr + b64 * stride_x.b + t64[:, None] * stride_x.l + h * stride_x.h
+                    + offs_p[None, :] * stride_x.p, mask=mask_qp, other=0.0)        # (Q, BP)
         y = tl.dot(M.to(x.dtype), x, input_precision=DOT_PRECISION)                # (Q, BP)
 
         mask_pn = (offs_p[:, None] < headdim) & (offs_n[None, :] < dstate)
-        S_in = tl.load(states_ptr + b.to(tl.int64) * stride_st_b + tl.cast(c, tl.int64) * stride_st_c
-                       + h * stride_st_h + offs_p[:, None] * stride_st_p + offs_n[None, :] * stride_st_n,
+        S_in = tl.load(entries.stored + _state_tile(chunk_row, h, offs_p, offs_n, nheads, headdim, dstate),
                        mask=mask_pn, other=0.0)                                    # (BP, BN)
         if HAS_ENTRY:
-            S_in = S_in.to(tl.float32) + _entry_term(entry_ptr, gamma_ptr, b, c, h, offs_p, offs_n, mask_pn,
-                                                     chunks_per_seg, stride_en_b, stride_en_s, stride_en_h,
-                                                     stride_en_p, stride_en_n, stride_ga_b, stride_ga_c, stride_ga_h)
+            S_in = S_in.to(tl.float32) + _entry_term(entries, chunk_row, seg_row, h, offs_p, offs_n, mask_pn,
+                                                     nheads, headdim, dstate)
         e = tl.where(entry, tl.exp(hi + lo), 0.0)                                  # (Q,)
         y += e[:, None] * tl.dot(Cm, tl.trans(S_in.to(Cm.dtype)), input_precision=DOT_PRECISION)
 
         if HAS_D:
-            Dv = tl.load(D_ptr + h * stride_D_h + offs_p * stride_D_p, mask=offs_p < headdim, other=0.0)
+            Dv = tl.load(D_ptr + h * stride_D.h + offs_p * stride_D.p, mask=offs_p < headdim, other=0.0)
             y += Dv.to(tl.float32)[None, :] * x.to(tl.float32)
-        tl.store(y_ptr + b.to(tl.int64) * stride_y_b + t64[:, None] * stride_y_l + h * stride_y_h
-                 + offs_p[None, :] * stride_y_p, y.to(y_ptr.dtype.element_ty), mask=mask_qp)
+        tl.store(y_ptr + b64 * stride_y.b + t64[:, None] * stride_y.l + h * stride_y.h
+                 + offs_p[None, :] * stride_y.p, y.to(y_ptr.dtype.element_ty), mask=mask_qp)
 
 
-def _D_view(D):
-    """D as (h, p) strides: (h,) broadcasts over p with a zero stride."""
+def _D_strides(D):
+    """D's strides as (h, p): a (h,) D broadcasts over p with a zero stride."""
     if D is None:
-        return None, (0, 0)
-    return D, (D.stride(0), 0 if D.dim() == 1 else D.stride(1))
+        return _HP(0, 0)
+    return _HP(D.stride(0), 0 if D.dim() == 1 else D.stride(1))
 
 
 def _output_fwd(x, dt, A, B, C, D, dt_bias, seq_idx, states, gamma, entry, plan, y=None):
     """y (b, l, h, p); entry (b, nseg, h, p, n) fp32: each segment's entry state, or None for zero."""
     if y is None:
         y = torch.empty_like(x, memory_format=torch.contiguous_format)
-    D, D_strides = _D_view(D)
     grid = (plan.nchunks * plan.batch * (plan.nheads // plan.heads_per_output), _cdiv(plan.headdim, plan.BP))
     _output_fwd_kernel[grid](
-        x, B, C, dt, dt_bias, A, D, seq_idx, states, y, entry, gamma,
+        x, B, C, dt, dt_bias, A, D, seq_idx, y, _ChunkEdge(states, gamma, _stand_in(entry, gamma)),
         plan.seqlen, plan.headdim, plan.dstate, plan.heads_per_group, plan.heads_per_output, plan.nheads, plan.batch,
         plan.chunks_per_seg, plan.dt_min, plan.dt_max,
-        *x.stride(), *B.stride(), *C.stride(), *dt.stride(), *D_strides,
-        *_strides(seq_idx, 2), *states.stride(), *y.stride(), *_strides(entry, 5), *gamma.stride(),
+        _BLHP(*x.stride()), _BLGN(*B.stride()), _BLGN(*C.stride()), _BLH(*dt.stride()), _D_strides(D),
+        _strides_of(seq_idx, _BL), _BLHP(*y.stride()),
         Q=plan.Q, BP=plan.BP, BN=plan.BN, HAS_D=D is not None,
         HAS_ENTRY=entry is not None, DOT_PRECISION=plan.precision, **plan.launch["output"], **plan.flags)
     return y
@@ -618,15 +664,9 @@ def _output_fwd(x, dt, A, B, C, D, dt_bias, seq_idx, states, gamma, entry, plan,
 
 @triton.jit
 def _document_end_state_kernel(
-    x_ptr, B_ptr, dt_ptr, dt_bias_ptr, A_ptr, cu_ptr, states_ptr, entry_ptr, gamma_ptr, out_ptr,
-    seqlen, headdim, dstate, heads_per_group, chunks_per_seg, n_n_tiles, dt_min, dt_max,
-    stride_x_l, stride_x_h, stride_x_p,
-    stride_B_l, stride_B_g, stride_B_n,
-    stride_dt_l, stride_dt_h,
-    stride_st_c, stride_st_h, stride_st_p, stride_st_n,
-    stride_en_b, stride_en_s, stride_en_h, stride_en_p, stride_en_n,
-    stride_ga_b, stride_ga_c, stride_ga_h,
-    stride_o_d, stride_o_h, stride_o_p, stride_o_n,
+    x_ptr, B_ptr, dt_ptr, dt_bias_ptr, A_ptr, cu_ptr, entries, out_ptr,
+    seqlen, nheads, headdim, dstate, heads_per_group, chunks_per_seg, n_n_tiles, dt_min, dt_max,
+    stride_x, stride_B, stride_dt,
     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_DT_LIMIT: tl.constexpr,
     HAS_ENTRY: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -635,7 +675,8 @@ def _document_end_state_kernel(
     state tile): the chunk c holding e is entered with S_in (its stored state from a zero segment
     entry, plus gamma(c) times the segment's entry state), so
         S_e = exp(cs_e) S_in [if it reaches e]  +  sum_j exp(cs_e - cs_j) dt'_j x_j B_j^T
-    over the document's tokens j <= e of chunk c. The same arithmetic as the state pass, stopped at e."""
+    over the document's tokens j <= e of chunk c. The same arithmetic as the state pass, stopped
+    at e. out is (num_docs, nheads, headdim, dstate), contiguous."""
     d = tl.program_id(0)
     h = tl.program_id(1)
     pid_p = tl.program_id(2) // n_n_tiles
@@ -651,7 +692,7 @@ def _document_end_state_kernel(
     offs_n = pid_n * BN + tl.arange(0, BN)
     mask_pn = (offs_p[:, None] < headdim) & (offs_n[None, :] < dstate)
 
-    dt, dA, slope = _chunk_dt(dt_ptr, dt_bias_ptr, A_ptr, zero, h, start, seqlen, 0, stride_dt_l, stride_dt_h,
+    dt, dA, slope = _chunk_dt(dt_ptr, dt_bias_ptr, A_ptr, zero, h, start, seqlen, stride_dt,
                               Q, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT, dt_min, dt_max)
     cs = tl.cumsum(dA.to(tl.float64), axis=0)                                    # (Q,) float64
     cs_e = tl.sum(tl.where(offs_q == last - start, cs, 0.0), axis=0)
@@ -659,20 +700,18 @@ def _document_end_state_kernel(
     mine = (t >= first) & (t <= last)                                            # the document's tokens in c
     w = tl.where(mine, tl.exp((cs_e - cs).to(tl.float32)) * dt, 0.0)             # (Q,)
     t64 = t.to(tl.int64)
-    x = tl.load(x_ptr + t64[:, None] * stride_x_l + h * stride_x_h + offs_p[None, :] * stride_x_p,
+    x = tl.load(x_ptr + t64[:, None] * stride_x.l + h * stride_x.h + offs_p[None, :] * stride_x.p,
                 mask=mine[:, None] & (offs_p[None, :] < headdim), other=0.0)    # (Q, BP)
-    Bm = tl.load(B_ptr + t64[:, None] * stride_B_l + g * stride_B_g + offs_n[None, :] * stride_B_n,
+    Bm = tl.load(B_ptr + t64[:, None] * stride_B.l + g * stride_B.g + offs_n[None, :] * stride_B.n,
                  mask=mine[:, None] & (offs_n[None, :] < dstate), other=0.0)    # (Q, BN)
     xw = (x.to(tl.float32) * w[:, None]).to(x.dtype)
     S = tl.dot(tl.trans(xw), Bm, input_precision=DOT_PRECISION)                 # (BP, BN)
     if (first < start) | (first == 0):   # c's entry state reaches e (initial_states reach document 0)
-        S_in = _true_chunk_edge(states_ptr, entry_ptr, gamma_ptr, zero.to(tl.int64), c, h, offs_p, offs_n, mask_pn,
-                                chunks_per_seg, 0, stride_st_c, stride_st_h, stride_st_p, stride_st_n,
-                                  stride_en_b, stride_en_s, stride_en_h, stride_en_p, stride_en_n,
-                                  stride_ga_b, stride_ga_c, stride_ga_h, HAS_ENTRY)
+        chunk_row, seg_row = _chunk_rows(zero, c, seqlen, chunks_per_seg, Q)
+        S_in = _true_chunk_edge(entries, chunk_row, seg_row, h, offs_p, offs_n, mask_pn, nheads, headdim, dstate,
+                                HAS_ENTRY)
         S += tl.exp(cs_e.to(tl.float32)) * S_in
-    tl.store(out_ptr + d.to(tl.int64) * stride_o_d + h * stride_o_h + offs_p[:, None] * stride_o_p
-             + offs_n[None, :] * stride_o_n, S, mask=mask_pn)
+    tl.store(out_ptr + _state_tile(d, h, offs_p, offs_n, nheads, headdim, dstate), S, mask=mask_pn)
 
 
 class Summary:
@@ -692,6 +731,7 @@ class Summary:
     def segment_entries(self, entry, need_exit=False):
         """Each internal segment's entry state (b, nseg, h, p, n), given the sequence's entry
         (or None for zero), and with need_exit the sequence's exit state (b, h, p, n)."""
+        entry = _f32_contiguous(entry)        # the kernels read it as a (b, nseg, h, p, n) buffer
         if self.plan.nseg == 1:
             seg_entry = None if entry is None else entry[:, None]
             if not need_exit:
@@ -719,11 +759,10 @@ def document_end_states(x, dt, A, B, dt_bias, summary, cu_seqlens, entry=None):
     out = torch.empty(ndocs, plan.nheads, plan.headdim, plan.dstate, device=x.device, dtype=torch.float32)
     gamma = summary.gamma
     _document_end_state_kernel[(ndocs, plan.nheads, plan.n_p_tiles * plan.n_n_tiles)](
-        x, B, dt, dt_bias, A, cu_seqlens, summary.states, seg_entry, gamma, out,
-        plan.seqlen, plan.headdim, plan.dstate, plan.heads_per_group, plan.chunks_per_seg, plan.n_n_tiles, plan.dt_min,
-        plan.dt_max,
-        *x.stride()[1:], *B.stride()[1:], *dt.stride()[1:], *summary.states.stride()[1:],
-        *_strides(seg_entry, 5), *gamma.stride(), *out.stride(),
+        x, B, dt, dt_bias, A, cu_seqlens, _ChunkEdge(summary.states, gamma, _stand_in(seg_entry, gamma)), out,
+        plan.seqlen, plan.nheads, plan.headdim, plan.dstate, plan.heads_per_group, plan.chunks_per_seg,
+        plan.n_n_tiles, plan.dt_min, plan.dt_max,
+        _BLHP(*x.stride()), _BLGN(*B.stride()), _BLH(*dt.stride()),
         Q=plan.Q, BP=plan.BP_state, BN=plan.BN_state, HAS_ENTRY=seg_entry is not None, DOT_PRECISION=plan.precision,
         **{f: v for f, v in plan.flags.items() if f != "HAS_SEQ"})
     return out
@@ -736,18 +775,17 @@ def document_end_states(x, dt, A, B, dt_bias, summary, cu_seqlens, entry=None):
 
 
 @triton.jit
+def _dy_tile(dout_ptr, b64, t64, h, offs_p, mask_qp, stride_do):
+    """The output gradient of one chunk and head, (Q, BP) fp32."""
+    return tl.load(dout_ptr + b64 * stride_do.b + t64[:, None] * stride_do.l + h * stride_do.h
+                   + offs_p[None, :] * stride_do.p, mask=mask_qp, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _state_bwd_kernel(
     dout_ptr, C_ptr, dt_ptr, dt_bias_ptr, A_ptr, seq_ptr, dstates_ptr, rho_ptr, G_ptr, a_ptr,
     seqlen, nheads, headdim, dstate, nchunks, chunks_per_seg, n_p_tiles, n_n_tiles, heads_per_group,
-    dt_min, dt_max,
-    stride_do_b, stride_do_l, stride_do_h, stride_do_p,
-    stride_C_b, stride_C_l, stride_C_g, stride_C_n,
-    stride_dt_b, stride_dt_l, stride_dt_h,
-    stride_seq_b, stride_seq_l,
-    stride_ds_b, stride_ds_c, stride_ds_h, stride_ds_p, stride_ds_n,
-    stride_rho_b, stride_rho_c, stride_rho_h,
-    stride_G_b, stride_G_s, stride_G_h, stride_G_p, stride_G_n,
-    stride_a_b, stride_a_s, stride_a_h,
+    dt_min, dt_max, stride_do, stride_C, stride_dt, stride_seq,
     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_DT_LIMIT: tl.constexpr,
     HAS_SEQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -766,9 +804,6 @@ def _state_bwd_kernel(
     offs_n = pid_n * BN + tl.arange(0, BN)
     mask_pn = (offs_p[:, None] < headdim) & (offs_n[None, :] < dstate)
 
-    ds_base = (dstates_ptr + b64 * stride_ds_b + h * stride_ds_h
-               + offs_p[:, None] * stride_ds_p + offs_n[None, :] * stride_ds_n)
-    rho_base = rho_ptr + b64 * stride_rho_b + h * stride_rho_h
     first_tile = (pid_p == 0) & (pid_n == 0)
     dS = tl.zeros((BP, BN), dtype=tl.float32)                                     # (BP, BN)
     log_rho = tl.zeros((), dtype=tl.float64)
@@ -778,18 +813,18 @@ def _state_bwd_kernel(
     for i in range(c_end - c_first):
         c = c_end - 1 - i
         start = c * Q
-        tl.store(ds_base + tl.cast(c, tl.int64) * stride_ds_c, dS.to(dstates_ptr.dtype.element_ty), mask=mask_pn)
-        tl.store(rho_base + tl.cast(c, tl.int64) * stride_rho_c, _selected_exp(alive, log_rho), mask=first_tile)
-        dt, dA, slope = _chunk_dt(dt_ptr, dt_bias_ptr, A_ptr, b, h, start, seqlen,
-                           stride_dt_b, stride_dt_l, stride_dt_h,
-                           Q, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT, dt_min, dt_max)
+        tl.store(dstates_ptr + _state_tile(b64 * nchunks + c, h, offs_p, offs_n, nheads, headdim, dstate),
+                 dS.to(dstates_ptr.dtype.element_ty), mask=mask_pn)
+        tl.store(rho_ptr + _row_head(b64 * nchunks + c, h, nheads), _selected_exp(alive, log_rho), mask=first_tile)
+        dt, dA, slope = _chunk_dt(dt_ptr, dt_bias_ptr, A_ptr, b, h, start, seqlen, stride_dt,
+                                  Q, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT, dt_min, dt_max)
         hi, lo = _cumsum_hi_lo(dA)
         total = tl.sum(dA.to(tl.float64), axis=0)
         e = tl.exp(hi + lo)                                                       # (Q,)
         decay = tl.exp(total.to(tl.float32))
         log_rho += total
         if HAS_SEQ:
-            seq, last, prev = _seq_ids(seq_ptr, b, start, seqlen, stride_seq_b, stride_seq_l, Q)
+            seq, last, prev = _seq_ids(seq_ptr, b, start, seqlen, stride_seq, Q)
             e = tl.where(seq == prev, e, 0.0)
             decay = tl.where(last == prev, decay, 0.0)
             alive = alive & (last == prev)
@@ -797,17 +832,15 @@ def _state_bwd_kernel(
         t64 = t.to(tl.int64)
         valid = t < seqlen
         mask_qp = valid[:, None] & (offs_p[None, :] < headdim)
-        dy = tl.load(dout_ptr + b64 * stride_do_b + t64[:, None] * stride_do_l + h * stride_do_h
-                     + offs_p[None, :] * stride_do_p, mask=mask_qp, other=0.0).to(tl.float32)
-        Cm = tl.load(C_ptr + b64 * stride_C_b + t64[:, None] * stride_C_l + g * stride_C_g
-                     + offs_n[None, :] * stride_C_n, mask=valid[:, None] & (offs_n[None, :] < dstate), other=0.0)
+        dy = _dy_tile(dout_ptr, b64, t64, h, offs_p, mask_qp, stride_do)
+        Cm = tl.load(C_ptr + b64 * stride_C.b + t64[:, None] * stride_C.l + g * stride_C.g
+                     + offs_n[None, :] * stride_C.n, mask=valid[:, None] & (offs_n[None, :] < dstate), other=0.0)
         dye = (dy * e[:, None]).to(Cm.dtype)
         dS = decay * dS + tl.dot(tl.trans(dye), Cm, input_precision=DOT_PRECISION)  # (BP, BN)
 
-    tl.store(G_ptr + b64 * stride_G_b + tl.cast(seg, tl.int64) * stride_G_s + h * stride_G_h
-             + offs_p[:, None] * stride_G_p + offs_n[None, :] * stride_G_n, dS, mask=mask_pn)
-    tl.store(a_ptr + b64 * stride_a_b + tl.cast(seg, tl.int64) * stride_a_s + h * stride_a_h,
-             _selected_exp(alive, log_rho), mask=first_tile)
+    seg_row = b64 * tl.cdiv(nchunks, chunks_per_seg) + seg
+    tl.store(G_ptr + _state_tile(seg_row, h, offs_p, offs_n, nheads, headdim, dstate), dS, mask=mask_pn)
+    tl.store(a_ptr + _row_head(seg_row, h, nheads), _selected_exp(alive, log_rho), mask=first_tile)
 
 
 def _state_bwd(dout, C, dt, A, dt_bias, seq_idx, plan):
@@ -825,8 +858,7 @@ def _state_bwd(dout, C, dt, A, dt_bias, seq_idx, plan):
         plan.seqlen, plan.nheads, plan.headdim, plan.dstate, plan.nchunks, plan.chunks_per_seg, plan.n_p_tiles,
         plan.n_n_tiles,
         plan.heads_per_group, plan.dt_min, plan.dt_max,
-        *dout.stride(), *C.stride(), *dt.stride(), *_strides(seq_idx, 2),
-        *dstates.stride(), *rho.stride(), *G.stride(), *a.stride(),
+        _BLHP(*dout.stride()), _BLGN(*C.stride()), _BLH(*dt.stride()), _strides_of(seq_idx, _BL),
         Q=plan.Q, BP=plan.BP_state, BN=plan.BN_state, DOT_PRECISION=plan.precision,
         **plan.launch["state"], **plan.flags)
     return dstates, rho, G, a
@@ -850,6 +882,7 @@ class GradPass:
         """Given the gradient at the sequence's exit (b, h, p, n) or None: the gradient arriving
         at each internal segment's exit (b, nseg, h, p, n) or None, and the gradient at the
         sequence's entry, G + a dexit (b, h, p, n), both from one reverse scan."""
+        dexit = _f32_contiguous(dexit)        # the kernels read it as a (b, nseg, h, p, n) buffer
         if self.plan.nseg == 1:
             G = self.seg_G[:, 0]
             if dexit is None:
@@ -859,8 +892,7 @@ class GradPass:
 
 
 @triton.jit
-def _chunk_decays(dt_ptr, dt_bias_ptr, A_ptr, seq_ptr, b, h, start, seqlen,
-                  stride_dt_b, stride_dt_l, stride_dt_h, stride_seq_b, stride_seq_l,
+def _chunk_decays(dt_ptr, dt_bias_ptr, A_ptr, seq_ptr, b, h, start, seqlen, stride_dt, stride_seq,
                   Q: tl.constexpr, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
                   HAS_DT_LIMIT: tl.constexpr, HAS_SEQ: tl.constexpr, dt_min, dt_max):
     """Everything the backward needs about one chunk's decays, for one head:
@@ -871,8 +903,7 @@ def _chunk_decays(dt_ptr, dt_bias_ptr, A_ptr, seq_ptr, b, h, start, seqlen,
       decay          ()   exp(cs_last), the entry's decay to the exit (0 across a document start)
     and the causal mask (Q, Q) L was cut with (pairs i >= j of one document)."""
     offs_q = tl.arange(0, Q)
-    dt, dA, slope = _chunk_dt(dt_ptr, dt_bias_ptr, A_ptr, b, h, start, seqlen,
-                              stride_dt_b, stride_dt_l, stride_dt_h,
+    dt, dA, slope = _chunk_dt(dt_ptr, dt_bias_ptr, A_ptr, b, h, start, seqlen, stride_dt,
                               Q, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT, dt_min, dt_max)
     hi, lo = _cumsum_hi_lo(dA)
     cs64 = tl.cumsum(dA.to(tl.float64), axis=0)
@@ -882,7 +913,7 @@ def _chunk_decays(dt_ptr, dt_bias_ptr, A_ptr, seq_ptr, b, h, start, seqlen,
     w_dec = tl.exp((total - cs64).to(tl.float32))
     decay = tl.exp(total.to(tl.float32))
     if HAS_SEQ:
-        seq, last, prev = _seq_ids(seq_ptr, b, start, seqlen, stride_seq_b, stride_seq_l, Q)
+        seq, last, prev = _seq_ids(seq_ptr, b, start, seqlen, stride_seq, Q)
         causal = causal & (seq[:, None] == seq[None, :])
         e = tl.where(seq == prev, e, 0.0)
         w_dec = tl.where(seq == last, w_dec, 0.0)
@@ -891,58 +922,11 @@ def _chunk_decays(dt_ptr, dt_bias_ptr, A_ptr, seq_ptr, b, h, start, seqlen,
 
 
 @triton.jit
-def _dy_tile(dout_ptr, b64, t64, h, offs_p, mask_qp, stride_do_b, stride_do_l, stride_do_h, stride_do_p):
-    """The output gradient of one chunk and head, (Q, BP) fp32."""
-    return tl.load(dout_ptr + b64 * stride_do_b + t64[:, None] * stride_do_l + h * stride_do_h
-                   + offs_p[None, :] * stride_do_p, mask=mask_qp, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _chunk_edge_states(states_ptr, dstates_ptr, entry_ptr, gamma_ptr, dexit_ptr, rho_ptr,
-                       b64, c, h, offs_p, offs_n, mask_pn, chunks_per_seg,
-                       stride_st_b, stride_st_c, stride_st_h, stride_st_p, stride_st_n,
-                       stride_ds_b, stride_ds_c, stride_ds_h, stride_ds_p, stride_ds_n,
-                       stride_en_b, stride_en_s, stride_en_h, stride_en_p, stride_en_n,
-                       stride_ga_b, stride_ga_c, stride_ga_h,
-                       stride_dex_b, stride_dex_s, stride_dex_h, stride_dex_p, stride_dex_n,
-                       stride_rho_b, stride_rho_c, stride_rho_h,
-                       HAS_ENTRY: tl.constexpr, HAS_EXIT: tl.constexpr):
-    """Chunk c's true entry state S_in and the true gradient dS_out at its exit, (BP, BN) fp32:
-    the state passes' values from a zero segment entry (exit), plus the segment's own term."""
-    S_in = _true_chunk_edge(states_ptr, entry_ptr, gamma_ptr, b64, c, h, offs_p, offs_n, mask_pn, chunks_per_seg,
-                            stride_st_b, stride_st_c, stride_st_h, stride_st_p, stride_st_n,
-                            stride_en_b, stride_en_s, stride_en_h, stride_en_p, stride_en_n,
-                            stride_ga_b, stride_ga_c, stride_ga_h, HAS_ENTRY)
-    dS_out = _true_chunk_edge(dstates_ptr, dexit_ptr, rho_ptr, b64, c, h, offs_p, offs_n, mask_pn, chunks_per_seg,
-                              stride_ds_b, stride_ds_c, stride_ds_h, stride_ds_p, stride_ds_n,
-                              stride_dex_b, stride_dex_s, stride_dex_h, stride_dex_p, stride_dex_n,
-                              stride_rho_b, stride_rho_c, stride_rho_h, HAS_EXIT)
-    return S_in, dS_out
-
-
-@triton.jit
 def _chunk_bwd_x_kernel(
-    x_ptr, B_ptr, C_ptr, dt_ptr, dt_bias_ptr, A_ptr, D_ptr, seq_ptr, states_ptr, dstates_ptr,
-    entry_ptr, gamma_ptr, dexit_ptr, rho_ptr,
+    x_ptr, B_ptr, C_ptr, dt_ptr, dt_bias_ptr, A_ptr, D_ptr, seq_ptr, entries, exits,
     dout_ptr, dx_ptr, ddt_ptr, dA_part_ptr, dD_part_ptr,
     seqlen, headdim, dstate, heads_per_group, nheads, batch, chunks_per_seg, dt_min, dt_max,
-    stride_x_b, stride_x_l, stride_x_h, stride_x_p,
-    stride_B_b, stride_B_l, stride_B_g, stride_B_n,
-    stride_C_b, stride_C_l, stride_C_g, stride_C_n,
-    stride_dt_b, stride_dt_l, stride_dt_h,
-    stride_D_h, stride_D_p,
-    stride_seq_b, stride_seq_l,
-    stride_st_b, stride_st_c, stride_st_h, stride_st_p, stride_st_n,
-    stride_ds_b, stride_ds_c, stride_ds_h, stride_ds_p, stride_ds_n,
-    stride_en_b, stride_en_s, stride_en_h, stride_en_p, stride_en_n,
-    stride_ga_b, stride_ga_c, stride_ga_h,
-    stride_dex_b, stride_dex_s, stride_dex_h, stride_dex_p, stride_dex_n,
-    stride_rho_b, stride_rho_c, stride_rho_h,
-    stride_do_b, stride_do_l, stride_do_h, stride_do_p,
-    stride_dx_b, stride_dx_l, stride_dx_h, stride_dx_p,
-    stride_ddt_b, stride_ddt_l, stride_ddt_h,
-    stride_dAp_b, stride_dAp_c, stride_dAp_h,
-    stride_dDp_b, stride_dDp_c, stride_dDp_h, stride_dDp_p,
+    stride_x, stride_B, stride_C, stride_dt, stride_D, stride_seq, stride_do, stride_dx,
     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_DT_LIMIT: tl.constexpr,
     HAS_D: tl.constexpr, HAS_SEQ: tl.constexpr,
@@ -956,7 +940,9 @@ def _chunk_bwd_x_kernel(
               i >= k > j, the entry decays exp(cs_i) with i >= k, the exit decays
               exp(cs_last - cs_j) with j < k, and the chunk's own decay exp(cs_last).
     C.B is recomputed per head (Q*Q*n flops): cheaper than keeping a group's heads in one program.
-    The state dimension is contracted a tile of BN at a time, to keep the program in registers."""
+    The state dimension is contracted a tile of BN at a time, to keep the program in registers.
+    entries and exits are _ChunkEdges (chunk entry states, chunk exit gradients); ddt (b, l, h)
+    and the partials (b, nchunks, h) and (b, nchunks, h, p) are contiguous fp32."""
     # heads vary fastest: the programs running at once share a chunk, so its B and C stay in L2
     pid = tl.program_id(0)
     h = pid % nheads
@@ -971,7 +957,7 @@ def _chunk_bwd_x_kernel(
     valid = t < seqlen
     mask_qp = valid[:, None] & (offs_p[None, :] < headdim)
     b64 = b.to(tl.int64)
-    c64 = tl.cast(c, tl.int64)
+    chunk_row, seg_row = _chunk_rows(b, c, seqlen, chunks_per_seg, Q)
 
     # everything that contracts over the state dimension, a tile of BN at a time (registers)
     CB = tl.zeros((Q, Q), dtype=tl.float32)                                        # C_i . B_j
@@ -982,48 +968,43 @@ def _chunk_bwd_x_kernel(
         offs_n = n0 + tl.arange(0, BN)
         mask_qn = valid[:, None] & (offs_n[None, :] < dstate)
         mask_pn = (offs_p[:, None] < headdim) & (offs_n[None, :] < dstate)
-        Bm = tl.load(B_ptr + b64 * stride_B_b + t64[:, None] * stride_B_l + g * stride_B_g
-                     + offs_n[None, :] * stride_B_n, mask=mask_qn, other=0.0)      # (Q, BN)
-        Cm = tl.load(C_ptr + b64 * stride_C_b + t64[:, None] * stride_C_l + g * stride_C_g
-                     + offs_n[None, :] * stride_C_n, mask=mask_qn, other=0.0)      # (Q, BN)
-        S_in, dS_out = _chunk_edge_states(
-            states_ptr, dstates_ptr, entry_ptr, gamma_ptr, dexit_ptr, rho_ptr, b64, c, h, offs_p, offs_n,
-            mask_pn, chunks_per_seg,
-            stride_st_b, stride_st_c, stride_st_h, stride_st_p, stride_st_n,
-            stride_ds_b, stride_ds_c, stride_ds_h, stride_ds_p, stride_ds_n,
-            stride_en_b, stride_en_s, stride_en_h, stride_en_p, stride_en_n,
-            stride_ga_b, stride_ga_c, stride_ga_h,
-            stride_dex_b, stride_dex_s, stride_dex_h, stride_dex_p, stride_dex_n,
-            stride_rho_b, stride_rho_c, stride_rho_h, HAS_ENTRY, HAS_EXIT)          # (BP, BN) x2
+        Bm = tl.load(B_ptr + b64 * stride_B.b + t64[:, None] * stride_B.l + g * stride_B.g
+                     + offs_n[None, :] * stride_B.n, mask=mask_qn, other=0.0)      # (Q, BN)
+        Cm = tl.load(C_ptr + b64 * stride_C.b + t64[:, None] * stride_C.l + g * stride_C.g
+                     + offs_n[None, :] * stride_C.n, mask=mask_qn, other=0.0)      # (Q, BN)
+        S_in = _true_chunk_edge(entries, chunk_row, seg_row, h, offs_p, offs_n, mask_pn, nheads, headdim, dstate,
+                                HAS_ENTRY)                                         # (BP, BN)
+        dS_out = _true_chunk_edge(exits, chunk_row, seg_row, h, offs_p, offs_n, mask_pn, nheads, headdim, dstate,
+                                  HAS_EXIT)                                        # (BP, BN)
         CB += tl.dot(Cm, tl.trans(Bm), input_precision=DOT_PRECISION)
         CS += tl.dot(Cm, tl.trans(S_in.to(Cm.dtype)), input_precision=DOT_PRECISION)
         BdS += tl.dot(Bm, tl.trans(dS_out.to(Bm.dtype)), input_precision=DOT_PRECISION)
         d_carry += tl.sum(tl.sum(dS_out * S_in, axis=1), axis=0)
 
     dt, slope, L, e, w_dec, decay, causal = _chunk_decays(
-        dt_ptr, dt_bias_ptr, A_ptr, seq_ptr, b, h, start, seqlen, stride_dt_b, stride_dt_l, stride_dt_h,
-        stride_seq_b, stride_seq_l, Q, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT, HAS_SEQ, dt_min, dt_max)
+        dt_ptr, dt_bias_ptr, A_ptr, seq_ptr, b, h, start, seqlen, stride_dt, stride_seq,
+        Q, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT, HAS_SEQ, dt_min, dt_max)
     w = w_dec * dt                                                                 # (Q,)
     M = CB * L
     Mdt = M * dt[None, :]                                                          # (Q, Q)
 
-    x = tl.load(x_ptr + b64 * stride_x_b + t64[:, None] * stride_x_l + h * stride_x_h
-                + offs_p[None, :] * stride_x_p, mask=mask_qp, other=0.0)            # (Q, BP)
-    dy = _dy_tile(dout_ptr, b64, t64, h, offs_p, mask_qp, stride_do_b, stride_do_l, stride_do_h, stride_do_p)
+    x = tl.load(x_ptr + b64 * stride_x.b + t64[:, None] * stride_x.l + h * stride_x.h
+                + offs_p[None, :] * stride_x.p, mask=mask_qp, other=0.0)            # (Q, BP)
+    dy = _dy_tile(dout_ptr, b64, t64, h, offs_p, mask_qp, stride_do)
     y_entry = e[:, None] * CS                                                      # (Q, BP)
     Dv = tl.zeros((BP,), dtype=tl.float32)
     if HAS_D:
-        Dv = tl.load(D_ptr + h * stride_D_h + offs_p * stride_D_p, mask=offs_p < headdim, other=0.0).to(tl.float32)
+        Dv = tl.load(D_ptr + h * stride_D.h + offs_p * stride_D.p, mask=offs_p < headdim, other=0.0).to(tl.float32)
 
     # dx: through the intra-chunk products, the chunk state, and D
     dy_c = dy.to(x.dtype)
     dx = tl.dot(tl.trans(Mdt.to(x.dtype)), dy_c, input_precision=DOT_PRECISION) + w[:, None] * BdS
     dx += Dv[None, :] * dy
-    tl.store(dx_ptr + b64 * stride_dx_b + t64[:, None] * stride_dx_l + h * stride_dx_h
-             + offs_p[None, :] * stride_dx_p, dx.to(dx_ptr.dtype.element_ty), mask=mask_qp)
+    tl.store(dx_ptr + b64 * stride_dx.b + t64[:, None] * stride_dx.l + h * stride_dx.h
+             + offs_p[None, :] * stride_dx.p, dx.to(dx_ptr.dtype.element_ty), mask=mask_qp)
     if HAS_D:
-        tl.store(dD_part_ptr + b64 * stride_dDp_b + c64 * stride_dDp_c + h * stride_dDp_h
-                 + offs_p * stride_dDp_p, tl.sum(dy * x.to(tl.float32), axis=0), mask=offs_p < headdim)
+        tl.store(dD_part_ptr + _row_head(chunk_row, h, nheads) * headdim + offs_p,
+                 tl.sum(dy * x.to(tl.float32), axis=0), mask=offs_p < headdim)
 
     # dt' and d(dt'*A)
     dxy = tl.dot(dy_c, tl.trans(x), input_precision=DOT_PRECISION)                 # (Q, Q) dy_i . x_j
@@ -1042,29 +1023,15 @@ def _chunk_bwd_x_kernel(
     d_carry = decay * d_carry
     ddA = d_intra + d_entry + d_exit + d_carry
     ddt += ddA * tl.load(A_ptr + h).to(tl.float32)
-    tl.store(dA_part_ptr + b64 * stride_dAp_b + c64 * stride_dAp_c + h * stride_dAp_h, tl.sum(ddA * dt, axis=0))
-    tl.store(ddt_ptr + b64 * stride_ddt_b + t64 * stride_ddt_l + h * stride_ddt_h, ddt * slope, mask=valid)
+    tl.store(dA_part_ptr + _row_head(chunk_row, h, nheads), tl.sum(ddA * dt, axis=0))
+    tl.store(ddt_ptr + _row_head(b64 * seqlen + t64, h, nheads), ddt * slope, mask=valid)
 
 
 @triton.jit
 def _chunk_bwd_BC_kernel(
-    x_ptr, B_ptr, C_ptr, dt_ptr, dt_bias_ptr, A_ptr, seq_ptr, states_ptr, dstates_ptr,
-    entry_ptr, gamma_ptr, dexit_ptr, rho_ptr, dout_ptr, dB_ptr, dC_ptr,
+    x_ptr, B_ptr, C_ptr, dt_ptr, dt_bias_ptr, A_ptr, seq_ptr, entries, exits, dout_ptr, dB_ptr, dC_ptr,
     seqlen, headdim, dstate, heads_per_group, ngroups, batch, n_n_tiles, chunks_per_seg, dt_min, dt_max,
-    stride_x_b, stride_x_l, stride_x_h, stride_x_p,
-    stride_B_b, stride_B_l, stride_B_g, stride_B_n,
-    stride_C_b, stride_C_l, stride_C_g, stride_C_n,
-    stride_dt_b, stride_dt_l, stride_dt_h,
-    stride_seq_b, stride_seq_l,
-    stride_st_b, stride_st_c, stride_st_h, stride_st_p, stride_st_n,
-    stride_ds_b, stride_ds_c, stride_ds_h, stride_ds_p, stride_ds_n,
-    stride_en_b, stride_en_s, stride_en_h, stride_en_p, stride_en_n,
-    stride_ga_b, stride_ga_c, stride_ga_h,
-    stride_dex_b, stride_dex_s, stride_dex_h, stride_dex_p, stride_dex_n,
-    stride_rho_b, stride_rho_c, stride_rho_h,
-    stride_do_b, stride_do_l, stride_do_h, stride_do_p,
-    stride_dB_b, stride_dB_l, stride_dB_g, stride_dB_n,
-    stride_dC_b, stride_dC_l, stride_dC_g, stride_dC_n,
+    stride_x, stride_B, stride_C, stride_dt, stride_seq, stride_do, stride_dB, stride_dC,
     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_DT_LIMIT: tl.constexpr,
     HAS_SEQ: tl.constexpr,
@@ -1091,6 +1058,8 @@ def _chunk_bwd_BC_kernel(
     mask_qn = valid[:, None] & (offs_n[None, :] < dstate)
     mask_pn = (offs_p[:, None] < headdim) & (offs_n[None, :] < dstate)
     b64 = b.to(tl.int64)
+    nheads = heads_per_group * ngroups
+    chunk_row, seg_row = _chunk_rows(b, c, seqlen, chunks_per_seg, Q)
 
     dCB = tl.zeros((Q, Q), dtype=tl.float32)
     dB = tl.zeros((Q, BN), dtype=tl.float32)
@@ -1098,37 +1067,32 @@ def _chunk_bwd_BC_kernel(
     for hh in range(heads_per_group):
         h = g * heads_per_group + hh
         dt, slope, L, e, w_dec, decay, causal = _chunk_decays(
-            dt_ptr, dt_bias_ptr, A_ptr, seq_ptr, b, h, start, seqlen, stride_dt_b, stride_dt_l, stride_dt_h,
-            stride_seq_b, stride_seq_l, Q, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT, HAS_SEQ, dt_min, dt_max)
-        x = tl.load(x_ptr + b64 * stride_x_b + t64[:, None] * stride_x_l + h * stride_x_h
-                    + offs_p[None, :] * stride_x_p, mask=mask_qp, other=0.0)        # (Q, BP)
-        dy = _dy_tile(dout_ptr, b64, t64, h, offs_p, mask_qp, stride_do_b, stride_do_l, stride_do_h, stride_do_p)
-        S_in, dS_out = _chunk_edge_states(
-            states_ptr, dstates_ptr, entry_ptr, gamma_ptr, dexit_ptr, rho_ptr, b64, c, h, offs_p, offs_n,
-            mask_pn, chunks_per_seg,
-            stride_st_b, stride_st_c, stride_st_h, stride_st_p, stride_st_n,
-            stride_ds_b, stride_ds_c, stride_ds_h, stride_ds_p, stride_ds_n,
-            stride_en_b, stride_en_s, stride_en_h, stride_en_p, stride_en_n,
-            stride_ga_b, stride_ga_c, stride_ga_h,
-            stride_dex_b, stride_dex_s, stride_dex_h, stride_dex_p, stride_dex_n,
-            stride_rho_b, stride_rho_c, stride_rho_h, HAS_ENTRY, HAS_EXIT)          # (BP, BN) x2
+            dt_ptr, dt_bias_ptr, A_ptr, seq_ptr, b, h, start, seqlen, stride_dt, stride_seq,
+            Q, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT, HAS_SEQ, dt_min, dt_max)
+        x = tl.load(x_ptr + b64 * stride_x.b + t64[:, None] * stride_x.l + h * stride_x.h
+                    + offs_p[None, :] * stride_x.p, mask=mask_qp, other=0.0)        # (Q, BP)
+        dy = _dy_tile(dout_ptr, b64, t64, h, offs_p, mask_qp, stride_do)
+        S_in = _true_chunk_edge(entries, chunk_row, seg_row, h, offs_p, offs_n, mask_pn, nheads, headdim, dstate,
+                                HAS_ENTRY)                                         # (BP, BN)
+        dS_out = _true_chunk_edge(exits, chunk_row, seg_row, h, offs_p, offs_n, mask_pn, nheads, headdim, dstate,
+                                  HAS_EXIT)                                        # (BP, BN)
         dy_c = dy.to(x.dtype)
         dxy = tl.dot(dy_c, tl.trans(x), input_precision=DOT_PRECISION)             # (Q, Q) dy_i . x_j
         dCB += dxy * L * dt[None, :]
         dB += (w_dec * dt)[:, None] * tl.dot(x, dS_out.to(x.dtype), input_precision=DOT_PRECISION)
         dC += tl.dot((dy * e[:, None]).to(x.dtype), S_in.to(x.dtype), input_precision=DOT_PRECISION)
 
-    Bm = tl.load(B_ptr + b64 * stride_B_b + t64[:, None] * stride_B_l + g * stride_B_g
-                 + offs_n[None, :] * stride_B_n, mask=mask_qn, other=0.0)          # (Q, BN)
-    Cm = tl.load(C_ptr + b64 * stride_C_b + t64[:, None] * stride_C_l + g * stride_C_g
-                 + offs_n[None, :] * stride_C_n, mask=mask_qn, other=0.0)          # (Q, BN)
+    Bm = tl.load(B_ptr + b64 * stride_B.b + t64[:, None] * stride_B.l + g * stride_B.g
+                 + offs_n[None, :] * stride_B.n, mask=mask_qn, other=0.0)          # (Q, BN)
+    Cm = tl.load(C_ptr + b64 * stride_C.b + t64[:, None] * stride_C.l + g * stride_C.g
+                 + offs_n[None, :] * stride_C.n, mask=mask_qn, other=0.0)          # (Q, BN)
     dCB_c = dCB.to(Cm.dtype)
     dC += tl.dot(dCB_c, Bm, input_precision=DOT_PRECISION)
     dB += tl.dot(tl.trans(dCB_c), Cm, input_precision=DOT_PRECISION)
-    tl.store(dB_ptr + b64 * stride_dB_b + t64[:, None] * stride_dB_l + g * stride_dB_g
-             + offs_n[None, :] * stride_dB_n, dB.to(dB_ptr.dtype.element_ty), mask=mask_qn)
-    tl.store(dC_ptr + b64 * stride_dC_b + t64[:, None] * stride_dC_l + g * stride_dC_g
-             + offs_n[None, :] * stride_dC_n, dC.to(dC_ptr.dtype.element_ty), mask=mask_qn)
+    tl.store(dB_ptr + b64 * stride_dB.b + t64[:, None] * stride_dB.l + g * stride_dB.g
+             + offs_n[None, :] * stride_dB.n, dB.to(dB_ptr.dtype.element_ty), mask=mask_qn)
+    tl.store(dC_ptr + b64 * stride_dC.b + t64[:, None] * stride_dC.l + g * stride_dC.g
+             + offs_n[None, :] * stride_dC.n, dC.to(dC_ptr.dtype.element_ty), mask=mask_qn)
 
 
 def _chunk_bwd(x, dt, A, B, C, D, dt_bias, seq_idx, states, gamma, entry, dstates, rho, dexit, dout, plan,
@@ -1143,28 +1107,26 @@ def _chunk_bwd(x, dt, A, B, C, D, dt_bias, seq_idx, states, gamma, entry, dstate
     dA_part = torch.empty(plan.batch, plan.nchunks, plan.nheads, device=x.device, dtype=torch.float32)
     dD_part = torch.empty(plan.batch, plan.nchunks, plan.nheads, plan.headdim, device=x.device, dtype=torch.float32) \
         if D is not None else None
-    Dv, D_strides = _D_view(D)
-    edges = (states, dstates, entry, gamma, dexit, rho)
-    edge_strides = (*states.stride(), *dstates.stride(), *_strides(entry, 5), *gamma.stride(),
-                    *_strides(dexit, 5), *rho.stride())
+    entries = _ChunkEdge(states, gamma, _stand_in(entry, gamma))
+    exits = _ChunkEdge(dstates, rho, _stand_in(dexit, rho))
+    strides = dict(x=_BLHP(*x.stride()), B=_BLGN(*B.stride()), C=_BLGN(*C.stride()), dt=_BLH(*dt.stride()),
+                   seq=_strides_of(seq_idx, _BL), do=_BLHP(*dout.stride()))
     flags = dict(HAS_ENTRY=entry is not None, HAS_EXIT=dexit is not None,
                  DOT_PRECISION=plan.precision, **plan.flags)
     _chunk_bwd_x_kernel[(plan.nchunks * plan.batch * plan.nheads,)](
-        x, B, C, dt, dt_bias, A, Dv, seq_idx, *edges, dout, dx, ddt, dA_part, dD_part,
+        x, B, C, dt, dt_bias, A, D, seq_idx, entries, exits, dout, dx, ddt, dA_part, dD_part,
         plan.seqlen, plan.headdim, plan.dstate, plan.heads_per_group, plan.nheads, plan.batch, plan.chunks_per_seg,
         plan.dt_min, plan.dt_max,
-        *x.stride(), *B.stride(), *C.stride(), *dt.stride(), *D_strides,
-        *_strides(seq_idx, 2), *edge_strides, *dout.stride(),
-        *dx.stride(), *ddt.stride(), *dA_part.stride(), *_strides(dD_part, 4),
+        strides["x"], strides["B"], strides["C"], strides["dt"], _D_strides(D), strides["seq"], strides["do"],
+        _BLHP(*dx.stride()),
         Q=plan.Q, BP=plan.BP, BN=plan.BN_x, HAS_D=D is not None, **plan.launch["bwd_x"], **flags)
     n_bc_tiles = _cdiv(plan.dstate, plan.BN_bc)
     _chunk_bwd_BC_kernel[(plan.nchunks * plan.batch * plan.ngroups * n_bc_tiles,)](
-        x, B, C, dt, dt_bias, A, seq_idx, *edges, dout, dB, dC,
+        x, B, C, dt, dt_bias, A, seq_idx, entries, exits, dout, dB, dC,
         plan.seqlen, plan.headdim, plan.dstate, plan.heads_per_group, plan.ngroups, plan.batch, n_bc_tiles,
-        plan.chunks_per_seg,
-        plan.dt_min, plan.dt_max,
-        *x.stride(), *B.stride(), *C.stride(), *dt.stride(),
-        *_strides(seq_idx, 2), *edge_strides, *dout.stride(), *dB.stride(), *dC.stride(),
+        plan.chunks_per_seg, plan.dt_min, plan.dt_max,
+        strides["x"], strides["B"], strides["C"], strides["dt"], strides["seq"], strides["do"],
+        _BLGN(*dB.stride()), _BLGN(*dC.stride()),
         Q=plan.Q, BP=plan.BP, BN=plan.BN_bc, **plan.launch["bwd_bc"], **flags)
     dA = dA_part.sum(dim=(0, 1))                                                    # (h,)
     dD = None
@@ -2273,13 +2235,7 @@ def _conv_bias(bias_ptr, offs_c, mask_c, stride_bias, BC: tl.constexpr, HAS_BIAS
 @triton.jit
 def _conv_fwd_kernel(
     x_ptr, w_ptr, bias_ptr, halo_ptr, seq_ptr, hseq_ptr, out_ptr,
-    seqlen, dim,
-    stride_x_b, stride_x_l, stride_x_c,
-    stride_w_c, stride_w_k, stride_bias,
-    stride_h_b, stride_h_l, stride_h_c,
-    stride_s_b, stride_s_l,
-    stride_hs_b, stride_hs_l,
-    stride_o_b, stride_o_l, stride_o_c,
+    seqlen, dim, stride_x, stride_w, stride_bias, stride_h, stride_s, stride_hs, stride_o,
     TAPS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_HALO_SEQ: tl.constexpr,
     SILU: tl.constexpr,
@@ -2295,13 +2251,13 @@ def _conv_fwd_kernel(
     mask_c = offs_c < dim
     bias = _conv_bias(bias_ptr, offs_c, mask_c, stride_bias, BC, HAS_BIAS)      # (BC,) fp32
 
-    p = _preact(x_ptr + bb * stride_x_b, offs_c * stride_x_c, stride_x_l,
-                halo_ptr + bb * stride_h_b, offs_c * stride_h_c, stride_h_l,
-                w_ptr + offs_c * stride_w_c, stride_w_k, bias,
-                seq_ptr + bb * stride_s_b, stride_s_l, hseq_ptr + bb * stride_hs_b, stride_hs_l,
+    p = _preact(x_ptr + bb * stride_x.b, offs_c * stride_x.c, stride_x.l,
+                halo_ptr + bb * stride_h.b, offs_c * stride_h.c, stride_h.l,
+                w_ptr + offs_c * stride_w.c, stride_w.k, bias,
+                seq_ptr + bb * stride_s.b, stride_s.l, hseq_ptr + bb * stride_hs.b, stride_hs.l,
                 t0, mask_c, seqlen, BT, BC, TAPS, HAS_HALO, HAS_SEQ, HAS_HALO_SEQ)  # (BT, BC)
     out = p * tl.sigmoid(p) if SILU else p
-    tl.store(out_ptr + bb * stride_o_b + rows.to(tl.int64)[:, None] * stride_o_l + offs_c[None, :] * stride_o_c,
+    tl.store(out_ptr + bb * stride_o.b + rows.to(tl.int64)[:, None] * stride_o.l + offs_c[None, :] * stride_o.c,
              out.to(out_ptr.dtype.element_ty), mask=(rows < seqlen)[:, None] & mask_c[None, :])
 
 
@@ -2358,9 +2314,8 @@ def conv1d_fwd(xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=None, o
     grid = (_cdiv(l, BT), _cdiv(dim, BC), b)
     _conv_fwd_kernel[grid](
         xBC, weight, _stand_in(bias, xBC), _stand_in(halo, xBC), _stand_in(seq_idx, xBC), _stand_in(halo_seq, xBC),
-        out, l, dim,
-        *xBC.stride(), *weight.stride(), *_strides(bias, 1), *_strides(halo, 3),
-        *_strides(seq_idx, 2), *_strides(halo_seq, 2), *out.stride(),
+        out, l, dim, _BLC(*xBC.stride()), _CK(*weight.stride()), 0 if bias is None else bias.stride(0),
+        _strides_of(halo, _BLC), _strides_of(seq_idx, _BL), _strides_of(halo_seq, _BL), _BLC(*out.stride()),
         TAPS=d, BT=BT, BC=BC, num_warps=t.conv_fwd_warps, **flags)
     return out
 
@@ -2369,17 +2324,7 @@ def conv1d_fwd(xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=None, o
 def _conv_bwd_kernel(
     dout_ptr, x_ptr, w_ptr, bias_ptr, halo_ptr, seq_ptr, hseq_ptr,
     dx_ptr, dhalo_ptr, dw_part_ptr, db_part_ptr, scratch_ptr,
-    seqlen, dim, n_inner,
-    stride_do_b, stride_do_l, stride_do_c,
-    stride_x_b, stride_x_l, stride_x_c,
-    stride_w_c, stride_w_k, stride_bias,
-    stride_h_b, stride_h_l, stride_h_c,
-    stride_s_b, stride_s_l,
-    stride_hs_b, stride_hs_l,
-    stride_dx_b, stride_dx_l, stride_dx_c,
-    stride_dh_b, stride_dh_l, stride_dh_c,
-    stride_dw_b, stride_dw_g, stride_dw_k, stride_dw_c,
-    stride_db_b, stride_db_g, stride_db_c,
+    seqlen, dim, n_inner, stride_do, stride_x, stride_w, stride_bias, stride_h, stride_s, stride_hs, stride_dx,
     TAPS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HB: tl.constexpr, DP: tl.constexpr,
     SHIFT: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_HALO_SEQ: tl.constexpr,
@@ -2387,7 +2332,8 @@ def _conv_bwd_kernel(
 ):
     """n_inner consecutive (BT, BC) tiles of rows s of [halo, xBC] (starting at s = -SHIFT; SHIFT
     is TAPS-1 with a halo) in one batch row: du per tile (into dx, or dhalo for s < 0), and
-    dweight, dbias summed over the tiles into this program's own partial slot."""
+    dweight, dbias summed over the tiles into this program's own partial slot. dhalo
+    (b, TAPS-1, dim), the partials (b, groups, TAPS, dim) and (b, groups, dim) are contiguous."""
     pid_g = tl.program_id(0)
     pid_c = tl.program_id(1)
     bb = tl.program_id(2).to(tl.int64)
@@ -2395,15 +2341,18 @@ def _conv_bwd_kernel(
     mask_c = offs_c < dim
     bias = _conv_bias(bias_ptr, offs_c, mask_c, stride_bias, BC, HAS_BIAS)      # (BC,) fp32
 
-    do_row0 = dout_ptr + bb * stride_do_b
-    do_col = offs_c * stride_do_c
-    x_row0 = x_ptr + bb * stride_x_b
-    x_col = offs_c * stride_x_c
-    h_row0 = halo_ptr + bb * stride_h_b
-    h_col = offs_c * stride_h_c
-    w_col = w_ptr + offs_c * stride_w_c
-    s_row0 = seq_ptr + bb * stride_s_b
-    hs_row0 = hseq_ptr + bb * stride_hs_b
+    do_row0 = dout_ptr + bb * stride_do.b
+    do_col = offs_c * stride_do.c
+    # the row strides the tile helpers take
+    stride_do_l, stride_x_l, stride_h_l, stride_w_k = stride_do.l, stride_x.l, stride_h.l, stride_w.k
+    stride_s_l, stride_hs_l = stride_s.l, stride_hs.l
+    x_row0 = x_ptr + bb * stride_x.b
+    x_col = offs_c * stride_x.c
+    h_row0 = halo_ptr + bb * stride_h.b
+    h_col = offs_c * stride_h.c
+    w_col = w_ptr + offs_c * stride_w.c
+    s_row0 = seq_ptr + bb * stride_s.b
+    hs_row0 = hseq_ptr + bb * stride_hs.b
 
     # this program's scratch slot: g of its tile (rows 0..BT-1) and of the HB rows after it
     prog = (bb * tl.num_programs(0) + pid_g) * tl.num_programs(1) + pid_c
@@ -2447,19 +2396,18 @@ def _conv_bwd_kernel(
 
         rows = s0 + sl_r
         r64 = rows.to(tl.int64)
-        tl.store(dx_ptr + bb * stride_dx_b + r64[:, None] * stride_dx_l + offs_c[None, :] * stride_dx_c,
+        tl.store(dx_ptr + bb * stride_dx.b + r64[:, None] * stride_dx.l + offs_c[None, :] * stride_dx.c,
                  du.to(dx_ptr.dtype.element_ty), mask=((rows >= 0) & (rows < seqlen))[:, None] & mask_c[None, :])
         if NEED_DHALO:
             if s0 < 0:
-                tl.store(dhalo_ptr + bb * stride_dh_b + (r64 + (TAPS - 1))[:, None] * stride_dh_l
-                         + offs_c[None, :] * stride_dh_c, du, mask=(rows < 0)[:, None] & mask_c[None, :])
+                tl.store(dhalo_ptr + (bb * (TAPS - 1) + r64 + (TAPS - 1))[:, None] * dim + offs_c[None, :], du,
+                         mask=(rows < 0)[:, None] & mask_c[None, :])
 
-    part = bb * stride_dw_b + pid_g.to(tl.int64) * stride_dw_g
-    tl.store(dw_part_ptr + part + kk.to(tl.int64)[:, None] * stride_dw_k + offs_c[None, :] * stride_dw_c,
+    part = bb * tl.num_programs(0) + pid_g                                      # this program's partial row
+    tl.store(dw_part_ptr + (part * TAPS + kk.to(tl.int64))[:, None] * dim + offs_c[None, :],
              dw_acc, mask=(kk < TAPS)[:, None] & mask_c[None, :])
     if HAS_BIAS:
-        tl.store(db_part_ptr + bb * stride_db_b + pid_g.to(tl.int64) * stride_db_g + offs_c * stride_db_c,
-                 db_acc, mask=mask_c)
+        tl.store(db_part_ptr + part * dim + offs_c, db_acc, mask=mask_c)
 
 
 def conv1d_bwd(dout, xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=None, need_dhalo=True, silu=True,
@@ -2497,10 +2445,9 @@ def conv1d_bwd(dout, xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=N
         dout, xBC, weight, _stand_in(bias, xBC), _stand_in(halo, xBC), _stand_in(seq_idx, xBC),
         _stand_in(halo_seq, xBC),
         dx, _stand_in(dhalo, dw_part), dw_part, _stand_in(db_part, dw_part), scratch,
-        l, dim, n_inner,
-        *dout.stride(), *xBC.stride(), *weight.stride(), *_strides(bias, 1), *_strides(halo, 3),
-        *_strides(seq_idx, 2), *_strides(halo_seq, 2), *dx.stride(), *_strides(dhalo, 3),
-        *dw_part.stride(), *_strides(db_part, 3),
+        l, dim, n_inner, _BLC(*dout.stride()), _BLC(*xBC.stride()), _CK(*weight.stride()),
+        0 if bias is None else bias.stride(0), _strides_of(halo, _BLC), _strides_of(seq_idx, _BL),
+        _strides_of(halo_seq, _BL), _BLC(*dx.stride()),
         TAPS=d, BT=BT, BC=BC, HB=HB, DP=_next_pow2(d), SHIFT=shift,
         NEED_DHALO=need_dhalo, num_warps=t.conv_bwd_warps, **flags)
     dweight = dw_part.sum(dim=(0, 1)).t().contiguous()                          # (dim, d)
@@ -2541,14 +2488,15 @@ def _cp_config(xBC, dt, conv_weight, group, load_balancing, exchange, batch, chu
 @torch.library.custom_op("mamba_cp::conv1d_ssd_cp_fwd", mutates_args=())
 def _conv1d_ssd_cp_fwd(xBC: Tensor, dt: Tensor, conv_weight: Tensor, conv_bias: Optional[Tensor],
                        dt_bias: Optional[Tensor], A: Tensor, D: Optional[Tensor], initial_states: Optional[Tensor],
-                       seq_idx: Optional[Tensor], group: str, load_balancing: str, exchange: str, batch: int, chunk_size: int,
-                       headdim: int, ngroups: int, dt_min: float, dt_max: float, silu: bool,
+                       seq_idx: Optional[Tensor], group: str, load_balancing: str, exchange: str, batch: int,
+                       chunk_size: int, headdim: int, ngroups: int, dt_min: float, dt_max: float, silu: bool,
                        state_dtype: Optional[torch.dtype], agree: bool) -> list[Tensor]:
     """Forward of one causal segment per row: xBC (rows, s, conv_dim), dt (rows, s, h), seq_idx
     (rows, s). Returns [y, final state, and what backward needs: halo, halo_seq, entries, a_kept,
     cont] (absent ones empty): a and cont of every segment (b, K, h) and (b, K) with the
-    all-gather exchange, of this rank's (rows, h) and (rows,) with the scan. With agree (a compiled call), the checks that read device values and
-    the ranks' agreement run here first, where an eager call has run them before.
+    all-gather exchange, of this rank's (rows, h) and (rows,) with the scan. With agree (a
+    compiled call), the checks that read device values and the ranks' agreement run here first,
+    where an eager call has run them before.
 
     Halo exchange, conv of the x and B channels, the state pass from a zero entry (the segment's
     summary), the summary all-gather (overlapped with the conv of the C channels, which the
@@ -2622,14 +2570,14 @@ def _conv1d_ssd_cp_bwd(dy: Tensor, dfinal: Optional[Tensor], xBC: Tensor, dt: Te
                        state_dtype: Optional[torch.dtype]) -> list[Tensor]:
     """[dxBC, ddt, dconv_weight, dconv_bias, ddt_bias, dA, dD, dinitial_states] (absent ones empty)."""
     grads = _conv1d_ssd_cp_backward(dy, dfinal, xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states,
-                                   seq_idx, halo, halo_seq, entries, a_kept, cont, group, load_balancing, exchange, batch,
-                                   chunk_size, headdim, ngroups, dt_min, dt_max, silu, state_dtype)
+                                   seq_idx, halo, halo_seq, entries, a_kept, cont, group, load_balancing, exchange,
+                                   batch, chunk_size, headdim, ngroups, dt_min, dt_max, silu, state_dtype)
     return [_empty_if_none(g, xBC) for g in grads]
 
 
 def _conv1d_ssd_cp_backward(dy, dfinal, xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx,
-                            halo, halo_seq, entries, a_kept, cont, group, load_balancing, exchange, batch, chunk_size, headdim,
-                            ngroups, dt_min, dt_max, silu, state_dtype, dxBC_into=None, ddt_into=None):
+                            halo, halo_seq, entries, a_kept, cont, group, load_balancing, exchange, batch, chunk_size,
+                            headdim, ngroups, dt_min, dt_max, silu, state_dtype, dxBC_into=None, ddt_into=None):
     """The backward op's body: [dxBC, ddt, dconv_weight, dconv_bias, ddt_bias, dA, dD,
     dinitial_states], None where absent. Given dxBC_into (rows, s, conv_dim) and ddt_into (rows,
     s, h), views into the caller's gradient buffer, dxBC and ddt are written there.
@@ -2758,8 +2706,8 @@ def _call_signature(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size, 
                 headdim=i(headdim), ngroups=i(ngroups),
                 load_balancing=LAYOUTS.index(load_balancing) if load_balancing in LAYOUTS else -1,
                 return_final_states=bool(return_final_states),
-                summary_exchange=(SUMMARY_EXCHANGES.index(summary_exchange)
-                                  if isinstance(summary_exchange, str) and summary_exchange in SUMMARY_EXCHANGES else -1))
+                summary_exchange=(SUMMARY_EXCHANGES.index(summary_exchange) if isinstance(summary_exchange, str)
+                                  and summary_exchange in SUMMARY_EXCHANGES else -1))
 
 
 _ACTIVATIONS = ("silu", "swish", None)

@@ -21,8 +21,8 @@ Reading order, which is the order the method runs (the section headers below; a 
 this list true):
    1. Shared kernel pieces: dt processing and the decays of one chunk
    2. The launch plan
-   3. The forward: state pass, segment scan, outputs; Summary
-   4. The backward: reverse state pass, GradPass, chunk gradients
+   3. The forward: state pass (both ways), segment scan, outputs; Summary
+   4. The backward: GradPass (the state pass reversed), chunk gradients
    5. Input checks
    6. The single-device function: mamba_chunk_scan_combined
    7. Layouts
@@ -406,92 +406,105 @@ class _LaunchPlan:
 
 
 # ---------------------------------------------------------------------------------------------
-# 3. The forward: state pass, segment scan, outputs; Summary
+# 3. The forward: state pass (both ways), segment scan, outputs; Summary
 #    README walkthrough b, c. Each kernel is followed by its launcher; Summary runs them.
 # ---------------------------------------------------------------------------------------------
 
 
 @triton.jit
-def _state_fwd_kernel(
-    x_ptr, B_ptr, dt_ptr, dt_bias_ptr, A_ptr, seq_ptr, states_ptr, gamma_ptr, a_ptr, ext_ptr,
+def _state_pass_kernel(
+    u_ptr, v_ptr, dt_ptr, dt_bias_ptr, A_ptr, seq_ptr, chunk_ptr, decay_ptr, sum_ptr, a_ptr,
     seqlen, nheads, headdim, dstate, nchunks, chunks_per_seg, n_p_tiles, n_n_tiles, heads_per_group,
-    dt_min, dt_max, stride_x, stride_B, stride_dt, stride_seq,
+    dt_min, dt_max, stride_u, stride_v, stride_dt, stride_seq,
     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_DT_LIMIT: tl.constexpr,
-    HAS_SEQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_SEQ: tl.constexpr, REVERSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """One segment (chunks_per_seg chunks) of one (batch, head, state tile), from a zero entry:
-    walk its chunks in order carrying S, store each chunk's entry state, then
-        S <- exp(cs_last) S + sum_j exp(cs_last - cs_j) dt'_j x_j B_j^T.
-    Also store gamma(c), the decay from the segment's start to chunk c's entry (0 once a
-    document has started in between), and the segment's affine summary: its exit state S_ext
-    and decay a. Segments run in parallel; a scan over their summaries supplies each one's true
-    entry state S_entry, and chunk c's true entry state is states(c) + gamma(c) S_entry."""
+    """One segment (chunks_per_seg chunks) of one (batch, head, state tile), from zero: walk its
+    chunks carrying a (BP, BN) value V, store V as each chunk meets it, then
+        V <- exp(cs_last) V + sum_j w_j u_j v_j^T.
+    Forward (u = x, v = B): chunks in order, V is the state entering a chunk, and
+    w_j = exp(cs_last - cs_j) dt'_j weighs token j's way to the chunk's exit. REVERSE (u = dy,
+    v = C): chunks last to first, V is the gradient arriving at a chunk's exit, and
+    w_i = exp(cs_i) weighs the entry's way to token i. Either way, also store per chunk the decay
+    between the segment's edge and the chunk (gamma(c) from the segment's entry to c's entry;
+    rho(c) from c's exit to the segment's exit; 0 once a document starts in between), and at the
+    end what is left (S_ext, the segment's exit state; G, the pull of its outputs on its entry)
+    and the segment's decay a. Segments run in parallel; a scan over the summaries supplies each
+    one's true entry state S_entry (exit gradient dS_exit), and chunk c's true entry state is
+    states(c) + gamma(c) S_entry (its exit gradient dstates(c) + rho(c) dS_exit)."""
     seg, pid_p, pid_n, b, h, g = _state_program(nheads, heads_per_group, n_p_tiles, n_n_tiles)
     b64 = b.to(tl.int64)
     offs_q = tl.arange(0, Q)
     offs_p = pid_p * BP + tl.arange(0, BP)
     offs_n = pid_n * BN + tl.arange(0, BN)
     mask_pn = (offs_p[:, None] < headdim) & (offs_n[None, :] < dstate)
-
-    x_base = x_ptr + b64 * stride_x.b + h * stride_x.h + offs_p[None, :] * stride_x.p
-    B_base = B_ptr + b64 * stride_B.b + g * stride_B.g + offs_n[None, :] * stride_B.n
     first_tile = (pid_p == 0) & (pid_n == 0)          # one program per head writes the decays
 
-    S = tl.zeros((BP, BN), dtype=tl.float32)                                      # (BP, BN)
-    log_gamma = tl.zeros((), dtype=tl.float64)
-    alive = tl.full((), 1, tl.int1)                   # False once a document starts in the segment
-    c_end = tl.minimum((seg + 1) * chunks_per_seg, nchunks)
-    for c in range(seg * chunks_per_seg, c_end):
+    V = tl.zeros((BP, BN), dtype=tl.float32)                                      # (BP, BN)
+    log_decay = tl.zeros((), dtype=tl.float64)
+    alive = tl.full((), 1, tl.int1)                   # False once a document starts in between
+    c_first = seg * chunks_per_seg
+    c_end = tl.minimum(c_first + chunks_per_seg, nchunks)
+    for i in range(c_end - c_first):
+        c = c_end - 1 - i if REVERSE else c_first + i
         start = c * Q
-        tl.store(states_ptr + _state_tile(b64 * nchunks + c, h, offs_p, offs_n, nheads, headdim, dstate),
-                 S.to(states_ptr.dtype.element_ty), mask=mask_pn)
-        tl.store(gamma_ptr + _row_head(b64 * nchunks + c, h, nheads), _selected_exp(alive, log_gamma),
+        tl.store(chunk_ptr + _state_tile(b64 * nchunks + c, h, offs_p, offs_n, nheads, headdim, dstate),
+                 V.to(chunk_ptr.dtype.element_ty), mask=mask_pn)
+        tl.store(decay_ptr + _row_head(b64 * nchunks + c, h, nheads), _selected_exp(alive, log_decay),
                  mask=first_tile)
         dt, dA, slope = _chunk_dt(dt_ptr, dt_bias_ptr, A_ptr, b, h, start, seqlen, stride_dt,
                                   Q, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT, dt_min, dt_max)
-        cs = tl.cumsum(dA.to(tl.float64), axis=0)                                 # (Q,) float64
         total = tl.sum(dA.to(tl.float64), axis=0)
-        w = tl.exp((total - cs).to(tl.float32)) * dt                              # (Q,) weight of token j
+        if REVERSE:
+            hi, lo = _cumsum_hi_lo(dA)
+            w = tl.exp(hi + lo)                                                   # (Q,) exp(cs_i)
+        else:
+            w = tl.exp((total - tl.cumsum(dA.to(tl.float64), axis=0)).to(tl.float32)) * dt
         decay = tl.exp(total.to(tl.float32))
-        log_gamma += total
+        log_decay += total
         if HAS_SEQ:
             seq, last, prev = _seq_ids(seq_ptr, b, start, seqlen, stride_seq, Q)
-            w = tl.where(seq == last, w, 0.0)          # only the last document reaches the exit
-            decay = tl.where(last == prev, decay, 0.0)  # a document starts inside: entry is cut off
+            if REVERSE:
+                w = tl.where(seq == prev, w, 0.0)      # the entry reaches only the first document
+            else:
+                w = tl.where(seq == last, w, 0.0)      # only the last document reaches the exit
+            decay = tl.where(last == prev, decay, 0.0)  # a document starts inside: the chunk cuts through
             alive = alive & (last == prev)
-        t = start + offs_q
-        valid = t < seqlen
-        x = tl.load(x_base + t.to(tl.int64)[:, None] * stride_x.l,
-                    mask=valid[:, None] & (offs_p[None, :] < headdim), other=0.0)  # (Q, BP)
-        Bm = tl.load(B_base + t.to(tl.int64)[:, None] * stride_B.l,
-                     mask=valid[:, None] & (offs_n[None, :] < dstate), other=0.0)  # (Q, BN)
-        xw = (x.to(tl.float32) * w[:, None]).to(x.dtype)
-        S = decay * S + tl.dot(tl.trans(xw), Bm, input_precision=DOT_PRECISION)  # (BP, BN)
+        t64 = (start + offs_q).to(tl.int64)
+        valid = start + offs_q < seqlen
+        u = tl.load(u_ptr + b64 * stride_u.b + t64[:, None] * stride_u.l + h * stride_u.h
+                    + offs_p[None, :] * stride_u.p, mask=valid[:, None] & (offs_p[None, :] < headdim),
+                    other=0.0)                                                     # (Q, BP)
+        v = tl.load(v_ptr + b64 * stride_v.b + t64[:, None] * stride_v.l + g * stride_v.g
+                    + offs_n[None, :] * stride_v.n, mask=valid[:, None] & (offs_n[None, :] < dstate),
+                    other=0.0)                                                     # (Q, BN)
+        uw = (u.to(tl.float32) * w[:, None]).to(v.dtype)
+        V = decay * V + tl.dot(tl.trans(uw), v, input_precision=DOT_PRECISION)    # (BP, BN)
 
     seg_row = b64 * tl.cdiv(nchunks, chunks_per_seg) + seg
-    tl.store(a_ptr + _row_head(seg_row, h, nheads), _selected_exp(alive, log_gamma), mask=first_tile)
-    tl.store(ext_ptr + _state_tile(seg_row, h, offs_p, offs_n, nheads, headdim, dstate), S, mask=mask_pn)
+    tl.store(a_ptr + _row_head(seg_row, h, nheads), _selected_exp(alive, log_decay), mask=first_tile)
+    tl.store(sum_ptr + _state_tile(seg_row, h, offs_p, offs_n, nheads, headdim, dstate), V, mask=mask_pn)
 
 
-def _state_fwd(x, dt, A, B, dt_bias, seq_idx, plan):
-    """Every segment from a zero entry: chunk entry states (b, nchunks, h, p, n), gamma
-    (b, nchunks, h), and the segments' summaries a (b, nseg, h) and S_ext (b, nseg, h, p, n)."""
-    dev = x.device
-    states = torch.empty(plan.batch, plan.nchunks, plan.nheads, plan.headdim, plan.dstate, device=dev,
-                         dtype=plan.state_dtype)
-    gamma = torch.empty(plan.batch, plan.nchunks, plan.nheads, device=dev, dtype=torch.float32)
+def _state_pass(u, v, dt, A, dt_bias, seq_idx, plan, reverse):
+    """Every segment from zero, forward (u = x, v = B) or reverse (u = dy, v = C): per chunk the
+    carried value (b, nchunks, h, p, n) and decay (b, nchunks, h); per segment what is left
+    (b, nseg, h, p, n) and its decay a (b, nseg, h)."""
+    dev = u.device
+    per_chunk = torch.empty(plan.batch, plan.nchunks, plan.nheads, plan.headdim, plan.dstate, device=dev,
+                            dtype=plan.state_dtype)
+    decay = torch.empty(plan.batch, plan.nchunks, plan.nheads, device=dev, dtype=torch.float32)
+    left = torch.empty(plan.batch, plan.nseg, plan.nheads, plan.headdim, plan.dstate, device=dev, dtype=torch.float32)
     a = torch.empty(plan.batch, plan.nseg, plan.nheads, device=dev, dtype=torch.float32)
-    S_ext = torch.empty(plan.batch, plan.nseg, plan.nheads, plan.headdim, plan.dstate, device=dev, dtype=torch.float32)
-    _state_fwd_kernel[plan.state_grid()](
-        x, B, dt, dt_bias, A, seq_idx, states, gamma, a, S_ext,
+    _state_pass_kernel[plan.state_grid()](
+        u, v, dt, dt_bias, A, seq_idx, per_chunk, decay, left, a,
         plan.seqlen, plan.nheads, plan.headdim, plan.dstate, plan.nchunks, plan.chunks_per_seg, plan.n_p_tiles,
-        plan.n_n_tiles,
-        plan.heads_per_group, plan.dt_min, plan.dt_max,
-        _BLHP(*x.stride()), _BLGN(*B.stride()), _BLH(*dt.stride()), _strides_of(seq_idx, _BL),
-        Q=plan.Q, BP=plan.BP_state, BN=plan.BN_state, DOT_PRECISION=plan.precision, **plan.launch["state"],
-        **plan.flags)
-    return states, gamma, a, S_ext
+        plan.n_n_tiles, plan.heads_per_group, plan.dt_min, plan.dt_max,
+        _BLHP(*u.stride()), _BLGN(*v.stride()), _BLH(*dt.stride()), _strides_of(seq_idx, _BL),
+        Q=plan.Q, BP=plan.BP_state, BN=plan.BN_state, REVERSE=reverse, DOT_PRECISION=plan.precision,
+        **plan.launch["state"], **plan.flags)
+    return per_chunk, decay, left, a
 
 
 @triton.jit
@@ -719,7 +732,7 @@ class Summary:
     the entry state. Its affine summary S_out = a * S_entry + S_ext (fp32) is `affine()`."""
 
     def __init__(self, x, dt, A, B, dt_bias, seq_idx, plan):
-        self.states, self.gamma, self.seg_a, self.seg_ext = _state_fwd(x, dt, A, B, dt_bias, seq_idx, plan)
+        self.states, self.gamma, self.seg_ext, self.seg_a = _state_pass(x, B, dt, A, dt_bias, seq_idx, plan, False)
         self.plan = plan
 
     def affine(self):
@@ -769,99 +782,9 @@ def document_end_states(x, dt, A, B, dt_bias, summary, cu_seqlens, entry=None):
 
 
 # ---------------------------------------------------------------------------------------------
-# 4. The backward: reverse state pass, GradPass, chunk gradients
+# 4. The backward: GradPass (the state pass reversed), chunk gradients
 #    README walkthrough e. Each kernel is followed by its launcher.
 # ---------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _dy_tile(dout_ptr, b64, t64, h, offs_p, mask_qp, stride_do):
-    """The output gradient of one chunk and head, (Q, BP) fp32."""
-    return tl.load(dout_ptr + b64 * stride_do.b + t64[:, None] * stride_do.l + h * stride_do.h
-                   + offs_p[None, :] * stride_do.p, mask=mask_qp, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _state_bwd_kernel(
-    dout_ptr, C_ptr, dt_ptr, dt_bias_ptr, A_ptr, seq_ptr, dstates_ptr, rho_ptr, G_ptr, a_ptr,
-    seqlen, nheads, headdim, dstate, nchunks, chunks_per_seg, n_p_tiles, n_n_tiles, heads_per_group,
-    dt_min, dt_max, stride_do, stride_C, stride_dt, stride_seq,
-    Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-    HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_DT_LIMIT: tl.constexpr,
-    HAS_SEQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    """The forward state pass run backwards over one segment, from a zero gradient at its exit:
-    walk its chunks last to first carrying dS, the gradient arriving at a chunk's exit; store it
-    per chunk, then dS <- exp(cs_last) dS + sum_i exp(cs_i) dy_i C_i^T. What is left at the
-    segment's start is G, the pull of its own outputs on its entry state. Also store rho(c), the
-    decay from chunk c's exit to the segment's exit: once the reverse scan has found the gradient
-    dS_exit arriving at the segment's exit, chunk c's exit gradient is dstates(c) + rho(c) dS_exit.
-    The segment's decay a (as in the forward pass) comes out too, so G can be scanned at once."""
-    seg, pid_p, pid_n, b, h, g = _state_program(nheads, heads_per_group, n_p_tiles, n_n_tiles)
-    b64 = b.to(tl.int64)
-    offs_q = tl.arange(0, Q)
-    offs_p = pid_p * BP + tl.arange(0, BP)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    mask_pn = (offs_p[:, None] < headdim) & (offs_n[None, :] < dstate)
-
-    first_tile = (pid_p == 0) & (pid_n == 0)
-    dS = tl.zeros((BP, BN), dtype=tl.float32)                                     # (BP, BN)
-    log_rho = tl.zeros((), dtype=tl.float64)
-    alive = tl.full((), 1, tl.int1)
-    c_first = seg * chunks_per_seg
-    c_end = tl.minimum(c_first + chunks_per_seg, nchunks)
-    for i in range(c_end - c_first):
-        c = c_end - 1 - i
-        start = c * Q
-        tl.store(dstates_ptr + _state_tile(b64 * nchunks + c, h, offs_p, offs_n, nheads, headdim, dstate),
-                 dS.to(dstates_ptr.dtype.element_ty), mask=mask_pn)
-        tl.store(rho_ptr + _row_head(b64 * nchunks + c, h, nheads), _selected_exp(alive, log_rho), mask=first_tile)
-        dt, dA, slope = _chunk_dt(dt_ptr, dt_bias_ptr, A_ptr, b, h, start, seqlen, stride_dt,
-                                  Q, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT, dt_min, dt_max)
-        hi, lo = _cumsum_hi_lo(dA)
-        total = tl.sum(dA.to(tl.float64), axis=0)
-        e = tl.exp(hi + lo)                                                       # (Q,)
-        decay = tl.exp(total.to(tl.float32))
-        log_rho += total
-        if HAS_SEQ:
-            seq, last, prev = _seq_ids(seq_ptr, b, start, seqlen, stride_seq, Q)
-            e = tl.where(seq == prev, e, 0.0)
-            decay = tl.where(last == prev, decay, 0.0)
-            alive = alive & (last == prev)
-        t = start + offs_q
-        t64 = t.to(tl.int64)
-        valid = t < seqlen
-        mask_qp = valid[:, None] & (offs_p[None, :] < headdim)
-        dy = _dy_tile(dout_ptr, b64, t64, h, offs_p, mask_qp, stride_do)
-        Cm = tl.load(C_ptr + b64 * stride_C.b + t64[:, None] * stride_C.l + g * stride_C.g
-                     + offs_n[None, :] * stride_C.n, mask=valid[:, None] & (offs_n[None, :] < dstate), other=0.0)
-        dye = (dy * e[:, None]).to(Cm.dtype)
-        dS = decay * dS + tl.dot(tl.trans(dye), Cm, input_precision=DOT_PRECISION)  # (BP, BN)
-
-    seg_row = b64 * tl.cdiv(nchunks, chunks_per_seg) + seg
-    tl.store(G_ptr + _state_tile(seg_row, h, offs_p, offs_n, nheads, headdim, dstate), dS, mask=mask_pn)
-    tl.store(a_ptr + _row_head(seg_row, h, nheads), _selected_exp(alive, log_rho), mask=first_tile)
-
-
-def _state_bwd(dout, C, dt, A, dt_bias, seq_idx, plan):
-    """Every segment from a zero gradient at its exit: chunk exit gradients (b, nchunks, h, p, n),
-    rho (b, nchunks, h), G (b, nseg, h, p, n), the outputs' pull on each segment's entry, and
-    each segment's decay a (b, nseg, h)."""
-    dev = dout.device
-    dstates = torch.empty(plan.batch, plan.nchunks, plan.nheads, plan.headdim, plan.dstate, device=dev,
-                          dtype=plan.state_dtype)
-    rho = torch.empty(plan.batch, plan.nchunks, plan.nheads, device=dev, dtype=torch.float32)
-    G = torch.empty(plan.batch, plan.nseg, plan.nheads, plan.headdim, plan.dstate, device=dev, dtype=torch.float32)
-    a = torch.empty(plan.batch, plan.nseg, plan.nheads, device=dev, dtype=torch.float32)
-    _state_bwd_kernel[plan.state_grid()](
-        dout, C, dt, dt_bias, A, seq_idx, dstates, rho, G, a,
-        plan.seqlen, plan.nheads, plan.headdim, plan.dstate, plan.nchunks, plan.chunks_per_seg, plan.n_p_tiles,
-        plan.n_n_tiles,
-        plan.heads_per_group, plan.dt_min, plan.dt_max,
-        _BLHP(*dout.stride()), _BLGN(*C.stride()), _BLH(*dt.stride()), _strides_of(seq_idx, _BL),
-        Q=plan.Q, BP=plan.BP_state, BN=plan.BN_state, DOT_PRECISION=plan.precision,
-        **plan.launch["state"], **plan.flags)
-    return dstates, rho, G, a
 
 
 class GradPass:
@@ -870,7 +793,7 @@ class GradPass:
     before the gradient at the exit is (it is what a CP rank all-gathers in backward)."""
 
     def __init__(self, dy, C, dt, A, dt_bias, seq_idx, plan):
-        self.dstates, self.rho, self.seg_G, self.seg_a = _state_bwd(dy, C, dt, A, dt_bias, seq_idx, plan)
+        self.dstates, self.rho, self.seg_G, self.seg_a = _state_pass(dy, C, dt, A, dt_bias, seq_idx, plan, True)
         self.plan = plan
 
     @property
@@ -919,6 +842,13 @@ def _chunk_decays(dt_ptr, dt_bias_ptr, A_ptr, seq_ptr, b, h, start, seqlen, stri
         w_dec = tl.where(seq == last, w_dec, 0.0)
         decay = tl.where(last == prev, decay, 0.0)
     return dt, slope, _pair_decay(hi, lo, causal), e, w_dec, decay, causal
+
+
+@triton.jit
+def _dy_tile(dout_ptr, b64, t64, h, offs_p, mask_qp, stride_do):
+    """The output gradient of one chunk and head, (Q, BP) fp32."""
+    return tl.load(dout_ptr + b64 * stride_do.b + t64[:, None] * stride_do.l + h * stride_do.h
+                   + offs_p[None, :] * stride_do.p, mask=mask_qp, other=0.0).to(tl.float32)
 
 
 @triton.jit

@@ -371,6 +371,21 @@ def tuning():
     return _TUNING[0]
 
 
+class _SSDInputs(NamedTuple):
+    """The tensors of one SSD call, which travel together from launcher to launcher: x
+    (b, l, h, p); dt (b, l, h) raw (dt_bias, softplus and dt_limit as the _LaunchPlan says); A
+    (h,); B and C (b, l, g, n); D (h,), (h, p) or None; dt_bias (h,) or None; seq_idx (b, l)
+    int32 or None. C may be None while only the state pass has run."""
+    x: Tensor
+    dt: Tensor
+    A: Tensor
+    B: Tensor
+    C: Optional[Tensor]
+    D: Optional[Tensor]
+    dt_bias: Optional[Tensor]
+    seq_idx: Optional[Tensor]
+
+
 class _LaunchPlan:
     """Everything the kernels need that is derived once per call: sizes, tile shapes, flags."""
 
@@ -659,8 +674,10 @@ def _D_strides(D):
     return _HP(D.stride(0), 0 if D.dim() == 1 else D.stride(1))
 
 
-def _output_fwd(x, dt, A, B, C, D, dt_bias, seq_idx, states, gamma, entry, plan, y=None):
-    """y (b, l, h, p); entry (b, nseg, h, p, n) fp32: each segment's entry state, or None for zero."""
+def _output_fwd(inp, states, gamma, entry, plan, y=None):
+    """y (b, l, h, p) of the _SSDInputs inp; entry (b, nseg, h, p, n) fp32: each segment's entry
+    state, or None for zero."""
+    x, dt, A, B, C, D, dt_bias, seq_idx = inp
     if y is None:
         y = torch.empty_like(x, memory_format=torch.contiguous_format)
     grid = (plan.nchunks * plan.batch * (plan.nheads // plan.heads_per_output), _cdiv(plan.headdim, plan.BP))
@@ -731,8 +748,9 @@ class Summary:
     """A sequence's (or CP shard's) state pass from a zero entry: what its outputs need besides
     the entry state. Its affine summary S_out = a * S_entry + S_ext (fp32) is `affine()`."""
 
-    def __init__(self, x, dt, A, B, dt_bias, seq_idx, plan):
-        self.states, self.gamma, self.seg_ext, self.seg_a = _state_pass(x, B, dt, A, dt_bias, seq_idx, plan, False)
+    def __init__(self, inp, plan):
+        self.states, self.gamma, self.seg_ext, self.seg_a = _state_pass(inp.x, inp.B, inp.dt, inp.A, inp.dt_bias,
+                                                                        inp.seq_idx, plan, False)
         self.plan = plan
 
     def affine(self):
@@ -754,18 +772,18 @@ class Summary:
         return scan_segments(self.seg_ext, self.seg_a, entry)  # later segments start where earlier end
 
 
-def ssd_output(x, dt, A, B, C, D, dt_bias, seq_idx, summary, entry=None, y=None, need_exit=False):
-    """The outputs of a summarised sequence entered with state `entry` (b, h, p, n) or zero;
-    with need_exit also its exit state (else None)."""
+def ssd_output(inp, summary, entry=None, y=None, need_exit=False):
+    """The outputs of a summarised sequence (_SSDInputs inp) entered with state `entry`
+    (b, h, p, n) or zero; with need_exit also its exit state (else None)."""
     seg_entry, exit_ = summary.segment_entries(entry, need_exit)
-    y = _output_fwd(x, dt, A, B, C, D, dt_bias, seq_idx, summary.states, summary.gamma, seg_entry,
-                    summary.plan, y)
+    y = _output_fwd(inp, summary.states, summary.gamma, seg_entry, summary.plan, y)
     return y, exit_
 
 
-def document_end_states(x, dt, A, B, dt_bias, summary, cu_seqlens, entry=None):
+def document_end_states(inp, summary, cu_seqlens, entry=None):
     """The float32 state after each packed document of batch row 0, (num_docs, h, p, n), given
     the documents' bounds cu_seqlens (num_docs + 1,) and the sequence's entry state (or None)."""
+    x, dt, A, B, dt_bias = inp.x, inp.dt, inp.A, inp.B, inp.dt_bias
     plan = summary.plan
     seg_entry, _ = summary.segment_entries(entry)
     ndocs = cu_seqlens.shape[0] - 1
@@ -792,8 +810,9 @@ class GradPass:
     gradients, and G (b, h, p, n), the pull of its outputs on its entry state. G is known
     before the gradient at the exit is (it is what a CP rank all-gathers in backward)."""
 
-    def __init__(self, dy, C, dt, A, dt_bias, seq_idx, plan):
-        self.dstates, self.rho, self.seg_G, self.seg_a = _state_pass(dy, C, dt, A, dt_bias, seq_idx, plan, True)
+    def __init__(self, dy, inp, plan):
+        self.dstates, self.rho, self.seg_G, self.seg_a = _state_pass(dy, inp.C, inp.dt, inp.A, inp.dt_bias,
+                                                                     inp.seq_idx, plan, True)
         self.plan = plan
 
     @property
@@ -1025,11 +1044,11 @@ def _chunk_bwd_BC_kernel(
              + offs_n[None, :] * stride_dC.n, dC.to(dC_ptr.dtype.element_ty), mask=mask_qn)
 
 
-def _chunk_bwd(x, dt, A, B, C, D, dt_bias, seq_idx, states, gamma, entry, dstates, rho, dexit, dout, plan,
-               dx=None, dB=None, dC=None):
-    """Every gradient of the chunks, given each segment's entry state and the gradient at its
-    exit (b, nseg, h, p, n) fp32 (either may be None for zero). dx, dB, dC may be views into
-    one buffer (the conv backward's input)."""
+def _chunk_bwd(inp, states, gamma, entry, dstates, rho, dexit, dout, plan, dx=None, dB=None, dC=None):
+    """Every gradient of the chunks of the _SSDInputs inp, given each segment's entry state and
+    the gradient at its exit (b, nseg, h, p, n) fp32 (either may be None for zero). dx, dB, dC
+    may be views into one buffer (the conv backward's input)."""
+    x, dt, A, B, C, D, dt_bias, seq_idx = inp
     dx = torch.empty_like(x, memory_format=torch.contiguous_format) if dx is None else dx
     dB = torch.empty_like(B, memory_format=torch.contiguous_format) if dB is None else dB
     dC = torch.empty_like(C, memory_format=torch.contiguous_format) if dC is None else dC
@@ -1066,15 +1085,13 @@ def _chunk_bwd(x, dt, A, B, C, D, dt_bias, seq_idx, states, gamma, entry, dstate
     return dx, dB, dC, ddt, dA, dD
 
 
-def ssd_grads(x, dt, A, B, C, D, dt_bias, seq_idx, summary, grad_pass, dy, entry=None, dexit=None,
-              dx=None, dB=None, dC=None):
-    """Every gradient of a sequence entered with state `entry` whose exit receives gradient
-    `dexit` (either (b, h, p, n) or None). dx, dB, dC may be given as output views.
-    Returns (dx, dB, dC, ddt (fp32, w.r.t. raw dt), dA, dD, d entry)."""
+def ssd_grads(inp, summary, grad_pass, dy, entry=None, dexit=None, dx=None, dB=None, dC=None):
+    """Every gradient of a sequence (_SSDInputs inp) entered with state `entry` whose exit
+    receives gradient `dexit` (either (b, h, p, n) or None). dx, dB, dC may be given as output
+    views. Returns (dx, dB, dC, ddt (fp32, w.r.t. raw dt), dA, dD, d entry)."""
     seg_exits, dentry = grad_pass.exits_and_entry(dexit)
-    grads = _chunk_bwd(x, dt, A, B, C, D, dt_bias, seq_idx, summary.states, summary.gamma,
-                       summary.segment_entries(entry)[0], grad_pass.dstates, grad_pass.rho,
-                       seg_exits, dy, summary.plan, dx, dB, dC)
+    grads = _chunk_bwd(inp, summary.states, summary.gamma, summary.segment_entries(entry)[0], grad_pass.dstates,
+                       grad_pass.rho, seg_exits, dy, summary.plan, dx, dB, dC)
     return (*grads, dentry)
 
 
@@ -1223,9 +1240,10 @@ def _chunk_scan_fwd(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chun
     plan = _LaunchPlan(x, B, min(chunk_size, tuning().chunk_fwd), dt_bias, dt_softplus, (dt_min, dt_max), seq_idx,
                        state_dtype)
     entry = None if initial_states is None else initial_states.float()
-    summary = Summary(x, dt, A, B, dt_bias, seq_idx, plan)
-    y, final = ssd_output(x, dt, A, B, C, D, dt_bias, seq_idx, summary, entry, need_exit=need_final)
-    doc_states = document_end_states(x, dt, A, B, dt_bias, summary, cu_seqlens, entry) if need_doc_states else None
+    inp = _SSDInputs(x, dt, A, B, C, D, dt_bias, seq_idx)
+    summary = Summary(inp, plan)
+    y, final = ssd_output(inp, summary, entry, need_exit=need_final)
+    doc_states = document_end_states(inp, summary, cu_seqlens, entry) if need_doc_states else None
     out, y_kept = y, y.new_empty(0)
     if z is not None:
         out, y_kept = torch.empty_like(y), y
@@ -1259,10 +1277,10 @@ def _chunk_scan_bwd(dout: Tensor, dfinal: Optional[Tensor], x: Tensor, dt: Tenso
     plan = _LaunchPlan(x, B, min(chunk_size, tuning().chunk_bwd), dt_bias, dt_softplus, (dt_min, dt_max), seq_idx,
                        state_dtype)
     entry = None if initial_states is None else initial_states.float()
-    grad_pass = GradPass(dy, C, dt, A, dt_bias, seq_idx, plan)
-    summary = Summary(x, dt, A, B, dt_bias, seq_idx, plan)
-    dx, dB, dC, ddt, dA, dD, dinit = ssd_grads(x, dt, A, B, C, D, dt_bias, seq_idx, summary,
-                                               grad_pass, dy, entry, dfinal)
+    inp = _SSDInputs(x, dt, A, B, C, D, dt_bias, seq_idx)
+    grad_pass = GradPass(dy, inp, plan)
+    summary = Summary(inp, plan)
+    dx, dB, dC, ddt, dA, dD, dinit = ssd_grads(inp, summary, grad_pass, dy, entry, dfinal)
     ddt_bias = ddt.sum(dim=(0, 1)).to(dt_bias.dtype) if dt_bias is not None else None
     grads = [dx, ddt.to(dt.dtype), dA.to(A.dtype), dB, dC, None if D is None else dD.to(D.dtype), dz, ddt_bias,
              None if initial_states is None else dinit.to(initial_states.dtype)]
@@ -2452,7 +2470,8 @@ def _conv1d_ssd_cp_fwd(xBC: Tensor, dt: Tensor, conv_weight: Tensor, conv_bias: 
         u = conv1d_fwd(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, silu=silu)  # (rows, s, conv_dim)
         x, B, C = _split_xBC(u, cfg)
     plan = _LaunchPlan(x, B, min(cfg.chunk, tuning().chunk_fwd), dt_bias, True, cfg.dt_limit, seq_idx, state_dtype)
-    summary = Summary(x, dt, A, B, dt_bias, seq_idx, plan)
+    inp = _SSDInputs(x, dt, A, B, None if overlap else C, D, dt_bias, seq_idx)
+    summary = Summary(inp, plan)
     S_ext, a = summary.affine()                                                 # (rows, h, p, n), (rows, h)
     if cfg.exchange == "scan":
         entries, final, a_kept, cont = _scan_summaries(S_ext, a, seq_idx, initial_states, cfg)
@@ -2460,10 +2479,10 @@ def _conv1d_ssd_cp_fwd(xBC: Tensor, dt: Tensor, conv_weight: Tensor, conv_bias: 
         every, work = _gather_summaries(S_ext, a, seq_idx, cfg)
         if overlap:
             C = _conv_channels(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, slice(x_ch + B_ch, None), silu)
-            C = C.unflatten(-1, (cfg.ngroups, cfg.dstate))
+            inp = inp._replace(C=C.unflatten(-1, (cfg.ngroups, cfg.dstate)))
             work.wait()
         entries, final, a_kept, cont = _scan_shards(every, initial_states, seq_idx is not None, cfg)
-    y, _ = ssd_output(x, dt, A, B, C, D, dt_bias, seq_idx, summary, entries)
+    y, _ = ssd_output(inp, summary, entries)
     f32 = dict(device=xBC.device, dtype=torch.float32)
     rows = xBC.shape[0]
     return [y, final, xBC.new_empty((rows, 0, xBC.shape[2])) if halo is None else halo.clone(),
@@ -2522,21 +2541,21 @@ def _conv1d_ssd_cp_backward(dy, dfinal, xBC, dt, conv_weight, conv_bias, dt_bias
     u = conv1d_fwd(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, silu=silu)
     x, B, C = _split_xBC(u, cfg)
     plan = _LaunchPlan(x, B, min(cfg.chunk, tuning().chunk_bwd), dt_bias, True, cfg.dt_limit, seq_idx, state_dtype)
-    grad_pass = GradPass(dy, C, dt, A, dt_bias, seq_idx, plan)
+    inp = _SSDInputs(x, dt, A, B, C, D, dt_bias, seq_idx)
+    grad_pass = GradPass(dy, inp, plan)
     if cfg.exchange == "scan":
         dexit, dinit = _scan_grads(grad_pass.G, dfinal, a_kept, cont, cfg)
-        summary = Summary(x, dt, A, B, dt_bias, seq_idx, plan)
+        summary = Summary(inp, plan)
     else:
         every, work = _gather_G(grad_pass.G, dfinal, cfg)
-        summary = Summary(x, dt, A, B, dt_bias, seq_idx, plan)                    # overlaps the gather
+        summary = Summary(inp, plan)                                              # overlaps the gather
         if work is not None:
             work.wait()
         dexit, dinit = _scan_shards_bwd(every, a_kept, cont, cfg)
 
     du = torch.empty_like(u)
     dx, dB, dC = _split_xBC(du, cfg)
-    _, _, _, ddt, dA, dD, _ = ssd_grads(x, dt, A, B, C, D, dt_bias, seq_idx, summary, grad_pass,
-                                        dy, entries, dexit, dx=dx, dB=dB, dC=dC)     # ddt fp32
+    _, _, _, ddt, dA, dD, _ = ssd_grads(inp, summary, grad_pass, dy, entries, dexit, dx=dx, dB=dB, dC=dC)  # ddt fp32
     dxBC, dhalo, dweight, dbias = conv1d_bwd(du, xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, silu=silu,
                                              dx=dxBC_into)
     if dhalo is not None:
@@ -3304,7 +3323,8 @@ def _worked_example(rank, world, port):
     x, B, C = _split_xBC(u, cfg)
     # 2. this rank's summary, from a zero entry state: S_out = a * S_in + S_ext
     plan = _LaunchPlan(x, B, 16, dt_bias, True, (0.0, float("inf")), None)
-    summary = Summary(x, dt_loc, A, B, dt_bias, None, plan)
+    inp = _SSDInputs(x, dt_loc, A, B, C, D, dt_bias, None)
+    summary = Summary(inp, plan)
     S_ext, a = summary.affine()
     say(f"summary: a = {a.flatten().tolist()}, S_ext =\n{S_ext[0, 0]}")
     # 3. all-gather the summaries and scan: S_in(0) = 0, S_in(1) = a_0 S_in(0) + S_ext(0)
@@ -3313,7 +3333,7 @@ def _worked_example(rank, world, port):
     entries, final, _, _ = _scan_shards(every, None, False, cfg)
     say(f"entry state after the scan =\n{entries[0, 0]}")
     # 4. the outputs with the entry state folded in, against the oracle on the whole sequence
-    y, _ = ssd_output(x, dt_loc, A, B, C, D, dt_bias, None, summary, entries)
+    y, _ = ssd_output(inp, summary, entries)
     y_ref, final_ref = reference_ssd.conv1d_ssd_reference(xBC, dt, w, bias, dt_bias, A, D, headdim=p, ngroups=1)
     err = (y - shard(y_ref, rank, world)).abs().max().item()
     say(f"y (this rank's 6 tokens) = {y.flatten(1).tolist()[0][:4]}...; max |y - oracle| = {err:.1e}; "

@@ -68,6 +68,14 @@ def rel_rms(got, want):
 SMALL = dict(batch=2, seqlen=77, nheads=4, headdim=24, ngroups=2, dstate=20, chunk=16)
 
 
+def seq_from_starts(l, starts):
+    """Document ids (l,) with a new document at each position in `starts`."""
+    s = torch.zeros(l, dtype=torch.int32)
+    for st in starts:
+        s[st:] += 1
+    return s
+
+
 def make_inputs(seed, *, batch, seqlen, nheads, headdim, ngroups, dstate, chunk, dtype=torch.float32,
                 device=DEVICE, D=None, z=False, dt_bias=False, dt_softplus=False, initial_states=False,
                 seq_idx=None, dt_limit=(0.0, float("inf")), extreme=False, growth=None):
@@ -110,9 +118,7 @@ def make_inputs(seed, *, batch, seqlen, nheads, headdim, ngroups, dstate, chunk,
     if initial_states:
         kw["initial_states"] = rnd(b, h, p, n)
     if seq_idx is not None:
-        ids = torch.zeros(b, l, dtype=torch.int32)
-        for start in seq_idx:
-            ids[:, start:] += 1
+        ids = seq_from_starts(l, seq_idx).expand(b, l).clone()
         if b > 1:  # the second row splits once more, mid-chunk
             ids[1, l // 2:] += 1
         kw["seq_idx"] = ids.to(device)
@@ -160,14 +166,6 @@ def assert_close(pairs, bound):
 # The oracle checks itself: a hand-computed case, and its chunked float64 form and causal conv
 # against the token loop and torch (so the chunked form may stand in for the loop on the GPU)
 # ---------------------------------------------------------------------------------------------
-
-def seq_from_starts(l, starts):
-    """Document ids (l,) with a new document at each position in `starts`."""
-    s = torch.zeros(l, dtype=torch.int32)
-    for st in starts:
-        s[st:] += 1
-    return s
-
 
 # ---------------------------------------------------------------- hand-computed case
 
@@ -802,10 +800,7 @@ def cp_inputs(seed, world, *, batch, nheads, headdim, ngroups, dstate, d_conv, c
     if growth:
         full["A"] = (torch.rand(nheads, generator=g) * 0.5 + 0.75).to(device) * 20.0 / L
     if seq is not None:
-        ids = torch.zeros(batch, L, dtype=torch.int32)
-        for start in seq:
-            ids[:, start:] += 1
-        full["seq_idx"] = ids.to(device)
+        full["seq_idx"] = seq_from_starts(L, seq).expand(batch, L).contiguous().to(device)
     opts = dict(chunk_size=chunk, headdim=headdim, ngroups=ngroups, dt_limit=dt_limit)
     return full, opts
 
@@ -1327,10 +1322,7 @@ def split_inputs(seed, world, *, batch, nheads, headdim, ngroups, dstate, d_conv
                 outproj_weight=rnd(5, d_nonssm + dim, scale=0.2) if outproj else None,
                 outproj_bias=rnd(5) if outproj == "bias" else None, seq_idx=None)
     if seq is not None:
-        ids = torch.zeros(batch, L, dtype=torch.int32)
-        for start in seq:
-            ids[:, start:] += 1
-        full["seq_idx"] = ids.to(device)
+        full["seq_idx"] = seq_from_starts(L, seq).expand(batch, L).contiguous().to(device)
     opts = dict(chunk_size=chunk, headdim=None if D == "hp" else headdim, ngroups=ngroups, dt_limit=dt_limit,
                 activation=activation, norm_before_gate=norm_before_gate)
     return full, opts

@@ -1531,6 +1531,27 @@ def _all_gather(t, cp_group, async_op=False):
     return (out, work) if async_op else out
 
 
+def _global_rank(group, r):
+    """Rank r of the group as point-to-point calls and broadcast sources name it."""
+    return r if group is None else dist.get_global_rank(group, r)
+
+
+def _send(t, to, group):
+    """An isend of t to rank `to` of the group, for _run_p2p."""
+    return dist.P2POp(dist.isend, t, _global_rank(group, to), group)
+
+
+def _recv(t, frm, group):
+    """An irecv into t from rank `frm` of the group, for _run_p2p."""
+    return dist.P2POp(dist.irecv, t, _global_rank(group, frm), group)
+
+
+def _run_p2p(ops):
+    """Post point-to-point operations together (a rank sends what the others receive) and wait."""
+    for work in dist.batch_isend_irecv(ops) if ops else []:
+        work.wait()
+
+
 def _pack(rows, *tensors):
     """One (rows, total) fp32 buffer from tensors that share their leading dim (integer tensors
     travel bit-for-bit, as int32 viewed as fp32)."""
@@ -1692,10 +1713,6 @@ def _unpacked_map(buf, like):
     return _StateMap(*(None if t is None else next(parts) for t in like))
 
 
-def _global_rank(group, r):
-    return r if group is None else dist.get_global_rank(group, r)
-
-
 def _prefix_over_ranks(chains, cfg):
     """Exclusive and inclusive prefix compositions along chains of ranks. chains: a list of
     (this rank's map, order), order listing every rank of the group in chain order; two chains
@@ -1712,12 +1729,11 @@ def _prefix_over_ranks(chains, cfg):
             pos = order.index(me)
             sent = _packed_map(state[i][1])
             if pos + d < world:
-                ops.append(dist.P2POp(dist.isend, sent, _global_rank(group, order[pos + d]), group))
+                ops.append(_send(sent, order[pos + d], group))
             if pos - d >= 0:
                 landing.append((i, torch.empty_like(sent)))
-                ops.append(dist.P2POp(dist.irecv, landing[-1][1], _global_rank(group, order[pos - d]), group))
-        for work in dist.batch_isend_irecv(ops) if ops else []:
-            work.wait()
+                ops.append(_recv(landing[-1][1], order[pos - d], group))
+        _run_p2p(ops)
         for i, buf in landing:
             got = _unpacked_map(buf, state[i][1])
             excl, incl = state[i]
@@ -1919,17 +1935,15 @@ def _from_neighbours(blocks, cfg, later):
     ops, landing = [], []
     for j, k in enumerate(cfg.segs.ids):
         if 0 <= k + step < cfg.segs.count and cfg.segs.where[k + step][0] != cfg.rank:
-            to = cfg.segs.where[k + step][0]
-            ops.append(dist.P2POp(dist.isend, mine[:, j].contiguous(), _global_rank(cfg.group, to), cfg.group))
+            ops.append(_send(mine[:, j].contiguous(), cfg.segs.where[k + step][0], cfg.group))
         if 0 <= k - step < cfg.segs.count:
             frm, i = cfg.segs.where[k - step]
             if frm == cfg.rank:
                 got[:, j] = mine[:, i]
             else:
                 landing.append((j, torch.empty_like(mine[:, j])))
-                ops.append(dist.P2POp(dist.irecv, landing[-1][1], _global_rank(cfg.group, frm), cfg.group))
-    for work in dist.batch_isend_irecv(ops) if ops else []:
-        work.wait()
+                ops.append(_recv(landing[-1][1], frm, cfg.group))
+    _run_p2p(ops)
     for j, buf in landing:
         got[:, j] = buf
     return got.reshape(blocks.shape)
@@ -1966,17 +1980,14 @@ def _permute(t, group, load_balancing, to_contiguous):
             if to == me:
                 out_pieces[dst[piece][1]].copy_(pieces[slot])
             else:
-                ops.append(dist.P2POp(dist.isend, pieces[slot].contiguous(), dist.get_global_rank(group, to)
-                                      if group is not None else to, group))
+                ops.append(_send(pieces[slot].contiguous(), to, group))
         for slot, piece in wanted.items():
             frm = src[piece][0]
             if frm != me:
                 buf = torch.empty_like(pieces[0], memory_format=torch.contiguous_format)
-                ops.append(dist.P2POp(dist.irecv, buf, dist.get_global_rank(group, frm)
-                                      if group is not None else frm, group))
+                ops.append(_recv(buf, frm, group))
                 landing.append((slot, buf))
-        for work in dist.batch_isend_irecv(ops) if ops else []:
-            work.wait()
+        _run_p2p(ops)
         for slot, buf in landing:
             out_pieces[slot].copy_(buf)
         return out

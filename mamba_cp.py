@@ -2586,14 +2586,40 @@ def _(dy, dfinal, xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states
     return [xBC.new_empty(0) if t is None else torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in like]
 
 
+class _CoreOptions(NamedTuple):
+    """The fused core's scalar options. They end the core ops' argument lists (`core_args`), and
+    travel through the split entry's ops as one list of numbers (an op schema takes no mixed
+    lists): packed by `numbers`, read back by `of`."""
+    batch: int
+    chunk: int
+    headdim: int
+    ngroups: int
+    dt_min: float
+    dt_max: float
+    silu: bool
+
+    def numbers(self):
+        return [float(v) for v in self]
+
+    @classmethod
+    def of(cls, numbers):
+        b, chunk, p, g, dt_min, dt_max, silu = numbers
+        return cls(int(b), int(chunk), int(p), int(g), dt_min, dt_max, bool(silu))
+
+    def core_args(self, group, load_balancing, exchange, state_dtype):
+        """The trailing arguments of the fused core's ops (_conv1d_ssd_cp_fwd and its backward)."""
+        return (group, load_balancing, exchange, self.batch, self.chunk, self.headdim, self.ngroups, self.dt_min,
+                self.dt_max, self.silu, state_dtype)
+
+
 class _Conv1dSSDCPFn(torch.autograd.Function):
     """The fused conv1d + SSD with state-passing CP, one causal segment per row (the ops above)."""
 
     @staticmethod
     def forward(ctx, xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, group, load_balancing,
                 exchange, batch, chunk_size, headdim, ngroups, dt_limit, silu, state_dtype, agree):
-        opts = (group, load_balancing, exchange, batch, chunk_size, headdim, ngroups, dt_limit[0], dt_limit[1], silu,
-                state_dtype)
+        opts = _CoreOptions(batch, chunk_size, headdim, ngroups, dt_limit[0], dt_limit[1], silu).core_args(
+            group, load_balancing, exchange, state_dtype)
         y, final, halo, halo_seq, entries, a_kept, cont = _conv1d_ssd_cp_fwd(
             xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, *opts, agree)
         ctx.save_for_backward(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx,
@@ -2930,19 +2956,15 @@ def _split_conv1d_scan_fwd(zxbcdt: Tensor, conv_weight: Tensor, conv_bias: Optio
                            state_dtype: Optional[torch.dtype], agree: bool, eps: float, group_size: int, norm_before_gate: bool,
                            permute: bool) -> list[Tensor]:
     """[out, final state, y (b, l, dim) before the gate, the permuted xBC and dt rows (empty
-    unless permute), and the core's saved tensors]. core_opts: batch, chunk_size, headdim,
-    ngroups, dt_min, dt_max, silu (numbers; the op schema has no mixed lists)."""
-    batch, chunk, headdim, ngroups, dt_min, dt_max, silu = core_opts
-    opts = (group, load_balancing, exchange, int(batch), int(chunk), int(headdim), int(ngroups), dt_min, dt_max,
-            bool(silu),
-            state_dtype)
+    unless permute), and the core's saved tensors]. core_opts: _CoreOptions.numbers()."""
+    core = _CoreOptions.of(core_opts)
     z0, x0, z, xBC, dt = zxbcdt.split(widths, dim=-1)
     rows = _Segments(*_rank_world(group), load_balancing).to_rows
     if permute:
         xBC, dt = (_permute(t, _resolve_group(group), load_balancing, True) for t in (xBC, dt))
     y, final, *saved = _conv1d_ssd_cp_fwd(rows(xBC), rows(dt), conv_weight, conv_bias, dt_bias, A, D, initial_states,
-                                          seq_idx, *opts, agree)
-    y = y.reshape(int(batch), -1, y.shape[2] * y.shape[3])                      # (b, l, dim)
+                                          seq_idx, *core.core_args(group, load_balancing, exchange, state_dtype), agree)
+    y = y.reshape(core.batch, -1, y.shape[2] * y.shape[3])                      # (b, l, dim)
     if permute:
         y = _permute(y, _resolve_group(group), load_balancing, False)
     out = _split_output(y, z, z0, x0, _GateNorm(rmsnorm_weight, eps, group_size, norm_before_gate), widths)
@@ -2956,13 +2978,12 @@ def _split_conv1d_scan_fwd(zxbcdt: Tensor, conv_weight: Tensor, conv_bias: Optio
 def _(zxbcdt, conv_weight, conv_bias, dt_bias, A, D, initial_states, rmsnorm_weight, outproj_weight, outproj_bias,
       seq_idx, widths, core_opts, group, load_balancing, exchange, state_dtype, agree, eps, group_size, norm_before_gate,
       permute):
-    batch, chunk, headdim, ngroups, dt_min, dt_max, silu = core_opts
+    core = _CoreOptions.of(core_opts)
     segs = _Segments(*_rank_world(group), load_balancing)
     b, l, _ = zxbcdt.shape
     xBC, dt = (segs.to_rows(torch.empty((b, l, w), device=zxbcdt.device, dtype=zxbcdt.dtype)) for w in widths[3:])
     y, final, *saved = _conv1d_ssd_cp_fwd_fake(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx,
-                                               group, load_balancing, exchange, int(batch), int(chunk), int(headdim),
-                                               int(ngroups), dt_min, dt_max, bool(silu), state_dtype, agree)
+                                               *core.core_args(group, load_balancing, exchange, state_dtype), agree)
     d_out = outproj_weight.shape[0] if outproj_weight is not None else widths[0] + widths[2]
     out_dtype = outproj_weight.dtype if outproj_weight is not None else zxbcdt.dtype
     kept = (xBC, dt) if permute else (zxbcdt.new_empty(0), zxbcdt.new_empty(0))
@@ -2982,10 +3003,7 @@ def _split_conv1d_scan_bwd(dout: Tensor, dfinal: Optional[Tensor], zxbcdt: Tenso
     """[dzxbcdt, dconv_weight, dconv_bias, ddt_bias, dA, dD, dinitial_states, drmsnorm_weight,
     doutproj_weight, doutproj_bias] (absent ones empty); dzxbcdt is one buffer, its channel
     slices written in place (the gate's kernel writes dz there directly)."""
-    batch, chunk, headdim, ngroups, dt_min, dt_max, silu = core_opts
-    opts = (group, load_balancing, exchange, int(batch), int(chunk), int(headdim), int(ngroups), dt_min, dt_max,
-            bool(silu),
-            state_dtype)
+    core = _CoreOptions.of(core_opts)
     segs = _Segments(*_rank_world(group), load_balancing)
     dout = dout.contiguous()                       # the gate's kernels take unit channel strides
     z0, x0, z, xBC, dt = zxbcdt.split(widths, dim=-1)
@@ -3012,12 +3030,13 @@ def _split_conv1d_scan_bwd(dout: Tensor, dfinal: Optional[Tensor], zxbcdt: Tenso
     # strides allow no per-segment view: then they are copied in once
     into = (None, None) if permute else (segs.rows_view(dxBC_out), segs.rows_view(ddt_out))
     grads = _conv1d_ssd_cp_backward(dy, dfinal, xBC_rows, dt_rows, conv_weight, conv_bias, dt_bias, A, D,
-                                    initial_states, seq_idx, halo, halo_seq, entries, a_kept, cont, *opts,
+                                    initial_states, seq_idx, halo, halo_seq, entries, a_kept, cont,
+                                    *core.core_args(group, load_balancing, exchange, state_dtype),
                                     dxBC_into=into[0], ddt_into=into[1])
     dxBC, ddt, dconv_w, dconv_b, ddt_bias, dA, dD, dinit = grads
     for rows_grad, view, out in ((dxBC, into[0], dxBC_out), (ddt, into[1], ddt_out)):
         if view is None:
-            full = segs.from_rows(rows_grad, int(batch))
+            full = segs.from_rows(rows_grad, core.batch)
             out.copy_(_permute(full, _resolve_group(group), load_balancing, False) if permute else full)
     return [dzxbcdt, *(_empty_if_none(g, zxbcdt) for g in (dconv_w, dconv_b, ddt_bias, dA, dD, dinit)),
             _empty_if_none(None if dw is None else dw.to(rmsnorm_weight.dtype), zxbcdt),
@@ -3152,8 +3171,8 @@ def mamba_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias
     segs = _Segments(rank, world, load_balancing)
     if permute:
         seq_idx = None if seq_idx is None else _permute_op(seq_idx, _group_name(cp_group), load_balancing, True)
-    core_opts = [float(v) for v in (zxbcdt.shape[0], chunk_size, p, ngroups, dt_limit[0], dt_limit[1],
-                                    activation is not None)]
+    core_opts = _CoreOptions(zxbcdt.shape[0], chunk_size, p, ngroups, dt_limit[0], dt_limit[1],
+                             activation is not None).numbers()
     out, final = _SplitConv1dScanFn.apply(
         zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, initial_states, rmsnorm_weight, outproj_weight,
         outproj_bias, None if seq_idx is None else segs.to_rows(seq_idx).contiguous(), list(widths), core_opts,

@@ -62,7 +62,7 @@ def rel_rms(got, want):
 
 
 # ---------------------------------------------------------------------------------------------
-# Inputs
+# Helpers: the inputs
 # ---------------------------------------------------------------------------------------------
 
 SMALL = dict(batch=2, seqlen=77, nheads=4, headdim=24, ngroups=2, dstate=20, chunk=16)
@@ -125,6 +125,138 @@ def make_inputs(seed, *, batch, seqlen, nheads, headdim, ngroups, dstate, chunk,
     return dict(x=x, dt=dt, A=A, B=B, C=C, chunk_size=chunk, dt_softplus=dt_softplus, dt_limit=dt_limit, **kw)
 
 
+
+def oracle_inputs(gen, b, l, h, g, p, n, *, D=None, z=False, dt_bias=False, init=False,
+                seq_starts=None):
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
+    inp = dict(
+        x=r(b, l, h, p),
+        dt=torch.rand(b, l, h, generator=gen, dtype=torch.float64) + 0.01,
+        A=-(torch.rand(h, generator=gen, dtype=torch.float64) + 0.5),
+        B=r(b, l, g, n),
+        C=r(b, l, g, n),
+    )
+    if D == "h":
+        inp["D"] = r(h)
+    elif D == "hp":
+        inp["D"] = r(h, p)
+    if z:
+        inp["z"] = r(b, l, h, p)
+    if dt_bias:
+        inp["dt_bias"] = r(h) * 0.5
+    if init:
+        inp["initial_states"] = r(b, h, p, n)
+    for v in inp.values():
+        v.requires_grad_(True)
+    if seq_starts is not None:
+        inp["seq_idx"] = torch.stack([seq_from_starts(l, s) for s in seq_starts])
+    return inp
+
+
+def doc_ids(b, l, d, starts):
+    """Ids (b, d-1+l) of [halo, shard]: row i gets a new document at each shard position in
+    starts[i] (negative = inside the halo)."""
+    full = torch.zeros(b, d - 1 + l, dtype=torch.int32)
+    for i, pos in enumerate(starts):
+        for p in pos:
+            if -(d - 1) < p < l:   # a start at the first halo token changes nothing
+                full[i, p + d - 1:] += 1
+    return full
+
+
+def conv_inputs(b, l, dim, d, *, halo, bias, starts, seed=0, strided=False):
+    g = torch.Generator().manual_seed(seed)
+    wide = torch.randn(b, l, dim + 13, generator=g).to(DEVICE)   # slice on the device: .to() would compact it
+    xBC = wide[:, :, 5:5 + dim] if strided else wide[:, :, :dim].contiguous()   # (b, l, dim)
+    inp = dict(
+        xBC=xBC,
+        weight=torch.randn(dim, d, generator=g) * 0.5,
+        bias=torch.randn(dim, generator=g) if bias else None,
+        halo=torch.randn(b, d - 1, dim, generator=g) if halo else None,
+        seq_idx=None, halo_seq=None)
+    if starts is not None:
+        ids = doc_ids(b, l, d, starts)
+        inp["seq_idx"] = ids[:, d - 1:].contiguous()
+        if halo:
+            inp["halo_seq"] = ids[:, :d - 1].contiguous()
+    dout = torch.randn(b, l, dim, generator=g)
+    return {k: (v.to(DEVICE) if v is not None else None) for k, v in inp.items()}, dout.to(DEVICE)
+
+
+CP_SMALL = dict(batch=2, nheads=4, headdim=8, ngroups=2, dstate=8, d_conv=4, chunk=16, piece=37)
+
+
+def cp_inputs(seed, world, *, batch, nheads, headdim, ngroups, dstate, d_conv, chunk, piece, D="hp",
+              init=True, seq=None, dt_limit=(0.0, float("inf")), dtype=torch.float32, device="cpu",
+              growth=False, **_):
+    """Full-sequence inputs of the fused core (L = 2 * W * piece tokens), the same on every rank.
+    seq: None or a list of document start positions in the global sequence. growth: A > 0, scaled
+    so that the state grows by about e^8 over the whole sequence, whatever its length."""
+    g = torch.Generator().manual_seed(seed)
+    L = 2 * world * piece
+    conv_dim = nheads * headdim + 2 * ngroups * dstate
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(device)
+
+    full = dict(
+        xBC=rnd(batch, L, conv_dim).to(dtype),
+        dt=rnd(batch, L, nheads, scale=0.5) - 1.0,
+        conv_weight=rnd(conv_dim, d_conv, scale=0.5),
+        conv_bias=rnd(conv_dim, scale=0.2),
+        dt_bias=rnd(nheads, scale=0.3),
+        A=-torch.exp(torch.rand(nheads, generator=g) * 1.5 - 1.0).to(device),
+        D=None if D is None else (rnd(nheads) if D == "h" else rnd(nheads, headdim)),
+        initial_states=rnd(batch, nheads, headdim, dstate) if init else None,
+        seq_idx=None,
+    )
+    if growth:
+        full["A"] = (torch.rand(nheads, generator=g) * 0.5 + 0.75).to(device) * 20.0 / L
+    if seq is not None:
+        full["seq_idx"] = seq_from_starts(L, seq).expand(batch, L).contiguous().to(device)
+    opts = dict(chunk_size=chunk, headdim=headdim, ngroups=ngroups, dt_limit=dt_limit)
+    return full, opts
+
+
+SPLIT_SMALL = dict(batch=2, nheads=4, headdim=8, ngroups=2, dstate=8, d_conv=4, chunk=16, piece=19)
+SPLIT_LEAVES = ("zxbcdt", "conv1d_weight", "conv1d_bias", "dt_bias", "A", "D", "initial_states", "rmsnorm_weight",
+                "outproj_weight", "outproj_bias")
+
+
+def split_inputs(seed, world, *, batch, nheads, headdim, ngroups, dstate, d_conv, chunk, piece, d_nonssm=3,
+                 activation="silu", norm=False, norm_before_gate=True, D="hp", outproj=None, init=True, seq=None,
+                 dt_limit=(0.0, float("inf")), dtype=torch.float32, device="cpu", **_):
+    """Full-sequence inputs (L = 2 * W * piece tokens) and options of one call. outproj: None,
+    "weight" or "bias"; seq: None or global document starts."""
+    g = torch.Generator().manual_seed(seed)
+    L, dim = 2 * world * piece, nheads * headdim
+    conv_dim = dim + 2 * ngroups * dstate
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(device)
+
+    zxbcdt = rnd(batch, L, 2 * d_nonssm + dim + conv_dim + nheads)
+    zxbcdt[..., -nheads:] = zxbcdt[..., -nheads:] * 0.5 - 1.0                      # raw dt
+    full = dict(zxbcdt=zxbcdt.to(dtype), conv1d_weight=rnd(conv_dim, d_conv, scale=0.5),
+                conv1d_bias=rnd(conv_dim, scale=0.2), dt_bias=rnd(nheads, scale=0.3),
+                A=-torch.exp(torch.rand(nheads, generator=g) * 1.5 - 1.0).to(device),
+                D=rnd(nheads, headdim) if D == "hp" else rnd(nheads),
+                initial_states=rnd(batch, nheads, headdim, dstate) if init else None,
+                rmsnorm_weight=rnd(dim, scale=0.5) + 1.0 if norm else None,
+                outproj_weight=rnd(5, d_nonssm + dim, scale=0.2) if outproj else None,
+                outproj_bias=rnd(5) if outproj == "bias" else None, seq_idx=None)
+    if seq is not None:
+        full["seq_idx"] = seq_from_starts(L, seq).expand(batch, L).contiguous().to(device)
+    opts = dict(chunk_size=chunk, headdim=None if D == "hp" else headdim, ngroups=ngroups, dt_limit=dt_limit,
+                activation=activation, norm_before_gate=norm_before_gate)
+    return full, opts
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers: one call against the oracle (the SSD alone; the fused core and the mixer entry
+# rank by rank, each rank's shard of the full-sequence oracle)
+# ---------------------------------------------------------------------------------------------
+
 DIFFERENTIABLE = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
 
 
@@ -160,6 +292,239 @@ def assert_close(pairs, bound):
     bad = {k: e for k, e in errs.items() if not e <= bound}
     assert not bad, f"relative RMS above {bound:g}: {bad} (all: {errs})"
     return errs
+
+
+CP_PARAMS = ("conv_weight", "conv_bias", "dt_bias", "A", "D", "initial_states")
+CP_ACTIVATIONS = ("xBC", "dt")
+
+
+def cp_case_errors(case, rank, world, group, device, keep=None):
+    """Relative RMS errors of one CP case on this rank, against the oracle on the full sequence.
+    keep: a dict that receives this rank's results (y, final_states and the gradients)."""
+    full, opts = cp_inputs(case.get("seed", 0), world, device=device, **{k: v for k, v in case.items() if k != "seed"})
+    layout, path = case["layout"], case.get("path", "cp")
+    fn = mamba_cp.mamba_conv1d_ssd_cp if path == "cp" else mamba_cp.mamba_conv1d_ssd_a2a
+    exchange = dict(summary_exchange=case["exchange"]) if "exchange" in case else {}
+    wg = torch.Generator().manual_seed(99)
+    b, L = full["xBC"].shape[:2]
+    h, p, n = case["nheads"], case["headdim"], case["dstate"]
+    wy_full = torch.randn(b, L, h, p, generator=wg).to(device)
+    wf_all = torch.randn(world, b, h, p, n, generator=wg).to(device)               # one per rank's copy
+
+    # the oracle, float64, on the full sequence
+    leaves = {k: v.detach().clone().requires_grad_(True) for k, v in full.items()
+              if v is not None and v.is_floating_point()}
+    ref_kw = {k: leaves.get(k, full[k]) for k in full}
+    y_ref, f_ref = ref.conv1d_ssd_reference(
+        ref_kw["xBC"], ref_kw["dt"], ref_kw["conv_weight"], ref_kw["conv_bias"], ref_kw["dt_bias"],
+        ref_kw["A"], ref_kw["D"], headdim=opts["headdim"], ngroups=opts["ngroups"], seq_idx=full["seq_idx"],
+        initial_states=ref_kw["initial_states"], dt_limit=opts["dt_limit"],
+        chunked=device != "cpu", chunk_size=64,                  # the loop is too slow at GPU shapes
+        activation=case.get("activation", "silu"))
+    loss = (y_ref * wy_full.double()).sum() + (f_ref * wf_all.sum(0).double()).sum()
+    g_ref = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
+
+    # this rank
+    local = {k: (mamba_cp.shard(v, rank, world, layout) if k in CP_ACTIVATIONS + ("seq_idx",) and v is not None
+                 else v) for k, v in full.items()}
+    mine = {k: v.detach().clone().requires_grad_(True) for k, v in local.items()
+            if v is not None and v.is_floating_point()}
+    kw = {k: mine.get(k, local[k]) for k in local}
+    y, f = fn(kw["xBC"], kw["dt"], kw["conv_weight"], kw["conv_bias"], kw["dt_bias"], kw["A"], kw["D"],
+              opts["chunk_size"], headdim=opts["headdim"], ngroups=opts["ngroups"], cp_group=group,
+              load_balancing=layout, seq_idx=kw["seq_idx"], initial_states=kw["initial_states"],
+              dt_limit=opts["dt_limit"], return_final_states=True, activation=case.get("activation", "silu"),
+              **exchange)
+    wy = mamba_cp.shard(wy_full, rank, world, layout)
+    grads = dict(zip(mine, torch.autograd.grad((y.float() * wy).sum() + (f * wf_all[rank]).sum(),
+                                               list(mine.values()))))
+    if keep is not None:
+        keep.update(y=y, final_states=f, **{"d" + k: v for k, v in grads.items()})
+    return shard_errors({"y": (y, y_ref)}, (f, f_ref), grads, g_ref, CP_ACTIVATIONS, rank, world, group, layout)
+
+
+def shard_errors(outputs, final, grads, g_ref, per_token, rank, world, group, layout):
+    """Relative RMS errors of this rank: its shard of each output and of each per-token input's
+    gradient, the final state, and the parameter gradients summed over the group (each rank
+    holds its contribution)."""
+    errs = {k: rel_rms(got, mamba_cp.shard(want.detach(), rank, world, layout)) for k, (got, want) in outputs.items()}
+    errs["final_states"] = rel_rms(final[0], final[1].detach())
+    for k, gk in grads.items():
+        if k in per_token:
+            errs["d" + k] = rel_rms(gk, mamba_cp.shard(g_ref[k], rank, world, layout))
+        else:
+            total = gk.detach().clone().float()
+            if world > 1:
+                dist.all_reduce(total, group=group)
+            errs["d" + k] = rel_rms(total, g_ref[k])
+    return errs
+
+
+def split_case_errors(case, rank, world, group, device):
+    """Relative RMS errors of one mamba_split_conv1d_scan_combined case on this rank."""
+    full, opts = split_inputs(case.get("seed", 0), world, device=device, **{k: v for k, v in case.items() if k != "seed"})
+    layout = case["layout"]
+    per_token = ("zxbcdt", "seq_idx")
+    wg = torch.Generator().manual_seed(98)
+    leaves = {k: full[k].detach().clone().requires_grad_(True) for k in SPLIT_LEAVES if full[k] is not None}
+    ref_kw = {k: leaves.get(k, full[k]) for k in full}
+    p = opts["headdim"] or full["D"].shape[1]
+    out_ref, f_ref = ref.split_conv1d_scan_reference(
+        **{k: v for k, v in ref_kw.items() if k not in ("seq_idx",)}, seq_idx=full["seq_idx"], headdim=p,
+        ngroups=opts["ngroups"], dt_limit=opts["dt_limit"], activation=opts["activation"],
+        norm_before_gate=opts["norm_before_gate"], chunked=device != "cpu", chunk_size=64)
+    w_full = torch.randn(out_ref.shape, generator=wg).to(device)
+    wf_all = torch.randn(world, *f_ref.shape, generator=wg).to(device)
+    g_ref = dict(zip(leaves, torch.autograd.grad((out_ref * w_full.double()).sum()
+                                                 + (f_ref * wf_all.sum(0).double()).sum(), list(leaves.values()))))
+
+    local = {k: mamba_cp.shard(v, rank, world, layout) if k in per_token and v is not None else v
+             for k, v in full.items()}
+    mine = {k: local[k].detach().clone().requires_grad_(True) for k in leaves}
+    out, f = mamba_cp.mamba_split_conv1d_scan_combined(
+        **{**local, **mine}, **opts, return_final_states=True, cp_group=group, load_balancing=layout,
+        summary_exchange=case.get("exchange", "auto"))
+    w = mamba_cp.shard(w_full, rank, world, layout)
+    grads = dict(zip(mine, torch.autograd.grad((out.float() * w).sum() + (f * wf_all[rank]).sum(),
+                                               list(mine.values()))))
+    return shard_errors({"out": (out, out_ref)}, (f, f_ref), grads, g_ref, per_token, rank, world, group, layout)
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers: the process harness. A distributed check runs on every rank, evaluates all its
+# errors, then one all_reduce(MAX) gives every rank the same verdict. The same checks run
+# under pytest (gloo processes spawned here, each world with a timeout) and under torchrun
+# (the last section).
+# ---------------------------------------------------------------------------------------------
+
+def errors_everywhere(results, world, group, device):
+    """{case: {tensor: error}} with every error replaced by its MAX over the group, so every
+    rank reaches the same verdict (a rank whose entries differ, an exception's, keeps its own)."""
+    names = sorted((c, t) for c, errs in results.items() for t in errs)
+    vec = torch.tensor([results[c][t] for c, t in names], dtype=torch.float64, device=device)
+    if world > 1:
+        # exceptions differ across ranks: agree on the number of entries first
+        count = torch.tensor([len(names)], device=device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+        if count.item() == len(names):
+            dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
+    for (c, t), v in zip(names, vec.tolist()):
+        results[c][t] = v
+    return results
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _world_entry(rank, world, port, fn_name, args, queue):
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=120))
+        result = globals()[fn_name](rank, world, dist.group.WORLD, "cpu", *args)
+        queue.put((rank, "ok", result))
+    except BaseException:  # noqa: BLE001 - report anything, including a hang's timeout error
+        queue.put((rank, "error", traceback.format_exc()[-3000:]))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+_INTERPRETER_PROBE = """
+import torch, mamba_cp
+assert mamba_cp.INTERPRET
+x = torch.randn(1, 40, 2, 8)
+y = mamba_cp.mamba_chunk_scan_combined(x, torch.rand(1, 40, 2) * 0.1, -torch.rand(2),
+                                       torch.randn(1, 40, 1, 8), torch.randn(1, 40, 1, 8), 16)
+assert torch.isfinite(y).all()
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def _interpreter_fails_here():
+    """Why the Triton interpreter cannot run our kernels in this environment, or '' if it can.
+    The gloo ranks hold CPU tensors, so they need it even on a machine with CUDA; some releases'
+    interpreters (triton 3.6) reject a loop bound that is a kernel argument."""
+    if not CUDA:
+        return ""  # this process already runs the kernels in the interpreter
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, "-c", _INTERPRETER_PROBE], env=env, capture_output=True, text=True,
+                         timeout=300, cwd=os.path.dirname(os.path.abspath(__file__)))
+    return "" if run.returncode == 0 else (run.stderr.strip().splitlines() or ["no output"])[-1]
+
+
+def spawn_world(world, fn_name, *args, timeout=600):
+    """Run globals()[fn_name](rank, world, group, 'cpu', *args) on W gloo processes; returns
+    the results by rank. A world that does not finish within `timeout` seconds fails. Where
+    the interpreter cannot run (a GPU machine with triton 3.6) the test is skipped: CI runs it,
+    and `torchrun test_mamba_cp.py` checks the same cases on the GPUs."""
+    why = _interpreter_fails_here()
+    if why:
+        pytest.skip(f"gloo ranks need the Triton {mamba_cp.triton.__version__} interpreter, which fails here: {why}")
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_world_entry, args=(r, world, port, fn_name, args, queue), daemon=True)
+             for r in range(world)]
+    # gloo ranks hold CPU tensors, so their kernels run in the interpreter even where CUDA is
+    # present; a spawned process reads the variable when it imports triton
+    before = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        for proc in procs:
+            proc.start()
+    finally:
+        if before is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = before
+    results, deadline = {}, time.monotonic() + timeout
+    try:
+        while len(results) < world:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"world of {world} timed out after {timeout} s; ranks done: {sorted(results)}")
+            try:
+                rank, status, value = queue.get(timeout=min(left, 5.0))
+            except queue_module.Empty:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead and len(results) < world and all(p.exitcode is not None for p in procs):
+                    raise AssertionError(f"ranks exited without a result: {[p.exitcode for p in procs]}")
+                continue
+            results[rank] = (status, value)
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+    return [results[r] for r in range(world)]
+
+
+def world_results(world, fn_name, *args, timeout=600):
+    """spawn_world, failing unless every rank returned: the results, by rank."""
+    per_rank = spawn_world(world, fn_name, *args, timeout=timeout)
+    errors = [v for status, v in per_rank if status != "ok"]
+    assert not errors, errors[0]
+    return [v for _, v in per_rank]
+
+
+def world_verdict(world, fn_name, *args, timeout=600):
+    """world_results of a check whose errors the ranks reduced together: the one verdict, which
+    every rank must have reached."""
+    results = world_results(world, fn_name, *args, timeout=timeout)
+    assert all(r == results[0] for r in results), "ranks reached different verdicts"
+    return results[0]
+
+
+def _cp_verdict(results, bound):
+    failures = {}
+    for case, errs in results.items():
+        for tensor, err in errs.items():
+            if not err <= bound:
+                failures.setdefault(case, {})[tensor] = err
+    return failures
 
 
 # ---------------------------------------------------------------------------------------------
@@ -216,33 +581,6 @@ def test_oracle_process_dt():
 
 
 # ---------------------------------------------------------------- chunked == sequential
-
-def oracle_inputs(gen, b, l, h, g, p, n, *, D=None, z=False, dt_bias=False, init=False,
-                seq_starts=None):
-    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
-    inp = dict(
-        x=r(b, l, h, p),
-        dt=torch.rand(b, l, h, generator=gen, dtype=torch.float64) + 0.01,
-        A=-(torch.rand(h, generator=gen, dtype=torch.float64) + 0.5),
-        B=r(b, l, g, n),
-        C=r(b, l, g, n),
-    )
-    if D == "h":
-        inp["D"] = r(h)
-    elif D == "hp":
-        inp["D"] = r(h, p)
-    if z:
-        inp["z"] = r(b, l, h, p)
-    if dt_bias:
-        inp["dt_bias"] = r(h) * 0.5
-    if init:
-        inp["initial_states"] = r(b, h, p, n)
-    for v in inp.values():
-        v.requires_grad_(True)
-    if seq_starts is not None:
-        inp["seq_idx"] = torch.stack([seq_from_starts(l, s) for s in seq_starts])
-    return inp
-
 
 def check_chunked(inp, chunk_size, gen, **kw):
     y1, s1 = ssd_reference(**inp, **kw)
@@ -371,7 +709,8 @@ def test_oracle_conv1d_ssd():
 
 
 # ---------------------------------------------------------------------------------------------
-# Single-device SSD against the oracle
+# mamba_cp sections 1-4 and 6: the single-device SSD against the oracle, forward and backward
+# (section 2's tuning too)
 # ---------------------------------------------------------------------------------------------
 
 OPTIONS = {
@@ -548,7 +887,7 @@ def test_varlen_states_have_no_backward():
 
 
 # ---------------------------------------------------------------------------------------------
-# Bad input: a ValueError naming the argument
+# mamba_cp section 5: bad input, a ValueError naming the argument
 # ---------------------------------------------------------------------------------------------
 
 def _bad_cases():
@@ -595,281 +934,13 @@ def test_bad_input_raises(case):
 
 
 # ---------------------------------------------------------------------------------------------
-# The causal conv1d with its halo, against causal_conv1d_reference. The reference has no halo:
-# it runs on [halo, xBC] (ids [halo_seq, seq_idx]) and its first d-1 outputs are dropped; the
-# halo's gradient is the gradient w.r.t. those first d-1 rows.
+# mamba_cp sections 7 and 8: layouts and communication. The zigzag permutation's round trip
+# (a case of the fused core's check); the prefix scan over ranks (summary_exchange="scan")
+# alone, on random summaries of every global segment: against the float64 recurrence
+# (forward) and its autograd (backward), and bitwise against the same compositions in the
+# same order in one process. Then the whole fused core with both exchanges, every layout,
+# against the oracle and against each other; and bad calls refused on every rank.
 # ---------------------------------------------------------------------------------------------
-
-def doc_ids(b, l, d, starts):
-    """Ids (b, d-1+l) of [halo, shard]: row i gets a new document at each shard position in
-    starts[i] (negative = inside the halo)."""
-    full = torch.zeros(b, d - 1 + l, dtype=torch.int32)
-    for i, pos in enumerate(starts):
-        for p in pos:
-            if -(d - 1) < p < l:   # a start at the first halo token changes nothing
-                full[i, p + d - 1:] += 1
-    return full
-
-
-def conv_inputs(b, l, dim, d, *, halo, bias, starts, seed=0, strided=False):
-    g = torch.Generator().manual_seed(seed)
-    wide = torch.randn(b, l, dim + 13, generator=g).to(DEVICE)   # slice on the device: .to() would compact it
-    xBC = wide[:, :, 5:5 + dim] if strided else wide[:, :, :dim].contiguous()   # (b, l, dim)
-    inp = dict(
-        xBC=xBC,
-        weight=torch.randn(dim, d, generator=g) * 0.5,
-        bias=torch.randn(dim, generator=g) if bias else None,
-        halo=torch.randn(b, d - 1, dim, generator=g) if halo else None,
-        seq_idx=None, halo_seq=None)
-    if starts is not None:
-        ids = doc_ids(b, l, d, starts)
-        inp["seq_idx"] = ids[:, d - 1:].contiguous()
-        if halo:
-            inp["halo_seq"] = ids[:, :d - 1].contiguous()
-    dout = torch.randn(b, l, dim, generator=g)
-    return {k: (v.to(DEVICE) if v is not None else None) for k, v in inp.items()}, dout.to(DEVICE)
-
-
-def conv_reference(inp, dout):
-    """float64 output and gradients (dxBC, dhalo, dweight, dbias) of sum(out * dout)."""
-    d = inp["weight"].shape[1]
-    x = inp["xBC"].detach().double().requires_grad_()
-    w = inp["weight"].detach().double().requires_grad_()
-    bias = inp["bias"].detach().double().requires_grad_() if inp["bias"] is not None else None
-    seq = inp["seq_idx"]
-    if inp["halo"] is not None:
-        h = inp["halo"].detach().double().requires_grad_()
-        full = torch.cat([h, x], dim=1)                                   # (b, d-1+l, dim)
-        seq_full = torch.cat([inp["halo_seq"], seq], dim=1) if seq is not None else None
-        out = causal_conv1d_reference(full, w, bias, seq_full)[:, d - 1:]
-    else:
-        h = None
-        out = causal_conv1d_reference(x, w, bias, seq)
-    leaves = [t for t in (x, h, w, bias) if t is not None]
-    grads = iter(torch.autograd.grad((out * dout.double()).sum(), leaves))
-    return out, tuple(next(grads) if t is not None else None for t in (x, h, w, bias))
-
-
-def conv_check(inp, dout):
-    out = mamba_cp.conv1d_fwd(**inp)
-    got = mamba_cp.conv1d_bwd(dout, **inp)
-    want_out, want = conv_reference(inp, dout)
-    assert out.dtype == inp["xBC"].dtype and out.is_contiguous()
-    errs = {"out": rel_rms(out, want_out)}
-    for name, g, w in zip(("dxBC", "dhalo", "dweight", "dbias"), got, want):
-        assert (g is None) == (w is None), name
-        if w is not None:
-            assert g.shape == w.shape, name
-            errs[name] = rel_rms(g, w)
-    assert got[0].dtype == inp["xBC"].dtype
-    assert all(e < FP32_BOUND for e in errs.values()), errs
-    return out, got
-
-
-# Document starts per batch row, in shard positions (negative: inside the halo; starts past the
-# shard's end are dropped). "mixed": a start inside the halo, a one-token document at 4, and a
-# start at 1 so that taps straddle it; "mixed2": a start exactly at 0, and starts at 2 and 3 (a
-# one-token document at 2); "one-doc": ids given, a single document everywhere.
-CONV_STARTS = {
-    "none": None,
-    "one-doc": [[], []],
-    "mixed": [[-1, 4, 5], [1]],
-    "mixed2": [[0], [2, 3]],
-}
-
-
-@pytest.mark.parametrize("d", [2, 3, 4])
-@pytest.mark.parametrize("halo", [False, True])
-@pytest.mark.parametrize("l,starts", [(1, "mixed"), (3, "mixed"), (3, "mixed2"), (50, "mixed"),
-                                      (50, "mixed2"), (77, "mixed"), (77, "mixed2")])
-def test_conv_matches_reference(d, l, halo, starts):
-    bias = (d + l + halo + len(starts)) % 2 == 1   # half the cases with bias, spread over the grid
-    inp, dout = conv_inputs(2, l, 40, d, halo=halo, bias=bias, starts=CONV_STARTS[starts], seed=d * 100 + l)
-    conv_check(inp, dout)
-
-
-@pytest.mark.parametrize("d", [2, 3, 4])
-@pytest.mark.parametrize("halo", [False, True])
-def test_conv_without_documents(d, halo):
-    bias = (d + halo) % 2 == 1      # each of halo / no halo seen with and without bias
-    inp, dout = conv_inputs(2, 77, 40, d, halo=halo, bias=bias, starts=None, seed=d)
-    conv_check(inp, dout)
-
-
-@pytest.mark.parametrize("starts", [[[-2], [-1]], [[0], [0]], [[1], [2]], [[3, 4], [1, 2]], [[], []]],
-                         ids=["in-halo", "at-0", "at-1-2", "one-token", "one-doc"])
-def test_conv_document_boundaries(starts):
-    """Each kind of boundary alone, d=4 with a halo: the halo's own ids matter."""
-    inp, dout = conv_inputs(2, 50, 40, 4, halo=True, bias=True, starts=starts, seed=5)
-    conv_check(inp, dout)
-
-
-@pytest.mark.parametrize("d", [2, 4, 8])
-def test_conv_non_contiguous(d):
-    inp, dout = conv_inputs(2, 77, 40, d, halo=True, bias=True, starts=CONV_STARTS["mixed"], strided=True)
-    assert not inp["xBC"].is_contiguous()
-    inp["halo"] = inp["halo"].transpose(1, 2).contiguous().transpose(1, 2)   # channel-strided halo
-    inp["weight"] = inp["weight"].t().contiguous().t()                          # tap-major weight
-    dout = dout.transpose(0, 1).contiguous().transpose(0, 1)
-    inp["seq_idx"] = inp["seq_idx"].long()                                      # int64 ids, int32 halo ids
-    conv_check(inp, dout)
-
-
-def test_conv_small_tiles_many_programs(tuned):
-    """Tiles smaller than the sequence and the channels, several token blocks per backward program:
-    taps cross tile edges, channel masks, partial sums folded across blocks."""
-    tuned(dataclasses.replace(mamba_cp.tuning(), conv_fwd_blocks=(32, 32), conv_bwd_blocks=(32, 32),
-                              conv_bwd_programs=7))     # 3 token x 2 channel blocks x 2 rows -> 2 blocks each
-    inp, dout = conv_inputs(2, 77, 40, 4, halo=True, bias=True, starts=CONV_STARTS["mixed"], seed=3)
-    conv_check(inp, dout)
-
-
-def test_conv_deterministic(tuned):
-    tuned(dataclasses.replace(mamba_cp.tuning(), conv_bwd_programs=1))   # a row's token blocks in one program
-    inp, dout = conv_inputs(2, 77, 40, 4, halo=True, bias=True, starts=CONV_STARTS["mixed"], seed=11)
-    a, b = mamba_cp.conv1d_bwd(dout, **inp), mamba_cp.conv1d_bwd(dout, **inp)
-    for x, y in zip(a, b):
-        assert torch.equal(x, y)
-    assert torch.equal(mamba_cp.conv1d_fwd(**inp), mamba_cp.conv1d_fwd(**inp))
-
-
-def test_conv_need_dhalo_false():
-    inp, dout = conv_inputs(2, 50, 40, 4, halo=True, bias=False, starts=None)
-    dx, dhalo, dw, db = mamba_cp.conv1d_bwd(dout, **inp, need_dhalo=False)
-    assert dhalo is None and db is None
-    _, want = conv_reference(inp, dout)
-    assert rel_rms(dx, want[0]) < FP32_BOUND and rel_rms(dw, want[2]) < FP32_BOUND
-
-
-def test_conv_bad_inputs():
-    inp, dout = conv_inputs(2, 10, 40, 4, halo=True, bias=True, starts=CONV_STARTS["mixed"])
-    bad = [
-        dict(weight=inp["weight"][:, :1]),                        # d_conv 1
-        dict(weight=inp["weight"][:30]),                          # wrong dim
-        dict(halo=inp["halo"][:, :2]),                            # halo not d-1 rows
-        dict(halo_seq=None),                                      # halo + seq_idx need halo_seq
-        dict(seq_idx=inp["seq_idx"].float()),                     # ids must be integers
-        dict(seq_idx=None),                                       # halo_seq without seq_idx
-        dict(xBC=inp["xBC"][0]),                                  # 2 dims
-        dict(bias=inp["bias"][:5]),
-    ]
-    for change in bad:
-        with pytest.raises(ValueError, match=r"^\w+: got .*, expected "):
-            mamba_cp.conv1d_fwd(**{**inp, **change})
-    with pytest.raises(ValueError, match="dout: got"):
-        mamba_cp.conv1d_bwd(dout[:, :5], **inp)
-
-
-# ---------------------------------------------------------------------------------------------
-# Context parallelism, rank by rank against the oracle on the full sequence
-#
-# Every rank builds the full inputs from one seeded generator, runs the float64 oracle on the
-# whole sequence, and compares its local output shard, its local input gradients, and the
-# parameter gradients summed over the group. All errors are evaluated first, then one
-# all_reduce(MAX) gives every rank the same verdict. The same checks run under pytest (gloo
-# processes spawned here, each world with a timeout) and under torchrun (see the bottom).
-# ---------------------------------------------------------------------------------------------
-
-CP_SMALL = dict(batch=2, nheads=4, headdim=8, ngroups=2, dstate=8, d_conv=4, chunk=16, piece=37)
-
-
-def cp_inputs(seed, world, *, batch, nheads, headdim, ngroups, dstate, d_conv, chunk, piece, D="hp",
-              init=True, seq=None, dt_limit=(0.0, float("inf")), dtype=torch.float32, device="cpu",
-              growth=False, **_):
-    """Full-sequence inputs of the fused core (L = 2 * W * piece tokens), the same on every rank.
-    seq: None or a list of document start positions in the global sequence. growth: A > 0, scaled
-    so that the state grows by about e^8 over the whole sequence, whatever its length."""
-    g = torch.Generator().manual_seed(seed)
-    L = 2 * world * piece
-    conv_dim = nheads * headdim + 2 * ngroups * dstate
-
-    def rnd(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g) * scale).to(device)
-
-    full = dict(
-        xBC=rnd(batch, L, conv_dim).to(dtype),
-        dt=rnd(batch, L, nheads, scale=0.5) - 1.0,
-        conv_weight=rnd(conv_dim, d_conv, scale=0.5),
-        conv_bias=rnd(conv_dim, scale=0.2),
-        dt_bias=rnd(nheads, scale=0.3),
-        A=-torch.exp(torch.rand(nheads, generator=g) * 1.5 - 1.0).to(device),
-        D=None if D is None else (rnd(nheads) if D == "h" else rnd(nheads, headdim)),
-        initial_states=rnd(batch, nheads, headdim, dstate) if init else None,
-        seq_idx=None,
-    )
-    if growth:
-        full["A"] = (torch.rand(nheads, generator=g) * 0.5 + 0.75).to(device) * 20.0 / L
-    if seq is not None:
-        full["seq_idx"] = seq_from_starts(L, seq).expand(batch, L).contiguous().to(device)
-    opts = dict(chunk_size=chunk, headdim=headdim, ngroups=ngroups, dt_limit=dt_limit)
-    return full, opts
-
-
-CP_PARAMS = ("conv_weight", "conv_bias", "dt_bias", "A", "D", "initial_states")
-CP_ACTIVATIONS = ("xBC", "dt")
-
-
-def cp_case_errors(case, rank, world, group, device, keep=None):
-    """Relative RMS errors of one CP case on this rank, against the oracle on the full sequence.
-    keep: a dict that receives this rank's results (y, final_states and the gradients)."""
-    full, opts = cp_inputs(case.get("seed", 0), world, device=device, **{k: v for k, v in case.items() if k != "seed"})
-    layout, path = case["layout"], case.get("path", "cp")
-    fn = mamba_cp.mamba_conv1d_ssd_cp if path == "cp" else mamba_cp.mamba_conv1d_ssd_a2a
-    exchange = dict(summary_exchange=case["exchange"]) if "exchange" in case else {}
-    wg = torch.Generator().manual_seed(99)
-    b, L = full["xBC"].shape[:2]
-    h, p, n = case["nheads"], case["headdim"], case["dstate"]
-    wy_full = torch.randn(b, L, h, p, generator=wg).to(device)
-    wf_all = torch.randn(world, b, h, p, n, generator=wg).to(device)               # one per rank's copy
-
-    # the oracle, float64, on the full sequence
-    leaves = {k: v.detach().clone().requires_grad_(True) for k, v in full.items()
-              if v is not None and v.is_floating_point()}
-    ref_kw = {k: leaves.get(k, full[k]) for k in full}
-    y_ref, f_ref = ref.conv1d_ssd_reference(
-        ref_kw["xBC"], ref_kw["dt"], ref_kw["conv_weight"], ref_kw["conv_bias"], ref_kw["dt_bias"],
-        ref_kw["A"], ref_kw["D"], headdim=opts["headdim"], ngroups=opts["ngroups"], seq_idx=full["seq_idx"],
-        initial_states=ref_kw["initial_states"], dt_limit=opts["dt_limit"],
-        chunked=device != "cpu", chunk_size=64,                  # the loop is too slow at GPU shapes
-        activation=case.get("activation", "silu"))
-    loss = (y_ref * wy_full.double()).sum() + (f_ref * wf_all.sum(0).double()).sum()
-    g_ref = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
-
-    # this rank
-    local = {k: (mamba_cp.shard(v, rank, world, layout) if k in CP_ACTIVATIONS + ("seq_idx",) and v is not None
-                 else v) for k, v in full.items()}
-    mine = {k: v.detach().clone().requires_grad_(True) for k, v in local.items()
-            if v is not None and v.is_floating_point()}
-    kw = {k: mine.get(k, local[k]) for k in local}
-    y, f = fn(kw["xBC"], kw["dt"], kw["conv_weight"], kw["conv_bias"], kw["dt_bias"], kw["A"], kw["D"],
-              opts["chunk_size"], headdim=opts["headdim"], ngroups=opts["ngroups"], cp_group=group,
-              load_balancing=layout, seq_idx=kw["seq_idx"], initial_states=kw["initial_states"],
-              dt_limit=opts["dt_limit"], return_final_states=True, activation=case.get("activation", "silu"),
-              **exchange)
-    wy = mamba_cp.shard(wy_full, rank, world, layout)
-    grads = dict(zip(mine, torch.autograd.grad((y.float() * wy).sum() + (f * wf_all[rank]).sum(),
-                                               list(mine.values()))))
-    if keep is not None:
-        keep.update(y=y, final_states=f, **{"d" + k: v for k, v in grads.items()})
-    return shard_errors({"y": (y, y_ref)}, (f, f_ref), grads, g_ref, CP_ACTIVATIONS, rank, world, group, layout)
-
-
-def shard_errors(outputs, final, grads, g_ref, per_token, rank, world, group, layout):
-    """Relative RMS errors of this rank: its shard of each output and of each per-token input's
-    gradient, the final state, and the parameter gradients summed over the group (each rank
-    holds its contribution)."""
-    errs = {k: rel_rms(got, mamba_cp.shard(want.detach(), rank, world, layout)) for k, (got, want) in outputs.items()}
-    errs["final_states"] = rel_rms(final[0], final[1].detach())
-    for k, gk in grads.items():
-        if k in per_token:
-            errs["d" + k] = rel_rms(gk, mamba_cp.shard(g_ref[k], rank, world, layout))
-        else:
-            total = gk.detach().clone().float()
-            if world > 1:
-                dist.all_reduce(total, group=group)
-            errs["d" + k] = rel_rms(total, g_ref[k])
-    return errs
-
 
 def cp_round_trip_errors(rank, world, group, device):
     """zigzag -> contiguous -> zigzag must be bitwise exact, forward and backward, both backends."""
@@ -886,199 +957,6 @@ def cp_round_trip_errors(rank, world, group, device):
         errs[f"{backend} backward"] = 0.0 if torch.equal(g, full[:1, :x.shape[1]].expand_as(g)) else float("inf")
     return errs
 
-
-def cp_cases(world, gpu=False):
-    """The CP checks for a world of W ranks: every layout with every option (documents that
-    cross rank boundaries, initial and final states, dt_limit, ragged lengths), plain runs, and
-    the all-to-all baseline."""
-    base = dict(CP_SMALL) if not gpu else dict(batch=1, nheads=64, headdim=64, ngroups=8, dstate=128, d_conv=4,
-                                               chunk=128, piece=1000, dtype=torch.bfloat16)
-    piece = base["piece"]
-    # document starts: exactly at a segment boundary (piece), many short documents inside the
-    # first piece, one document spanning three pieces (from piece + 5 to past 3 * piece)
-    docs = [3, 9, 10, piece, piece + 5, 4 * piece + 7] if world > 1 else [3, 9, 10, piece, piece + 5]
-    cases = []
-    for layout in mamba_cp.LAYOUTS:
-        if not gpu:  # on GPUs every case compiles its own kernel variants: keep to the full ones
-            cases.append(dict(base, name=f"{layout} plain", layout=layout, D="h", init=False))
-        cases.append(dict(base, name=f"{layout} all options", layout=layout, seq=docs,
-                          dt_limit=(0.05, 2.0), seed=1))
-        if base["nheads"] % world == 0:
-            cases.append(dict(base, name=f"a2a {layout}", layout=layout, path="a2a", seq=docs, seed=2))
-    # growth (A > 0): exponents of positive sign through the summaries and the scan
-    cases.append(dict(base, name="virtual growth", layout="virtual", seq=docs, growth=True, seed=4))
-    if not gpu:  # the conv without its SiLU (activation=None)
-        cases.append(dict(base, name="none, conv without activation", layout="none", seq=docs, activation=None,
-                          seed=5))
-    if world == 3 and not gpu:  # 2 heads per rank straddle the 3-head groups: per-head group copies
-        cases.append(dict(base, name="a2a none, heads straddle groups", layout="none", path="a2a",
-                          nheads=6, ngroups=2, seed=3))
-    return cases
-
-
-def cp_world_check(rank, world, group, device, gpu=False, report=None):
-    """Run every CP case on this rank; returns {case: {tensor: error}} with errors already
-    reduced (MAX) over the group, so every rank reaches the same verdict."""
-    results = {}
-    for case in cp_cases(world, gpu):
-        try:
-            errs = cp_case_errors(case, rank, world, group, device)
-        except Exception as e:  # noqa: BLE001 - a failure on one rank must still reach the reduction
-            errs = {"exception: " + repr(e)[:200]: float("inf")}
-        results[case["name"]] = errs
-    results["zigzag round trip"] = cp_round_trip_errors(rank, world, group, device)
-    return errors_everywhere(results, world, group, device)
-
-
-def errors_everywhere(results, world, group, device):
-    """{case: {tensor: error}} with every error replaced by its MAX over the group, so every
-    rank reaches the same verdict (a rank whose entries differ, an exception's, keeps its own)."""
-    names = sorted((c, t) for c, errs in results.items() for t in errs)
-    vec = torch.tensor([results[c][t] for c, t in names], dtype=torch.float64, device=device)
-    if world > 1:
-        # exceptions differ across ranks: agree on the number of entries first
-        count = torch.tensor([len(names)], device=device)
-        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
-        if count.item() == len(names):
-            dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
-    for (c, t), v in zip(names, vec.tolist()):
-        results[c][t] = v
-    return results
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _world_entry(rank, world, port, fn_name, args, queue):
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=120))
-        result = globals()[fn_name](rank, world, dist.group.WORLD, "cpu", *args)
-        queue.put((rank, "ok", result))
-    except BaseException:  # noqa: BLE001 - report anything, including a hang's timeout error
-        queue.put((rank, "error", traceback.format_exc()[-3000:]))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-_INTERPRETER_PROBE = """
-import torch, mamba_cp
-assert mamba_cp.INTERPRET
-x = torch.randn(1, 40, 2, 8)
-y = mamba_cp.mamba_chunk_scan_combined(x, torch.rand(1, 40, 2) * 0.1, -torch.rand(2),
-                                       torch.randn(1, 40, 1, 8), torch.randn(1, 40, 1, 8), 16)
-assert torch.isfinite(y).all()
-"""
-
-
-@functools.lru_cache(maxsize=None)
-def _interpreter_fails_here():
-    """Why the Triton interpreter cannot run our kernels in this environment, or '' if it can.
-    The gloo ranks hold CPU tensors, so they need it even on a machine with CUDA; some releases'
-    interpreters (triton 3.6) reject a loop bound that is a kernel argument."""
-    if not CUDA:
-        return ""  # this process already runs the kernels in the interpreter
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    run = subprocess.run([sys.executable, "-c", _INTERPRETER_PROBE], env=env, capture_output=True, text=True,
-                         timeout=300, cwd=os.path.dirname(os.path.abspath(__file__)))
-    return "" if run.returncode == 0 else (run.stderr.strip().splitlines() or ["no output"])[-1]
-
-
-def spawn_world(world, fn_name, *args, timeout=600):
-    """Run globals()[fn_name](rank, world, group, 'cpu', *args) on W gloo processes; returns
-    the results by rank. A world that does not finish within `timeout` seconds fails. Where
-    the interpreter cannot run (a GPU machine with triton 3.6) the test is skipped: CI runs it,
-    and `torchrun test_mamba_cp.py` checks the same cases on the GPUs."""
-    why = _interpreter_fails_here()
-    if why:
-        pytest.skip(f"gloo ranks need the Triton {mamba_cp.triton.__version__} interpreter, which fails here: {why}")
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_world_entry, args=(r, world, port, fn_name, args, queue), daemon=True)
-             for r in range(world)]
-    # gloo ranks hold CPU tensors, so their kernels run in the interpreter even where CUDA is
-    # present; a spawned process reads the variable when it imports triton
-    before = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        for proc in procs:
-            proc.start()
-    finally:
-        if before is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = before
-    results, deadline = {}, time.monotonic() + timeout
-    try:
-        while len(results) < world:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise AssertionError(f"world of {world} timed out after {timeout} s; ranks done: {sorted(results)}")
-            try:
-                rank, status, value = queue.get(timeout=min(left, 5.0))
-            except queue_module.Empty:
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
-                if dead and len(results) < world and all(p.exitcode is not None for p in procs):
-                    raise AssertionError(f"ranks exited without a result: {[p.exitcode for p in procs]}")
-                continue
-            results[rank] = (status, value)
-    finally:
-        for proc in procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
-    return [results[r] for r in range(world)]
-
-
-def world_results(world, fn_name, *args, timeout=600):
-    """spawn_world, failing unless every rank returned: the results, by rank."""
-    per_rank = spawn_world(world, fn_name, *args, timeout=timeout)
-    errors = [v for status, v in per_rank if status != "ok"]
-    assert not errors, errors[0]
-    return [v for _, v in per_rank]
-
-
-def world_verdict(world, fn_name, *args, timeout=600):
-    """world_results of a check whose errors the ranks reduced together: the one verdict, which
-    every rank must have reached."""
-    results = world_results(world, fn_name, *args, timeout=timeout)
-    assert all(r == results[0] for r in results), "ranks reached different verdicts"
-    return results[0]
-
-
-def _cp_verdict(results, bound):
-    failures = {}
-    for case, errs in results.items():
-        for tensor, err in errs.items():
-            if not err <= bound:
-                failures.setdefault(case, {})[tensor] = err
-    return failures
-
-
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_cp_against_oracle(world):
-    """Every layout, the baseline, documents across rank boundaries, initial and final states,
-    ragged lengths, and the zigzag round trip, for W ranks on gloo."""
-    verdict = world_verdict(world, "cp_world_check")
-    worst = {}
-    for case, errs in verdict.items():
-        for tensor, err in errs.items():
-            worst[tensor] = max(worst.get(tensor, 0.0), err)
-    failures = _cp_verdict(verdict, FP32_BOUND)
-    assert not failures, f"relative RMS above {FP32_BOUND:g}: {failures}"
-    print(f"W={world}: largest relative RMS per tensor: {worst}")
-
-
-# ---------------------------------------------------------------- the two summary exchanges
-# The prefix scan over ranks (summary_exchange="scan") alone, on random summaries of every
-# global segment: against the float64 recurrence (forward) and its autograd (backward), and
-# bitwise against the same compositions in the same order in one process. Then the whole
-# fused core with both exchanges, every layout, against the oracle and against each other.
 
 def random_summaries(world, layout, seed=7, batch=2, h=3, p=4, n=5):
     """Every global segment's (a, S_ext, first id, last id), initial state, G, and one dfinal
@@ -1289,74 +1167,211 @@ def test_cp_bad_input_raises_on_every_rank():
 
 
 # ---------------------------------------------------------------------------------------------
-# mamba_split_conv1d_scan_combined: zxbcdt = [z0 | x0 | z | xBC | dt] in, the gated (or gated-
-# RMSNorm'd, optionally out-projected) output out, against the float64 oracle on the whole
-# sequence, rank by rank.
+# mamba_cp section 9: the causal conv1d with its halo, against causal_conv1d_reference. The
+# reference has no halo: it runs on [halo, xBC] (ids [halo_seq, seq_idx]) and its first d-1
+# outputs are dropped; the halo's gradient is the gradient w.r.t. those first d-1 rows.
 # ---------------------------------------------------------------------------------------------
 
-SPLIT_SMALL = dict(batch=2, nheads=4, headdim=8, ngroups=2, dstate=8, d_conv=4, chunk=16, piece=19)
-SPLIT_LEAVES = ("zxbcdt", "conv1d_weight", "conv1d_bias", "dt_bias", "A", "D", "initial_states", "rmsnorm_weight",
-                "outproj_weight", "outproj_bias")
+def conv_reference(inp, dout):
+    """float64 output and gradients (dxBC, dhalo, dweight, dbias) of sum(out * dout)."""
+    d = inp["weight"].shape[1]
+    x = inp["xBC"].detach().double().requires_grad_()
+    w = inp["weight"].detach().double().requires_grad_()
+    bias = inp["bias"].detach().double().requires_grad_() if inp["bias"] is not None else None
+    seq = inp["seq_idx"]
+    if inp["halo"] is not None:
+        h = inp["halo"].detach().double().requires_grad_()
+        full = torch.cat([h, x], dim=1)                                   # (b, d-1+l, dim)
+        seq_full = torch.cat([inp["halo_seq"], seq], dim=1) if seq is not None else None
+        out = causal_conv1d_reference(full, w, bias, seq_full)[:, d - 1:]
+    else:
+        h = None
+        out = causal_conv1d_reference(x, w, bias, seq)
+    leaves = [t for t in (x, h, w, bias) if t is not None]
+    grads = iter(torch.autograd.grad((out * dout.double()).sum(), leaves))
+    return out, tuple(next(grads) if t is not None else None for t in (x, h, w, bias))
 
 
-def split_inputs(seed, world, *, batch, nheads, headdim, ngroups, dstate, d_conv, chunk, piece, d_nonssm=3,
-                 activation="silu", norm=False, norm_before_gate=True, D="hp", outproj=None, init=True, seq=None,
-                 dt_limit=(0.0, float("inf")), dtype=torch.float32, device="cpu", **_):
-    """Full-sequence inputs (L = 2 * W * piece tokens) and options of one call. outproj: None,
-    "weight" or "bias"; seq: None or global document starts."""
-    g = torch.Generator().manual_seed(seed)
-    L, dim = 2 * world * piece, nheads * headdim
-    conv_dim = dim + 2 * ngroups * dstate
-
-    def rnd(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g) * scale).to(device)
-
-    zxbcdt = rnd(batch, L, 2 * d_nonssm + dim + conv_dim + nheads)
-    zxbcdt[..., -nheads:] = zxbcdt[..., -nheads:] * 0.5 - 1.0                      # raw dt
-    full = dict(zxbcdt=zxbcdt.to(dtype), conv1d_weight=rnd(conv_dim, d_conv, scale=0.5),
-                conv1d_bias=rnd(conv_dim, scale=0.2), dt_bias=rnd(nheads, scale=0.3),
-                A=-torch.exp(torch.rand(nheads, generator=g) * 1.5 - 1.0).to(device),
-                D=rnd(nheads, headdim) if D == "hp" else rnd(nheads),
-                initial_states=rnd(batch, nheads, headdim, dstate) if init else None,
-                rmsnorm_weight=rnd(dim, scale=0.5) + 1.0 if norm else None,
-                outproj_weight=rnd(5, d_nonssm + dim, scale=0.2) if outproj else None,
-                outproj_bias=rnd(5) if outproj == "bias" else None, seq_idx=None)
-    if seq is not None:
-        full["seq_idx"] = seq_from_starts(L, seq).expand(batch, L).contiguous().to(device)
-    opts = dict(chunk_size=chunk, headdim=None if D == "hp" else headdim, ngroups=ngroups, dt_limit=dt_limit,
-                activation=activation, norm_before_gate=norm_before_gate)
-    return full, opts
+def conv_check(inp, dout):
+    out = mamba_cp.conv1d_fwd(**inp)
+    got = mamba_cp.conv1d_bwd(dout, **inp)
+    want_out, want = conv_reference(inp, dout)
+    assert out.dtype == inp["xBC"].dtype and out.is_contiguous()
+    errs = {"out": rel_rms(out, want_out)}
+    for name, g, w in zip(("dxBC", "dhalo", "dweight", "dbias"), got, want):
+        assert (g is None) == (w is None), name
+        if w is not None:
+            assert g.shape == w.shape, name
+            errs[name] = rel_rms(g, w)
+    assert got[0].dtype == inp["xBC"].dtype
+    assert all(e < FP32_BOUND for e in errs.values()), errs
+    return out, got
 
 
-def split_case_errors(case, rank, world, group, device):
-    """Relative RMS errors of one mamba_split_conv1d_scan_combined case on this rank."""
-    full, opts = split_inputs(case.get("seed", 0), world, device=device, **{k: v for k, v in case.items() if k != "seed"})
-    layout = case["layout"]
-    per_token = ("zxbcdt", "seq_idx")
-    wg = torch.Generator().manual_seed(98)
-    leaves = {k: full[k].detach().clone().requires_grad_(True) for k in SPLIT_LEAVES if full[k] is not None}
-    ref_kw = {k: leaves.get(k, full[k]) for k in full}
-    p = opts["headdim"] or full["D"].shape[1]
-    out_ref, f_ref = ref.split_conv1d_scan_reference(
-        **{k: v for k, v in ref_kw.items() if k not in ("seq_idx",)}, seq_idx=full["seq_idx"], headdim=p,
-        ngroups=opts["ngroups"], dt_limit=opts["dt_limit"], activation=opts["activation"],
-        norm_before_gate=opts["norm_before_gate"], chunked=device != "cpu", chunk_size=64)
-    w_full = torch.randn(out_ref.shape, generator=wg).to(device)
-    wf_all = torch.randn(world, *f_ref.shape, generator=wg).to(device)
-    g_ref = dict(zip(leaves, torch.autograd.grad((out_ref * w_full.double()).sum()
-                                                 + (f_ref * wf_all.sum(0).double()).sum(), list(leaves.values()))))
+# Document starts per batch row, in shard positions (negative: inside the halo; starts past the
+# shard's end are dropped). "mixed": a start inside the halo, a one-token document at 4, and a
+# start at 1 so that taps straddle it; "mixed2": a start exactly at 0, and starts at 2 and 3 (a
+# one-token document at 2); "one-doc": ids given, a single document everywhere.
+CONV_STARTS = {
+    "none": None,
+    "one-doc": [[], []],
+    "mixed": [[-1, 4, 5], [1]],
+    "mixed2": [[0], [2, 3]],
+}
 
-    local = {k: mamba_cp.shard(v, rank, world, layout) if k in per_token and v is not None else v
-             for k, v in full.items()}
-    mine = {k: local[k].detach().clone().requires_grad_(True) for k in leaves}
-    out, f = mamba_cp.mamba_split_conv1d_scan_combined(
-        **{**local, **mine}, **opts, return_final_states=True, cp_group=group, load_balancing=layout,
-        summary_exchange=case.get("exchange", "auto"))
-    w = mamba_cp.shard(w_full, rank, world, layout)
-    grads = dict(zip(mine, torch.autograd.grad((out.float() * w).sum() + (f * wf_all[rank]).sum(),
-                                               list(mine.values()))))
-    return shard_errors({"out": (out, out_ref)}, (f, f_ref), grads, g_ref, per_token, rank, world, group, layout)
 
+@pytest.mark.parametrize("d", [2, 3, 4])
+@pytest.mark.parametrize("halo", [False, True])
+@pytest.mark.parametrize("l,starts", [(1, "mixed"), (3, "mixed"), (3, "mixed2"), (50, "mixed"),
+                                      (50, "mixed2"), (77, "mixed"), (77, "mixed2")])
+def test_conv_matches_reference(d, l, halo, starts):
+    bias = (d + l + halo + len(starts)) % 2 == 1   # half the cases with bias, spread over the grid
+    inp, dout = conv_inputs(2, l, 40, d, halo=halo, bias=bias, starts=CONV_STARTS[starts], seed=d * 100 + l)
+    conv_check(inp, dout)
+
+
+@pytest.mark.parametrize("d", [2, 3, 4])
+@pytest.mark.parametrize("halo", [False, True])
+def test_conv_without_documents(d, halo):
+    bias = (d + halo) % 2 == 1      # each of halo / no halo seen with and without bias
+    inp, dout = conv_inputs(2, 77, 40, d, halo=halo, bias=bias, starts=None, seed=d)
+    conv_check(inp, dout)
+
+
+@pytest.mark.parametrize("starts", [[[-2], [-1]], [[0], [0]], [[1], [2]], [[3, 4], [1, 2]], [[], []]],
+                         ids=["in-halo", "at-0", "at-1-2", "one-token", "one-doc"])
+def test_conv_document_boundaries(starts):
+    """Each kind of boundary alone, d=4 with a halo: the halo's own ids matter."""
+    inp, dout = conv_inputs(2, 50, 40, 4, halo=True, bias=True, starts=starts, seed=5)
+    conv_check(inp, dout)
+
+
+@pytest.mark.parametrize("d", [2, 4, 8])
+def test_conv_non_contiguous(d):
+    inp, dout = conv_inputs(2, 77, 40, d, halo=True, bias=True, starts=CONV_STARTS["mixed"], strided=True)
+    assert not inp["xBC"].is_contiguous()
+    inp["halo"] = inp["halo"].transpose(1, 2).contiguous().transpose(1, 2)   # channel-strided halo
+    inp["weight"] = inp["weight"].t().contiguous().t()                          # tap-major weight
+    dout = dout.transpose(0, 1).contiguous().transpose(0, 1)
+    inp["seq_idx"] = inp["seq_idx"].long()                                      # int64 ids, int32 halo ids
+    conv_check(inp, dout)
+
+
+def test_conv_small_tiles_many_programs(tuned):
+    """Tiles smaller than the sequence and the channels, several token blocks per backward program:
+    taps cross tile edges, channel masks, partial sums folded across blocks."""
+    tuned(dataclasses.replace(mamba_cp.tuning(), conv_fwd_blocks=(32, 32), conv_bwd_blocks=(32, 32),
+                              conv_bwd_programs=7))     # 3 token x 2 channel blocks x 2 rows -> 2 blocks each
+    inp, dout = conv_inputs(2, 77, 40, 4, halo=True, bias=True, starts=CONV_STARTS["mixed"], seed=3)
+    conv_check(inp, dout)
+
+
+def test_conv_deterministic(tuned):
+    tuned(dataclasses.replace(mamba_cp.tuning(), conv_bwd_programs=1))   # a row's token blocks in one program
+    inp, dout = conv_inputs(2, 77, 40, 4, halo=True, bias=True, starts=CONV_STARTS["mixed"], seed=11)
+    a, b = mamba_cp.conv1d_bwd(dout, **inp), mamba_cp.conv1d_bwd(dout, **inp)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+    assert torch.equal(mamba_cp.conv1d_fwd(**inp), mamba_cp.conv1d_fwd(**inp))
+
+
+def test_conv_need_dhalo_false():
+    inp, dout = conv_inputs(2, 50, 40, 4, halo=True, bias=False, starts=None)
+    dx, dhalo, dw, db = mamba_cp.conv1d_bwd(dout, **inp, need_dhalo=False)
+    assert dhalo is None and db is None
+    _, want = conv_reference(inp, dout)
+    assert rel_rms(dx, want[0]) < FP32_BOUND and rel_rms(dw, want[2]) < FP32_BOUND
+
+
+def test_conv_bad_inputs():
+    inp, dout = conv_inputs(2, 10, 40, 4, halo=True, bias=True, starts=CONV_STARTS["mixed"])
+    bad = [
+        dict(weight=inp["weight"][:, :1]),                        # d_conv 1
+        dict(weight=inp["weight"][:30]),                          # wrong dim
+        dict(halo=inp["halo"][:, :2]),                            # halo not d-1 rows
+        dict(halo_seq=None),                                      # halo + seq_idx need halo_seq
+        dict(seq_idx=inp["seq_idx"].float()),                     # ids must be integers
+        dict(seq_idx=None),                                       # halo_seq without seq_idx
+        dict(xBC=inp["xBC"][0]),                                  # 2 dims
+        dict(bias=inp["bias"][:5]),
+    ]
+    for change in bad:
+        with pytest.raises(ValueError, match=r"^\w+: got .*, expected "):
+            mamba_cp.conv1d_fwd(**{**inp, **change})
+    with pytest.raises(ValueError, match="dout: got"):
+        mamba_cp.conv1d_bwd(dout[:, :5], **inp)
+
+
+# ---------------------------------------------------------------------------------------------
+# mamba_cp sections 10 and 12: the fused conv1d + SSD with context parallelism, and the
+# all-to-all baseline, rank by rank against the oracle on the full sequence. Every rank builds
+# the full inputs from one seed, runs the float64 oracle on the whole sequence, and compares
+# its local output shard, its local input gradients, and the parameter gradients summed over
+# the group.
+# ---------------------------------------------------------------------------------------------
+
+def cp_cases(world, gpu=False):
+    """The CP checks for a world of W ranks: every layout with every option (documents that
+    cross rank boundaries, initial and final states, dt_limit, ragged lengths), plain runs, and
+    the all-to-all baseline."""
+    base = dict(CP_SMALL) if not gpu else dict(batch=1, nheads=64, headdim=64, ngroups=8, dstate=128, d_conv=4,
+                                               chunk=128, piece=1000, dtype=torch.bfloat16)
+    piece = base["piece"]
+    # document starts: exactly at a segment boundary (piece), many short documents inside the
+    # first piece, one document spanning three pieces (from piece + 5 to past 3 * piece)
+    docs = [3, 9, 10, piece, piece + 5, 4 * piece + 7] if world > 1 else [3, 9, 10, piece, piece + 5]
+    cases = []
+    for layout in mamba_cp.LAYOUTS:
+        if not gpu:  # on GPUs every case compiles its own kernel variants: keep to the full ones
+            cases.append(dict(base, name=f"{layout} plain", layout=layout, D="h", init=False))
+        cases.append(dict(base, name=f"{layout} all options", layout=layout, seq=docs,
+                          dt_limit=(0.05, 2.0), seed=1))
+        if base["nheads"] % world == 0:
+            cases.append(dict(base, name=f"a2a {layout}", layout=layout, path="a2a", seq=docs, seed=2))
+    # growth (A > 0): exponents of positive sign through the summaries and the scan
+    cases.append(dict(base, name="virtual growth", layout="virtual", seq=docs, growth=True, seed=4))
+    if not gpu:  # the conv without its SiLU (activation=None)
+        cases.append(dict(base, name="none, conv without activation", layout="none", seq=docs, activation=None,
+                          seed=5))
+    if world == 3 and not gpu:  # 2 heads per rank straddle the 3-head groups: per-head group copies
+        cases.append(dict(base, name="a2a none, heads straddle groups", layout="none", path="a2a",
+                          nheads=6, ngroups=2, seed=3))
+    return cases
+
+
+def cp_world_check(rank, world, group, device, gpu=False, report=None):
+    """Run every CP case on this rank; returns {case: {tensor: error}} with errors already
+    reduced (MAX) over the group, so every rank reaches the same verdict."""
+    results = {}
+    for case in cp_cases(world, gpu):
+        try:
+            errs = cp_case_errors(case, rank, world, group, device)
+        except Exception as e:  # noqa: BLE001 - a failure on one rank must still reach the reduction
+            errs = {"exception: " + repr(e)[:200]: float("inf")}
+        results[case["name"]] = errs
+    results["zigzag round trip"] = cp_round_trip_errors(rank, world, group, device)
+    return errors_everywhere(results, world, group, device)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_cp_against_oracle(world):
+    """Every layout, the baseline, documents across rank boundaries, initial and final states,
+    ragged lengths, and the zigzag round trip, for W ranks on gloo."""
+    verdict = world_verdict(world, "cp_world_check")
+    worst = {}
+    for case, errs in verdict.items():
+        for tensor, err in errs.items():
+            worst[tensor] = max(worst.get(tensor, 0.0), err)
+    failures = _cp_verdict(verdict, FP32_BOUND)
+    assert not failures, f"relative RMS above {FP32_BOUND:g}: {failures}"
+    print(f"W={world}: largest relative RMS per tensor: {worst}")
+
+
+# ---------------------------------------------------------------------------------------------
+# mamba_cp section 11: mamba_split_conv1d_scan_combined. zxbcdt = [z0 | x0 | z | xBC | dt] in,
+# the gated (or gated-RMSNorm'd, optionally out-projected) output out, against the float64
+# oracle on the whole sequence, rank by rank.
+# ---------------------------------------------------------------------------------------------
 
 SPLIT_OPTIONS = {
     "gate": dict(),
@@ -1670,149 +1685,6 @@ def test_mixer_loss_parity():
 
 
 # ---------------------------------------------------------------------------------------------
-# GPU only: bf16 at the record shape, and 2^20 tokens in one call
-# ---------------------------------------------------------------------------------------------
-
-RECORD = dict(nheads=64, headdim=64, ngroups=8, dstate=128, chunk=128)
-
-
-@gpu
-@pytest.mark.parametrize("opts", [dict(), OPTIONS["all"], dict(OPTIONS["all"], state_dtype=torch.float32),
-                                  dict(growth=0.02, D="hp", z=True, initial_states=True, seq_idx=[16, 40, 41])],
-                         ids=["plain", "all", "all_fp32_states", "growth"])
-def test_bf16_record_shape(opts):
-    """bf16 kernels against the oracle fed the same bf16-rounded values (chunked float64 form)."""
-    opts = dict(opts)
-    state_dtype = opts.pop("state_dtype", None)
-    inputs = dict(make_inputs(9, batch=2, seqlen=1000, **RECORD, dtype=torch.bfloat16, **opts), state_dtype=state_dtype)
-    oracle_inputs = {k: (v.float() if isinstance(v, torch.Tensor) and v.dtype == torch.bfloat16 else v)
-                     for k, v in inputs.items()}
-    assert_close(run_both(inputs, oracle_inputs, chunked=True), BF16_BOUND)
-
-
-@gpu
-def test_varlen_states_bf16_record_shape():
-    """Documents of 1, 127, 129 and 743 tokens (one ending at a kernel-chunk boundary, 128)."""
-    cu = torch.tensor([0, 1, 128, 257, 1000], dtype=torch.int32)
-    inputs = make_inputs(19, batch=1, seqlen=1000, **RECORD, dtype=torch.bfloat16, seq_idx=cu[1:-1].tolist(),
-                         initial_states=True, dt_bias=True, dt_softplus=True)
-    _, states = mamba_cp.mamba_chunk_scan_combined(**inputs, cu_seqlens=cu.cuda(), return_varlen_states=True)
-    oracle = {k: (v.float() if isinstance(v, torch.Tensor) and v.dtype == torch.bfloat16 else v)
-              for k, v in inputs.items()}
-    assert_close({"varlen_states": (states, document_end_oracle(oracle, cu))}, BF16_BOUND)
-
-
-@gpu
-def test_split_conv1d_scan_bf16_record_shape():
-    """The fused entry in a world of one, bf16 at the shape of record, every option."""
-    case = dict(SPLIT_RECORD, layout="none", seed=4, norm=True, outproj="bias", seq=[3, 700], dt_limit=(0.05, 2.0))
-    errs = split_case_errors(case, 0, 1, None, "cuda")
-    print(errs)
-    assert all(e <= BF16_BOUND for e in errs.values()), errs
-
-
-def _peer_split():
-    """mamba_ssm's own mamba_split_conv1d_scan_combined where it can be imported (../shared/peer
-    lays it out in .peer/, with causal_conv1d's CUDA conv built into .peer/lib), else None."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    for path in (os.path.join(here, ".peer"), os.path.join(here, ".peer", "lib")):
-        if os.path.isdir(path) and path not in sys.path:
-            sys.path.append(path)
-    try:
-        from mamba_ssm.ops.triton.ssd_combined import mamba_split_conv1d_scan_combined as peer
-        import causal_conv1d_cuda  # noqa: F401 - the peer's conv; without it the peer cannot run
-    except ImportError:
-        return None
-    return peer
-
-
-@gpu
-@pytest.mark.parametrize("norm", [False, True], ids=["gate", "rmsnorm"])
-def test_split_conv1d_scan_matches_mamba_ssm(norm):
-    """Differential: the same inputs through mamba_ssm's function, output and every gradient
-    within the bf16 criterion (a check beside the oracle's, for users switching over)."""
-    peer = _peer_split()
-    if peer is None:
-        pytest.skip("mamba_ssm's mamba_split_conv1d_scan_combined (with causal_conv1d's CUDA conv) is not importable")
-    # SwiGLU channels only with the norm: mamba_ssm 2.3.2.post1's own backward fails with SwiGLU
-    # channels, the z gate (no norm) and an out projection together (an out-projection gradient
-    # d_nonssm columns short: "got [5, 4096] but expected shape compatible with [5, 4099]")
-    full, opts = split_inputs(21, 1, **dict(SPLIT_RECORD, piece=2048), norm=norm, outproj="bias", D="h",
-                              d_nonssm=3 if norm else 0, device="cuda")
-    for k in ("outproj_weight", "outproj_bias"):       # a bf16 model's projection (mamba_ssm needs one dtype)
-        full[k] = full[k].bfloat16()
-    leaves = [k for k in SPLIT_LEAVES if full[k] is not None]
-    results = []
-    for fn in (mamba_cp.mamba_split_conv1d_scan_combined, peer):
-        mine = {k: full[k].detach().clone().requires_grad_(True) for k in leaves}
-        out, f = fn(**{**full, **mine}, **opts, return_final_states=True)
-        g = torch.Generator(device="cuda").manual_seed(5)
-        w = torch.randn(out.shape, generator=g, device="cuda", dtype=out.dtype)
-        results.append([out.detach(), f.detach(), *torch.autograd.grad([out, f], list(mine.values()),
-                                                                        [w, torch.ones_like(f)])])
-    names = ["out", "final_states"] + ["d" + k for k in leaves]
-    errs = {n: rel_rms(a, b) for n, a, b in zip(names, *results)}
-    print(errs)
-    assert all(e <= BF16_BOUND for e in errs.values()), errs
-
-
-@gpu
-def test_two_to_the_twenty_tokens():
-    """x holds 2^32 elements: every offset must be int64. Checked against the same sequence
-    run as two halves joined through initial_states. Memory: one set of inputs, shared by both
-    runs (the gradients come from torch.autograd.grad, nothing accumulates)."""
-    L = 1 << 20
-    inputs = make_inputs(10, batch=1, seqlen=L, **RECORD, dtype=torch.bfloat16, D="h", dt_bias=True,
-                         dt_softplus=True)
-    assert inputs["x"].numel() == 1 << 32
-    leaves = {k: v.requires_grad_(True) for k, v in inputs.items() if k in DIFFERENTIABLE}
-    g = torch.Generator(device="cuda").manual_seed(11)
-    wy = torch.randn(inputs["x"].shape, generator=g, device="cuda", dtype=torch.bfloat16)
-    wf = torch.randn(1, 64, 64, 128, generator=g, device="cuda")
-
-    y, f = mamba_cp.mamba_chunk_scan_combined(**inputs, return_final_states=True)
-    g_full = torch.autograd.grad([y, f], list(leaves.values()), [wy, wf])  # no (y * wy) products in memory
-    y_full, f_full = y.detach(), f.detach()
-    del y, f
-
-    h = L // 2
-    per_token = ("x", "dt", "B", "C")
-    first = {**inputs, **{k: inputs[k][:, :h] for k in per_token}}
-    second = {**inputs, **{k: inputs[k][:, h:] for k in per_token}}
-    y1, f1 = mamba_cp.mamba_chunk_scan_combined(**first, return_final_states=True)
-    y2, f2 = mamba_cp.mamba_chunk_scan_combined(**second, initial_states=f1, return_final_states=True)
-    g_half = torch.autograd.grad([y1, y2, f2], list(leaves.values()), [wy[:, :h], wy[:, h:], wf])
-    pairs = {"y": (torch.cat([y1.detach(), y2.detach()], 1), y_full), "final_states": (f2.detach(), f_full)}
-    pairs.update({"d" + k: (b, a) for k, a, b in zip(leaves, g_full, g_half)})
-    for k, (a, b) in pairs.items():
-        assert torch.isfinite(a).all() and torch.isfinite(b).all(), f"{k} has NaN or inf"
-    print({k: f"{rel_rms(a, b):.1e}" for k, (a, b) in pairs.items()},
-          f"peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
-    assert_close(pairs, BF16_BOUND)
-
-
-# ---------------------------------------------------------------------------------------------
-# The module reads in the order the method runs
-# ---------------------------------------------------------------------------------------------
-
-
-def _reading_order():
-    """(module docstring map, section headers) of mamba_cp.py, as [(number, title)] each."""
-    import re
-    doc = [(int(n), t.strip()) for n, t in re.findall(r"^ {2,3}(\d+)\. (.+)$", mamba_cp.__doc__, flags=re.M)]
-    with open(mamba_cp.__file__) as f:
-        headers = [(int(n), t.strip()) for n, t in re.findall(r"^# -{20,}\n# (\d+)\. (.+)$", f.read(), flags=re.M)]
-    return doc, headers
-
-
-def test_module_map_is_the_section_list():
-    """The module docstring's reading order is the list of section headers, in order."""
-    doc, headers = _reading_order()
-    assert len(headers) >= 10 and [n for n, _ in headers] == list(range(1, len(headers) + 1)), headers
-    assert doc == headers, f"docstring map {doc} differs from the section headers {headers}"
-
-
-# ---------------------------------------------------------------------------------------------
 # Vendoring into Hugging Face transformers (examples/transformers_cp.py): a Mamba2ForCausalLM
 # trained on W gloo ranks against the unsharded model on transformers' own code path
 # ---------------------------------------------------------------------------------------------
@@ -1960,11 +1832,126 @@ def test_transformers_group_of_one_leaves_the_model_alone():
 
 
 # ---------------------------------------------------------------------------------------------
-# torchrun --nproc_per_node=N test_mamba_cp.py: the CP checks in place, NCCL on GPUs (bf16 at the
-# record shape, against the chunked oracle fed the same bf16 values), gloo on CPUs; then the
-# same checks in a world of one on each rank's device. One line per rank and check, and a
-# closing "N passed, N failed" line.
+# GPU only: bf16 at the record shape, 2^20 tokens in one call, and the CP path captured in one
+# CUDA graph (graph_capture_check also runs under torchrun)
 # ---------------------------------------------------------------------------------------------
+
+RECORD = dict(nheads=64, headdim=64, ngroups=8, dstate=128, chunk=128)
+
+
+@gpu
+@pytest.mark.parametrize("opts", [dict(), OPTIONS["all"], dict(OPTIONS["all"], state_dtype=torch.float32),
+                                  dict(growth=0.02, D="hp", z=True, initial_states=True, seq_idx=[16, 40, 41])],
+                         ids=["plain", "all", "all_fp32_states", "growth"])
+def test_bf16_record_shape(opts):
+    """bf16 kernels against the oracle fed the same bf16-rounded values (chunked float64 form)."""
+    opts = dict(opts)
+    state_dtype = opts.pop("state_dtype", None)
+    inputs = dict(make_inputs(9, batch=2, seqlen=1000, **RECORD, dtype=torch.bfloat16, **opts), state_dtype=state_dtype)
+    oracle_inputs = {k: (v.float() if isinstance(v, torch.Tensor) and v.dtype == torch.bfloat16 else v)
+                     for k, v in inputs.items()}
+    assert_close(run_both(inputs, oracle_inputs, chunked=True), BF16_BOUND)
+
+
+@gpu
+def test_varlen_states_bf16_record_shape():
+    """Documents of 1, 127, 129 and 743 tokens (one ending at a kernel-chunk boundary, 128)."""
+    cu = torch.tensor([0, 1, 128, 257, 1000], dtype=torch.int32)
+    inputs = make_inputs(19, batch=1, seqlen=1000, **RECORD, dtype=torch.bfloat16, seq_idx=cu[1:-1].tolist(),
+                         initial_states=True, dt_bias=True, dt_softplus=True)
+    _, states = mamba_cp.mamba_chunk_scan_combined(**inputs, cu_seqlens=cu.cuda(), return_varlen_states=True)
+    oracle = {k: (v.float() if isinstance(v, torch.Tensor) and v.dtype == torch.bfloat16 else v)
+              for k, v in inputs.items()}
+    assert_close({"varlen_states": (states, document_end_oracle(oracle, cu))}, BF16_BOUND)
+
+
+@gpu
+def test_split_conv1d_scan_bf16_record_shape():
+    """The fused entry in a world of one, bf16 at the shape of record, every option."""
+    case = dict(SPLIT_RECORD, layout="none", seed=4, norm=True, outproj="bias", seq=[3, 700], dt_limit=(0.05, 2.0))
+    errs = split_case_errors(case, 0, 1, None, "cuda")
+    print(errs)
+    assert all(e <= BF16_BOUND for e in errs.values()), errs
+
+
+def _peer_split():
+    """mamba_ssm's own mamba_split_conv1d_scan_combined where it can be imported (../shared/peer
+    lays it out in .peer/, with causal_conv1d's CUDA conv built into .peer/lib), else None."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for path in (os.path.join(here, ".peer"), os.path.join(here, ".peer", "lib")):
+        if os.path.isdir(path) and path not in sys.path:
+            sys.path.append(path)
+    try:
+        from mamba_ssm.ops.triton.ssd_combined import mamba_split_conv1d_scan_combined as peer
+        import causal_conv1d_cuda  # noqa: F401 - the peer's conv; without it the peer cannot run
+    except ImportError:
+        return None
+    return peer
+
+
+@gpu
+@pytest.mark.parametrize("norm", [False, True], ids=["gate", "rmsnorm"])
+def test_split_conv1d_scan_matches_mamba_ssm(norm):
+    """Differential: the same inputs through mamba_ssm's function, output and every gradient
+    within the bf16 criterion (a check beside the oracle's, for users switching over)."""
+    peer = _peer_split()
+    if peer is None:
+        pytest.skip("mamba_ssm's mamba_split_conv1d_scan_combined (with causal_conv1d's CUDA conv) is not importable")
+    # SwiGLU channels only with the norm: mamba_ssm 2.3.2.post1's own backward fails with SwiGLU
+    # channels, the z gate (no norm) and an out projection together (an out-projection gradient
+    # d_nonssm columns short: "got [5, 4096] but expected shape compatible with [5, 4099]")
+    full, opts = split_inputs(21, 1, **dict(SPLIT_RECORD, piece=2048), norm=norm, outproj="bias", D="h",
+                              d_nonssm=3 if norm else 0, device="cuda")
+    for k in ("outproj_weight", "outproj_bias"):       # a bf16 model's projection (mamba_ssm needs one dtype)
+        full[k] = full[k].bfloat16()
+    leaves = [k for k in SPLIT_LEAVES if full[k] is not None]
+    results = []
+    for fn in (mamba_cp.mamba_split_conv1d_scan_combined, peer):
+        mine = {k: full[k].detach().clone().requires_grad_(True) for k in leaves}
+        out, f = fn(**{**full, **mine}, **opts, return_final_states=True)
+        g = torch.Generator(device="cuda").manual_seed(5)
+        w = torch.randn(out.shape, generator=g, device="cuda", dtype=out.dtype)
+        results.append([out.detach(), f.detach(), *torch.autograd.grad([out, f], list(mine.values()),
+                                                                        [w, torch.ones_like(f)])])
+    names = ["out", "final_states"] + ["d" + k for k in leaves]
+    errs = {n: rel_rms(a, b) for n, a, b in zip(names, *results)}
+    print(errs)
+    assert all(e <= BF16_BOUND for e in errs.values()), errs
+
+
+@gpu
+def test_two_to_the_twenty_tokens():
+    """x holds 2^32 elements: every offset must be int64. Checked against the same sequence
+    run as two halves joined through initial_states. Memory: one set of inputs, shared by both
+    runs (the gradients come from torch.autograd.grad, nothing accumulates)."""
+    L = 1 << 20
+    inputs = make_inputs(10, batch=1, seqlen=L, **RECORD, dtype=torch.bfloat16, D="h", dt_bias=True,
+                         dt_softplus=True)
+    assert inputs["x"].numel() == 1 << 32
+    leaves = {k: v.requires_grad_(True) for k, v in inputs.items() if k in DIFFERENTIABLE}
+    g = torch.Generator(device="cuda").manual_seed(11)
+    wy = torch.randn(inputs["x"].shape, generator=g, device="cuda", dtype=torch.bfloat16)
+    wf = torch.randn(1, 64, 64, 128, generator=g, device="cuda")
+
+    y, f = mamba_cp.mamba_chunk_scan_combined(**inputs, return_final_states=True)
+    g_full = torch.autograd.grad([y, f], list(leaves.values()), [wy, wf])  # no (y * wy) products in memory
+    y_full, f_full = y.detach(), f.detach()
+    del y, f
+
+    h = L // 2
+    per_token = ("x", "dt", "B", "C")
+    first = {**inputs, **{k: inputs[k][:, :h] for k in per_token}}
+    second = {**inputs, **{k: inputs[k][:, h:] for k in per_token}}
+    y1, f1 = mamba_cp.mamba_chunk_scan_combined(**first, return_final_states=True)
+    y2, f2 = mamba_cp.mamba_chunk_scan_combined(**second, initial_states=f1, return_final_states=True)
+    g_half = torch.autograd.grad([y1, y2, f2], list(leaves.values()), [wy[:, :h], wy[:, h:], wf])
+    pairs = {"y": (torch.cat([y1.detach(), y2.detach()], 1), y_full), "final_states": (f2.detach(), f_full)}
+    pairs.update({"d" + k: (b, a) for k, a, b in zip(leaves, g_full, g_half)})
+    for k, (a, b) in pairs.items():
+        assert torch.isfinite(a).all() and torch.isfinite(b).all(), f"{k} has NaN or inf"
+    print({k: f"{rel_rms(a, b):.1e}" for k, (a, b) in pairs.items()},
+          f"peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+    assert_close(pairs, BF16_BOUND)
 
 
 def graph_capture_check(rank, world, group, device, layout="virtual"):
@@ -2015,6 +2002,35 @@ def test_cuda_graph_capture_single_device():
     """The fused function in a world of one (no group) is captured and replayed."""
     checks = graph_capture_check(0, 1, None, "cuda")
     assert all(checks.values()), checks
+
+
+# ---------------------------------------------------------------------------------------------
+# The module reads in the order the method runs
+# ---------------------------------------------------------------------------------------------
+
+
+def _reading_order():
+    """(module docstring map, section headers) of mamba_cp.py, as [(number, title)] each."""
+    import re
+    doc = [(int(n), t.strip()) for n, t in re.findall(r"^ {2,3}(\d+)\. (.+)$", mamba_cp.__doc__, flags=re.M)]
+    with open(mamba_cp.__file__) as f:
+        headers = [(int(n), t.strip()) for n, t in re.findall(r"^# -{20,}\n# (\d+)\. (.+)$", f.read(), flags=re.M)]
+    return doc, headers
+
+
+def test_module_map_is_the_section_list():
+    """The module docstring's reading order is the list of section headers, in order."""
+    doc, headers = _reading_order()
+    assert len(headers) >= 10 and [n for n, _ in headers] == list(range(1, len(headers) + 1)), headers
+    assert doc == headers, f"docstring map {doc} differs from the section headers {headers}"
+
+
+# ---------------------------------------------------------------------------------------------
+# torchrun --nproc_per_node=N test_mamba_cp.py: the CP checks in place, NCCL on GPUs (bf16 at the
+# record shape, against the chunked oracle fed the same bf16 values), gloo on CPUs; then the
+# same checks in a world of one on each rank's device. One line per rank and check, and a
+# closing "N passed, N failed" line.
+# ---------------------------------------------------------------------------------------------
 
 
 def _report(rank, label, results, bound):

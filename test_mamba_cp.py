@@ -19,6 +19,7 @@ import socket
 import subprocess
 import time
 import traceback
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -62,193 +63,217 @@ def rel_rms(got, want):
 
 
 # ---------------------------------------------------------------------------------------------
-# Helpers: the inputs
+# Helpers: the inputs. One factory, draw, makes every random tensor of these tests from one
+# seeded generator; the functions after it only arrange what it drew into an entry point's
+# arguments (xBC = [x | B | C], zxbcdt = [z0 | x0 | z | xBC | dt]).
 # ---------------------------------------------------------------------------------------------
 
-SMALL = dict(batch=2, seqlen=77, nheads=4, headdim=24, ngroups=2, dstate=20, chunk=16)
+class Shape(NamedTuple):
+    """The sizes of one set of inputs. seqlen is the whole sequence; the CP cases give what one
+    rank holds (two pieces of seqlen / 2 tokens) and multiply it by W (per_world)."""
+    batch: int
+    seqlen: int
+    nheads: int = 4
+    headdim: int = 8
+    ngroups: int = 2
+    dstate: int = 8
+    chunk: int = 16
+    d_conv: int = 4
+    d_nonssm: int = 0     # the SwiGLU channels z0, x0 in front of zxbcdt
+
+    @property
+    def conv_dim(self):
+        return self.nheads * self.headdim + 2 * self.ngroups * self.dstate
+
+    def per_world(self, world):
+        return self._replace(seqlen=world * self.seqlen)
 
 
-def seq_from_starts(l, starts):
-    """Document ids (l,) with a new document at each position in `starts`."""
-    s = torch.zeros(l, dtype=torch.int32)
-    for st in starts:
-        s[st:] += 1
-    return s
+def draw(shape, seed=0, *, dtype=torch.float32, device=DEVICE, D=None, z=False, dt_bias=False, dt_softplus=False,
+         initial_states=False, seq_idx=None, extreme=False, growth=None, conv_weight=False, conv_bias=False,
+         halo=False, rmsnorm_weight=False, outproj=None, summaries=False, features=None, vocab=None, weights=None):
+    """Every random input of these tests, drawn in this order from one generator seeded with
+    `seed`: {name: tensor} on `device`. Options named as in mamba_chunk_scan_combined.
 
-
-def make_inputs(seed, *, batch, seqlen, nheads, headdim, ngroups, dstate, chunk, dtype=torch.float32,
-                device=DEVICE, D=None, z=False, dt_bias=False, dt_softplus=False, initial_states=False,
-                seq_idx=None, dt_limit=(0.0, float("inf")), extreme=False, growth=None):
-    """One seeded set of inputs; options named as in mamba_chunk_scan_combined.
-    D: None, "h" or "hp". seq_idx: None or a list of document start positions.
-    growth: None (decay: dt'*A < 0), "neg_dt" (dt' < 0 without softplus, A < 0), "pos_A"
-    (A > 0), or a number: dt'*A equal to it at every token (dt' < 0)."""
+    With a shape, always x (b, l, h, p), B and C (b, l, g, n), dt (b, l, h) and A (h,) in
+    (-1.65, -0.37), and z0, x0 (b, l, d_nonssm) where shape.d_nonssm > 0. Then, if asked:
+      D: None, "h" or "hp" (shapes (h,), (h, p)); z (b, l, h, p); dt_bias (h,); initial_states
+        (b, h, p, n).
+      dt_softplus: dt raw, for a softplus inside (about N(-1, 0.7)); otherwise already positive,
+        in (0.02, 0.32).
+      extreme: True (5% of entries at random) or a list of token positions (every row and head):
+        dt'*A = -1000 there, among decays ten times smaller.
+      growth: None (decay: dt'*A < 0), "neg_dt" (dt' < 0 without softplus, A < 0), "pos_A"
+        (A > 0), "pos_A_e8" (A > 0 scaled to the length: the state grows by about e^8 over the
+        whole sequence, however long), or a number: dt'*A equal to it at every token (dt' < 0).
+      seq_idx: document starts (int32 ids (b, l)), one list for every row (row 1 then starts one
+        more document at l // 2, so that rows differ) or a list per row. With a halo, positions
+        count in the shard, negative ones inside the halo (a start at its first token changes
+        nothing), and halo_seq (b, d_conv - 1) comes with seq_idx.
+      conv_weight (conv_dim, d_conv), conv_bias (conv_dim,), halo (b, d_conv - 1, conv_dim).
+      rmsnorm_weight (h p,) about 1; outproj: None, "weight" (outproj_weight (5, d_nonssm + h p))
+        or "bias" (and outproj_bias (5,)).
+      summaries: one shard summary per position of seqlen: a (b, l, h) in (0, 1.3) (some grow),
+        S_ext (b, l, h, p, n), first_id and last_id (b, l): document ids that rise by 0 or 1
+        inside every segment and at its end.
+      features: u and target (b, l, features), a model's input and regression target.
+      vocab: input_ids (b, l), token ids below vocab.
+    weights: {name: size}, standard normal output weights (the dy a gradient check pulls back);
+    drawn with or without a shape.
+    dtype: that of the activations (x, B, C, z, z0, x0, halo) and of the weights; every other
+    floating tensor is float32, or float64 where dtype is."""
     g = torch.Generator().manual_seed(seed)
+    param = torch.float64 if dtype == torch.float64 else torch.float32
+    out = {}
 
-    def rnd(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g) * scale).to(device)
+    def normal(*size, scale=1.0, shift=0.0, to=param):
+        t = torch.randn(*size, generator=g)
+        if scale != 1.0:
+            t.mul_(scale)
+        if shift:
+            t.add_(shift)
+        return t.to(to)
 
-    b, l, h, p, n = batch, seqlen, nheads, headdim, dstate
-    kw = {}
-    A = -torch.exp(torch.rand(h, generator=g) * 1.5 - 1.0).to(device)            # (h,) in (-1.6, -0.4)
-    if dt_softplus:
-        dt = rnd(b, l, h, scale=0.7) - 1.0                                         # raw, softplus inside
-    else:
-        dt = (torch.rand(b, l, h, generator=g) * 0.3 + 0.02).to(device)            # already positive
-    if extreme:  # 5% of tokens with dt'*A = -1000 among small decays
-        big = (torch.rand(b, l, h, generator=g) < 0.05).to(device)
-        dt = torch.where(big, 1000.0 / -A, dt * 0.1)
-    if growth == "neg_dt":  # what a caller's raw dt can do with dt_softplus=False
-        dt = -(torch.rand(b, l, h, generator=g) * 0.2).to(device)
-    elif growth == "pos_A":
-        A = -0.5 * A
-    elif growth is not None:
-        dt = (growth / A).expand(b, l, h).contiguous()
-    x = rnd(b, l, h, p).to(dtype)
-    B = rnd(b, l, ngroups, n).to(dtype)
-    C = rnd(b, l, ngroups, n).to(dtype)
-    if D == "h":
-        kw["D"] = rnd(h)
-    elif D == "hp":
-        kw["D"] = rnd(h, p)
-    if z:
-        kw["z"] = rnd(b, l, h, p).to(dtype)
-    if dt_bias:
-        kw["dt_bias"] = rnd(h, scale=0.5)
-    if initial_states:
-        kw["initial_states"] = rnd(b, h, p, n)
-    if seq_idx is not None:
-        ids = seq_from_starts(l, seq_idx).expand(b, l).clone()
-        if b > 1:  # the second row splits once more, mid-chunk
-            ids[1, l // 2:] += 1
-        kw["seq_idx"] = ids.to(device)
-    return dict(x=x, dt=dt, A=A, B=B, C=C, chunk_size=chunk, dt_softplus=dt_softplus, dt_limit=dt_limit, **kw)
+    def uniform(*size, low=0.0, high=1.0):
+        return (torch.rand(*size, generator=g) * (high - low) + low).to(param)
 
-
-
-def oracle_inputs(gen, b, l, h, g, p, n, *, D=None, z=False, dt_bias=False, init=False,
-                seq_starts=None):
-    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
-    inp = dict(
-        x=r(b, l, h, p),
-        dt=torch.rand(b, l, h, generator=gen, dtype=torch.float64) + 0.01,
-        A=-(torch.rand(h, generator=gen, dtype=torch.float64) + 0.5),
-        B=r(b, l, g, n),
-        C=r(b, l, g, n),
-    )
-    if D == "h":
-        inp["D"] = r(h)
-    elif D == "hp":
-        inp["D"] = r(h, p)
-    if z:
-        inp["z"] = r(b, l, h, p)
-    if dt_bias:
-        inp["dt_bias"] = r(h) * 0.5
-    if init:
-        inp["initial_states"] = r(b, h, p, n)
-    for v in inp.values():
-        v.requires_grad_(True)
-    if seq_starts is not None:
-        inp["seq_idx"] = torch.stack([seq_from_starts(l, s) for s in seq_starts])
-    return inp
-
-
-def doc_ids(b, l, d, starts):
-    """Ids (b, d-1+l) of [halo, shard]: row i gets a new document at each shard position in
-    starts[i] (negative = inside the halo)."""
-    full = torch.zeros(b, d - 1 + l, dtype=torch.int32)
-    for i, pos in enumerate(starts):
-        for p in pos:
-            if -(d - 1) < p < l:   # a start at the first halo token changes nothing
-                full[i, p + d - 1:] += 1
-    return full
-
-
-def conv_inputs(b, l, dim, d, *, halo, bias, starts, seed=0, strided=False):
-    g = torch.Generator().manual_seed(seed)
-    wide = torch.randn(b, l, dim + 13, generator=g).to(DEVICE)   # slice on the device: .to() would compact it
-    xBC = wide[:, :, 5:5 + dim] if strided else wide[:, :, :dim].contiguous()   # (b, l, dim)
-    inp = dict(
-        xBC=xBC,
-        weight=torch.randn(dim, d, generator=g) * 0.5,
-        bias=torch.randn(dim, generator=g) if bias else None,
-        halo=torch.randn(b, d - 1, dim, generator=g) if halo else None,
-        seq_idx=None, halo_seq=None)
-    if starts is not None:
-        ids = doc_ids(b, l, d, starts)
-        inp["seq_idx"] = ids[:, d - 1:].contiguous()
+    if shape is not None:
+        b, l, h, p, ng, n = shape.batch, shape.seqlen, shape.nheads, shape.headdim, shape.ngroups, shape.dstate
+        d_conv, conv_dim, d_nonssm = shape.d_conv, shape.conv_dim, shape.d_nonssm
+        A = -torch.exp(uniform(h, low=-1.0, high=0.5))
+        dt = normal(b, l, h, scale=0.7, shift=-1.0) if dt_softplus else uniform(b, l, h, low=0.02, high=0.32)
+        if extreme is True:
+            big = uniform(b, l, h) < 0.05
+        elif extreme:
+            big = torch.zeros(1, l, 1, dtype=torch.bool)
+            big[:, list(extreme)] = True
+        if extreme is not False:
+            dt = torch.where(big, 1000.0 / -A, dt * 0.1)
+        if growth == "neg_dt":  # what a caller's raw dt can do with dt_softplus=False
+            dt = -uniform(b, l, h, high=0.2)
+        elif growth == "pos_A":
+            A = -0.5 * A
+        elif growth == "pos_A_e8":
+            A = uniform(h, low=0.75, high=1.25) * (20.0 / l)
+        elif growth is not None:
+            dt = (growth / A).expand(b, l, h).contiguous()
+        out.update(x=normal(b, l, h, p, to=dtype), dt=dt, A=A, B=normal(b, l, ng, n, to=dtype),
+                   C=normal(b, l, ng, n, to=dtype))
+        if d_nonssm:
+            out.update(z0=normal(b, l, d_nonssm, to=dtype), x0=normal(b, l, d_nonssm, to=dtype))
+        if D == "h":
+            out["D"] = normal(h)
+        elif D == "hp":
+            out["D"] = normal(h, p)
+        if z:
+            out["z"] = normal(b, l, h, p, to=dtype)
+        if dt_bias:
+            out["dt_bias"] = normal(h, scale=0.5)
+        if initial_states:
+            out["initial_states"] = normal(b, h, p, n)
+        if seq_idx is not None:
+            per_row = len(seq_idx) > 0 and isinstance(seq_idx[0], (list, tuple))
+            rows = seq_idx if per_row else [list(seq_idx) + ([l // 2] if r == 1 else []) for r in range(b)]
+            lead = d_conv - 1 if halo else 0
+            ids = torch.zeros(b, lead + l, dtype=torch.int32)
+            for r, starts in enumerate(rows):
+                for s in starts:
+                    if -lead < s < l:
+                        ids[r, lead + s:] += 1
+            out["seq_idx"] = ids[:, lead:].contiguous()
+            if halo:
+                out["halo_seq"] = ids[:, :lead].contiguous()
+        if conv_weight:
+            out["conv_weight"] = normal(conv_dim, d_conv, scale=0.5)
+        if conv_bias:
+            out["conv_bias"] = normal(conv_dim, scale=0.5)
         if halo:
-            inp["halo_seq"] = ids[:, :d - 1].contiguous()
-    dout = torch.randn(b, l, dim, generator=g)
-    return {k: (v.to(DEVICE) if v is not None else None) for k, v in inp.items()}, dout.to(DEVICE)
+            out["halo"] = normal(b, d_conv - 1, conv_dim, to=dtype)
+        if rmsnorm_weight:
+            out["rmsnorm_weight"] = normal(h * p, scale=0.5, shift=1.0)
+        if outproj:
+            out["outproj_weight"] = normal(5, d_nonssm + h * p, scale=0.2)
+        if outproj == "bias":
+            out["outproj_bias"] = normal(5)
+        if summaries:
+            ids = torch.cumsum(torch.randint(0, 2, (b, 2 * l), generator=g), dim=1).to(torch.int32)
+            out.update(a=uniform(b, l, h, high=1.3), S_ext=normal(b, l, h, p, n), first_id=ids[:, 0::2],
+                       last_id=ids[:, 1::2])
+        if features:
+            out.update(u=normal(b, l, features), target=normal(b, l, features))
+        if vocab:
+            out["input_ids"] = torch.randint(0, vocab, (b, l), generator=g)
+    for name, size in (weights or {}).items():
+        out[name] = normal(*size, to=dtype)
+    return {k: v.to(device) for k, v in out.items()}
 
 
-CP_SMALL = dict(batch=2, nheads=4, headdim=8, ngroups=2, dstate=8, d_conv=4, chunk=16, piece=37)
+SMALL = Shape(batch=2, seqlen=77, nheads=4, headdim=24, ngroups=2, dstate=20, chunk=16)
+CP_SMALL = Shape(batch=2, seqlen=74, nheads=4, headdim=8, ngroups=2, dstate=8, chunk=16, d_conv=4)   # per rank
+SPLIT_SMALL = CP_SMALL._replace(seqlen=38, d_nonssm=3)                                              # per rank
+CONV_SMALL = Shape(batch=2, seqlen=77, nheads=4, headdim=6, ngroups=2, dstate=4)                    # 40 channels
+# GPU only, bf16: the shape of record, per rank
+CP_RECORD = Shape(batch=1, seqlen=2000, nheads=64, headdim=64, ngroups=8, dstate=128, chunk=128, d_conv=4)
+SPLIT_RECORD = CP_RECORD._replace(d_nonssm=3)
 
 
-def cp_inputs(seed, world, *, batch, nheads, headdim, ngroups, dstate, d_conv, chunk, piece, D="hp",
-              init=True, seq=None, dt_limit=(0.0, float("inf")), dtype=torch.float32, device="cpu",
-              growth=False, **_):
-    """Full-sequence inputs of the fused core (L = 2 * W * piece tokens), the same on every rank.
-    seq: None or a list of document start positions in the global sequence. growth: A > 0, scaled
-    so that the state grows by about e^8 over the whole sequence, whatever its length."""
-    g = torch.Generator().manual_seed(seed)
-    L = 2 * world * piece
-    conv_dim = nheads * headdim + 2 * ngroups * dstate
+def ssd_inputs(shape, seed, *, dt_limit=(0.0, float("inf")), **options):
+    """The arguments of mamba_chunk_scan_combined: draw's tensors, chunk_size, dt_softplus, dt_limit."""
+    return dict(draw(shape, seed, **options), chunk_size=shape.chunk, dt_softplus=options.get("dt_softplus", False),
+                dt_limit=dt_limit)
 
-    def rnd(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g) * scale).to(device)
 
-    full = dict(
-        xBC=rnd(batch, L, conv_dim).to(dtype),
-        dt=rnd(batch, L, nheads, scale=0.5) - 1.0,
-        conv_weight=rnd(conv_dim, d_conv, scale=0.5),
-        conv_bias=rnd(conv_dim, scale=0.2),
-        dt_bias=rnd(nheads, scale=0.3),
-        A=-torch.exp(torch.rand(nheads, generator=g) * 1.5 - 1.0).to(device),
-        D=None if D is None else (rnd(nheads) if D == "h" else rnd(nheads, headdim)),
-        initial_states=rnd(batch, nheads, headdim, dstate) if init else None,
-        seq_idx=None,
-    )
-    if growth:
-        full["A"] = (torch.rand(nheads, generator=g) * 0.5 + 0.75).to(device) * 20.0 / L
-    if seq is not None:
-        full["seq_idx"] = seq_from_starts(L, seq).expand(batch, L).contiguous().to(device)
-    opts = dict(chunk_size=chunk, headdim=headdim, ngroups=ngroups, dt_limit=dt_limit)
+def xbc(drawn):
+    """The conv's input (b, l, conv_dim): x, B and C side by side, as the fused core splits it."""
+    return torch.cat([drawn[k].flatten(2) for k in ("x", "B", "C")], dim=-1)
+
+
+def conv_inputs(shape, seed=0, *, halo, bias, starts, strided=False):
+    """conv1d_fwd's arguments (d_conv taps) and a dout. starts: document starts per row, in shard
+    positions (negative: inside the halo). strided: xBC a view into a wider buffer."""
+    b, l, dim = shape.batch, shape.seqlen, shape.conv_dim
+    drawn = draw(shape, seed, conv_weight=True, conv_bias=bias, halo=halo, seq_idx=starts,
+                 weights=dict(dout=(b, l, dim)))
+    xBC = xbc(drawn)
+    if strided:
+        wide = torch.zeros(b, l, dim + 13, device=xBC.device)
+        wide[..., 5:5 + dim] = xBC
+        xBC = wide[..., 5:5 + dim]
+    inp = dict(xBC=xBC, weight=drawn["conv_weight"], bias=drawn.get("conv_bias"), halo=drawn.get("halo"),
+               seq_idx=drawn.get("seq_idx"), halo_seq=drawn.get("halo_seq"))
+    return inp, drawn["dout"]
+
+
+def fused_inputs(shape, seed=0, *, D="hp", initial_states=True, seq_idx=None, growth=None,
+                 dt_limit=(0.0, float("inf")), activation="silu", dtype=torch.float32, device="cpu"):
+    """The full-sequence arguments of mamba_conv1d_ssd_cp (the same on every rank: one seed) and
+    its options. seq_idx: None or document starts in the global sequence."""
+    drawn = draw(shape, seed, dtype=dtype, device=device, D=D, dt_bias=True, dt_softplus=True,
+                 initial_states=initial_states, seq_idx=seq_idx, growth=growth, conv_weight=True, conv_bias=True)
+    full = dict(xBC=xbc(drawn), dt=drawn["dt"], conv_weight=drawn["conv_weight"], conv_bias=drawn["conv_bias"],
+                dt_bias=drawn["dt_bias"], A=drawn["A"], D=drawn.get("D"), initial_states=drawn.get("initial_states"),
+                seq_idx=drawn.get("seq_idx"))
+    opts = dict(chunk_size=shape.chunk, headdim=shape.headdim, ngroups=shape.ngroups, dt_limit=dt_limit,
+                activation=activation)
     return full, opts
 
 
-SPLIT_SMALL = dict(batch=2, nheads=4, headdim=8, ngroups=2, dstate=8, d_conv=4, chunk=16, piece=19)
-SPLIT_LEAVES = ("zxbcdt", "conv1d_weight", "conv1d_bias", "dt_bias", "A", "D", "initial_states", "rmsnorm_weight",
-                "outproj_weight", "outproj_bias")
-
-
-def split_inputs(seed, world, *, batch, nheads, headdim, ngroups, dstate, d_conv, chunk, piece, d_nonssm=3,
-                 activation="silu", norm=False, norm_before_gate=True, D="hp", outproj=None, init=True, seq=None,
-                 dt_limit=(0.0, float("inf")), dtype=torch.float32, device="cpu", **_):
-    """Full-sequence inputs (L = 2 * W * piece tokens) and options of one call. outproj: None,
-    "weight" or "bias"; seq: None or global document starts."""
-    g = torch.Generator().manual_seed(seed)
-    L, dim = 2 * world * piece, nheads * headdim
-    conv_dim = dim + 2 * ngroups * dstate
-
-    def rnd(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g) * scale).to(device)
-
-    zxbcdt = rnd(batch, L, 2 * d_nonssm + dim + conv_dim + nheads)
-    zxbcdt[..., -nheads:] = zxbcdt[..., -nheads:] * 0.5 - 1.0                      # raw dt
-    full = dict(zxbcdt=zxbcdt.to(dtype), conv1d_weight=rnd(conv_dim, d_conv, scale=0.5),
-                conv1d_bias=rnd(conv_dim, scale=0.2), dt_bias=rnd(nheads, scale=0.3),
-                A=-torch.exp(torch.rand(nheads, generator=g) * 1.5 - 1.0).to(device),
-                D=rnd(nheads, headdim) if D == "hp" else rnd(nheads),
-                initial_states=rnd(batch, nheads, headdim, dstate) if init else None,
-                rmsnorm_weight=rnd(dim, scale=0.5) + 1.0 if norm else None,
-                outproj_weight=rnd(5, d_nonssm + dim, scale=0.2) if outproj else None,
-                outproj_bias=rnd(5) if outproj == "bias" else None, seq_idx=None)
-    if seq is not None:
-        full["seq_idx"] = seq_from_starts(L, seq).expand(batch, L).contiguous().to(device)
-    opts = dict(chunk_size=chunk, headdim=None if D == "hp" else headdim, ngroups=ngroups, dt_limit=dt_limit,
-                activation=activation, norm_before_gate=norm_before_gate)
+def split_inputs(shape, seed=0, *, activation="silu", norm=False, norm_before_gate=True, D="hp", outproj=None,
+                 initial_states=True, seq_idx=None, dt_limit=(0.0, float("inf")), dtype=torch.float32, device="cpu"):
+    """The full-sequence arguments of mamba_split_conv1d_scan_combined and its options: zxbcdt
+    packs [z0 | x0 | z | xBC | dt]. outproj: None, "weight" or "bias"; seq_idx: None or global
+    document starts."""
+    drawn = draw(shape, seed, dtype=dtype, device=device, D=D, z=True, dt_bias=True, dt_softplus=True,
+                 initial_states=initial_states, seq_idx=seq_idx, conv_weight=True, conv_bias=True,
+                 rmsnorm_weight=norm, outproj=outproj)
+    swiglu = [drawn["z0"], drawn["x0"]] if shape.d_nonssm else []
+    full = dict(zxbcdt=torch.cat(swiglu + [drawn["z"].flatten(2), xbc(drawn), drawn["dt"].to(dtype)], dim=-1),
+                conv1d_weight=drawn["conv_weight"], conv1d_bias=drawn["conv_bias"], dt_bias=drawn["dt_bias"],
+                A=drawn["A"], D=drawn["D"], initial_states=drawn.get("initial_states"),
+                rmsnorm_weight=drawn.get("rmsnorm_weight"), outproj_weight=drawn.get("outproj_weight"),
+                outproj_bias=drawn.get("outproj_bias"), seq_idx=drawn.get("seq_idx"))
+    opts = dict(chunk_size=shape.chunk, headdim=None if D == "hp" else shape.headdim, ngroups=shape.ngroups,
+                dt_limit=dt_limit, activation=activation, norm_before_gate=norm_before_gate)
     return full, opts
 
 
@@ -270,9 +295,8 @@ def run_both(inputs, oracle_inputs=None, chunked=False):
     leaves = [k for k in DIFFERENTIABLE if k in inputs]
 
     y, final = mamba_cp.mamba_chunk_scan_combined(**inputs, return_final_states=True)
-    g = torch.Generator().manual_seed(1234)
-    wy = torch.randn(y.shape, generator=g).to(y.device)
-    wf = torch.randn(final.shape, generator=g).to(y.device)
+    w = draw(None, 1234, device=y.device, weights=dict(y=y.shape, final_states=final.shape))
+    wy, wf = w["y"], w["final_states"]
     grads = torch.autograd.grad((y.float() * wy).sum() + (final * wf).sum(), [inputs[k] for k in leaves])
 
     oracle_kw = {k: v for k, v in oracle_inputs.items() if k not in ("chunk_size", "state_dtype")}
@@ -296,20 +320,33 @@ def assert_close(pairs, bound):
 
 CP_PARAMS = ("conv_weight", "conv_bias", "dt_bias", "A", "D", "initial_states")
 CP_ACTIVATIONS = ("xBC", "dt")
+SPLIT_LEAVES = ("zxbcdt", "conv1d_weight", "conv1d_bias", "dt_bias", "A", "D", "initial_states", "rmsnorm_weight",
+                "outproj_weight", "outproj_bias")
+
+
+CASE_KEYS = ("name", "shape", "seed", "layout", "path", "exchange")
+
+
+def case_inputs(case, world, arrange, device):
+    """A CP case's full-sequence inputs and options: arrange (fused_inputs or split_inputs) of
+    its shape with W times one rank's tokens, its seed, and its other entries as options."""
+    options = {k: v for k, v in case.items() if k not in CASE_KEYS}
+    return arrange(case["shape"].per_world(world), case.get("seed", 0), device=device, **options)
 
 
 def cp_case_errors(case, rank, world, group, device, keep=None):
     """Relative RMS errors of one CP case on this rank, against the oracle on the full sequence.
-    keep: a dict that receives this rank's results (y, final_states and the gradients)."""
-    full, opts = cp_inputs(case.get("seed", 0), world, device=device, **{k: v for k, v in case.items() if k != "seed"})
+    case: shape (one rank's), layout, and optionally seed, path ("cp" or "a2a"), exchange and
+    fused_inputs' options. keep: a dict that receives this rank's results (y, final_states and
+    the gradients)."""
+    full, opts = case_inputs(case, world, fused_inputs, device)
     layout, path = case["layout"], case.get("path", "cp")
     fn = mamba_cp.mamba_conv1d_ssd_cp if path == "cp" else mamba_cp.mamba_conv1d_ssd_a2a
     exchange = dict(summary_exchange=case["exchange"]) if "exchange" in case else {}
-    wg = torch.Generator().manual_seed(99)
     b, L = full["xBC"].shape[:2]
-    h, p, n = case["nheads"], case["headdim"], case["dstate"]
-    wy_full = torch.randn(b, L, h, p, generator=wg).to(device)
-    wf_all = torch.randn(world, b, h, p, n, generator=wg).to(device)               # one per rank's copy
+    h, p, n = case["shape"].nheads, case["shape"].headdim, case["shape"].dstate
+    w = draw(None, 99, device=device, weights=dict(y=(b, L, h, p), final_states=(world, b, h, p, n)))
+    wy_full, wf_all = w["y"], w["final_states"]                                   # one final weight per rank
 
     # the oracle, float64, on the full sequence
     leaves = {k: v.detach().clone().requires_grad_(True) for k, v in full.items()
@@ -320,7 +357,7 @@ def cp_case_errors(case, rank, world, group, device, keep=None):
         ref_kw["A"], ref_kw["D"], headdim=opts["headdim"], ngroups=opts["ngroups"], seq_idx=full["seq_idx"],
         initial_states=ref_kw["initial_states"], dt_limit=opts["dt_limit"],
         chunked=device != "cpu", chunk_size=64,                  # the loop is too slow at GPU shapes
-        activation=case.get("activation", "silu"))
+        activation=opts["activation"])
     loss = (y_ref * wy_full.double()).sum() + (f_ref * wf_all.sum(0).double()).sum()
     g_ref = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
 
@@ -333,8 +370,7 @@ def cp_case_errors(case, rank, world, group, device, keep=None):
     y, f = fn(kw["xBC"], kw["dt"], kw["conv_weight"], kw["conv_bias"], kw["dt_bias"], kw["A"], kw["D"],
               opts["chunk_size"], headdim=opts["headdim"], ngroups=opts["ngroups"], cp_group=group,
               load_balancing=layout, seq_idx=kw["seq_idx"], initial_states=kw["initial_states"],
-              dt_limit=opts["dt_limit"], return_final_states=True, activation=case.get("activation", "silu"),
-              **exchange)
+              dt_limit=opts["dt_limit"], return_final_states=True, activation=opts["activation"], **exchange)
     wy = mamba_cp.shard(wy_full, rank, world, layout)
     grads = dict(zip(mine, torch.autograd.grad((y.float() * wy).sum() + (f * wf_all[rank]).sum(),
                                                list(mine.values()))))
@@ -362,10 +398,9 @@ def shard_errors(outputs, final, grads, g_ref, per_token, rank, world, group, la
 
 def split_case_errors(case, rank, world, group, device):
     """Relative RMS errors of one mamba_split_conv1d_scan_combined case on this rank."""
-    full, opts = split_inputs(case.get("seed", 0), world, device=device, **{k: v for k, v in case.items() if k != "seed"})
+    full, opts = case_inputs(case, world, split_inputs, device)
     layout = case["layout"]
     per_token = ("zxbcdt", "seq_idx")
-    wg = torch.Generator().manual_seed(98)
     leaves = {k: full[k].detach().clone().requires_grad_(True) for k in SPLIT_LEAVES if full[k] is not None}
     ref_kw = {k: leaves.get(k, full[k]) for k in full}
     p = opts["headdim"] or full["D"].shape[1]
@@ -373,8 +408,8 @@ def split_case_errors(case, rank, world, group, device):
         **{k: v for k, v in ref_kw.items() if k not in ("seq_idx",)}, seq_idx=full["seq_idx"], headdim=p,
         ngroups=opts["ngroups"], dt_limit=opts["dt_limit"], activation=opts["activation"],
         norm_before_gate=opts["norm_before_gate"], chunked=device != "cpu", chunk_size=64)
-    w_full = torch.randn(out_ref.shape, generator=wg).to(device)
-    wf_all = torch.randn(world, *f_ref.shape, generator=wg).to(device)
+    w = draw(None, 98, device=device, weights=dict(out=out_ref.shape, final_states=(world, *f_ref.shape)))
+    w_full, wf_all = w["out"], w["final_states"]
     g_ref = dict(zip(leaves, torch.autograd.grad((out_ref * w_full.double()).sum()
                                                  + (f_ref * wf_all.sum(0).double()).sum(), list(leaves.values()))))
 
@@ -435,9 +470,9 @@ def _world_entry(rank, world, port, fn_name, args, queue):
 _INTERPRETER_PROBE = """
 import torch, mamba_cp
 assert mamba_cp.INTERPRET
-x = torch.randn(1, 40, 2, 8)
-y = mamba_cp.mamba_chunk_scan_combined(x, torch.rand(1, 40, 2) * 0.1, -torch.rand(2),
-                                       torch.randn(1, 40, 1, 8), torch.randn(1, 40, 1, 8), 16)
+x = torch.linspace(-1, 1, 640).reshape(1, 40, 2, 8)
+y = mamba_cp.mamba_chunk_scan_combined(x, torch.full((1, 40, 2), 0.05), -torch.ones(2),
+                                       (x[:, :, :1] * 0.5).contiguous(), x[:, :, 1:].contiguous(), 16)
 assert torch.isfinite(y).all()
 """
 
@@ -582,13 +617,19 @@ def test_oracle_process_dt():
 
 # ---------------------------------------------------------------- chunked == sequential
 
-def check_chunked(inp, chunk_size, gen, **kw):
+def oracle_leaves(shape, seed, **options):
+    """draw's tensors in float64 on the CPU, every floating one a leaf that requires grad."""
+    drawn = draw(shape, seed, dtype=torch.float64, device="cpu", **options)
+    return {k: v.requires_grad_(True) if v.is_floating_point() else v for k, v in drawn.items()}
+
+
+def check_chunked(inp, chunk_size, seed, **kw):
     y1, s1 = ssd_reference(**inp, **kw)
     y2, s2 = ssd_reference_chunked(**inp, **kw, chunk_size=chunk_size)
     assert rel_rms(y2, y1) < 1e-10
     assert rel_rms(s2, s1) < 1e-10
-    wy = torch.randn(y1.shape, generator=gen, dtype=torch.float64)
-    ws = torch.randn(s1.shape, generator=gen, dtype=torch.float64)
+    w = draw(None, seed, dtype=torch.float64, device="cpu", weights=dict(y=y1.shape, final_states=s1.shape))
+    wy, ws = w["y"], w["final_states"]
     leaves = {k: v for k, v in inp.items() if torch.is_tensor(v) and v.requires_grad}
     g1 = torch.autograd.grad((y1 * wy).sum() + (s1 * ws).sum(), list(leaves.values()))
     g2 = torch.autograd.grad((y2 * wy).sum() + (s2 * ws).sum(), list(leaves.values()))
@@ -597,60 +638,54 @@ def check_chunked(inp, chunk_size, gen, **kw):
         assert rel_rms(b, a) < 1e-10, (name, rel_rms(b, a))
 
 
+ORACLE_SMALL = Shape(batch=2, seqlen=37, nheads=4, headdim=3, ngroups=2, dstate=5)
+
+
 def test_oracle_chunked_all_options():
-    gen = torch.Generator().manual_seed(0)
     # row 0: documents start at 10, 16 (a chunk boundary), 30 and a 1-token document at 31;
-    # row 1: documents start at 5 and 32 (a chunk boundary)
-    inp = oracle_inputs(gen, 2, 37, 4, 2, 3, 5, D="hp", z=True, dt_bias=True, init=True,
-                      seq_starts=[[10, 16, 30, 31], [5, 32]])
-    with torch.no_grad():  # signed raw dt so softplus spans both sides of the limit
-        inp["dt"].copy_(torch.randn(inp["dt"].shape, generator=gen, dtype=torch.float64) * 2 - 1)
-    limit = (0.1, 1.5)
+    # row 1: documents start at 5 and 32 (a chunk boundary). Raw dt, softplus inside.
+    inp = oracle_leaves(ORACLE_SMALL, 0, D="hp", z=True, dt_bias=True, dt_softplus=True, initial_states=True,
+                        seq_idx=[[10, 16, 30, 31], [5, 32]])
+    limit = (0.25, 0.6)
     dtp = process_dt(inp["dt"], inp["dt_bias"], True, limit)
     low, high = (dtp == limit[0]).float().mean(), (dtp == limit[1]).float().mean()
     assert 0.05 < low < 0.5 and 0.05 < high < 0.5  # the limit really clamps, on both sides
-    check_chunked(inp, 16, gen, dt_softplus=True, dt_limit=limit)
+    check_chunked(inp, 16, 100, dt_softplus=True, dt_limit=limit)
 
 
 @pytest.mark.parametrize("l,chunk", [(64, 16), (37, 16), (37, 64), (16, 16), (1, 8)])
 def test_oracle_chunked_lengths(l, chunk):
-    gen = torch.Generator().manual_seed(l * 100 + chunk)
-    inp = oracle_inputs(gen, 2, l, 4, 1, 3, 4, init=True)
-    check_chunked(inp, chunk, gen)
+    inp = oracle_leaves(ORACLE_SMALL._replace(seqlen=l, ngroups=1, dstate=4), l * 100 + chunk, initial_states=True)
+    check_chunked(inp, chunk, 101)
 
 
 @pytest.mark.parametrize("D", ["h", "hp"])
 def test_oracle_chunked_D_and_groups(D):
-    gen = torch.Generator().manual_seed(1)
-    inp = oracle_inputs(gen, 1, 37, 4, 2, 3, 5, D=D, z=True)
-    check_chunked(inp, 16, gen)
+    inp = oracle_leaves(ORACLE_SMALL._replace(batch=1), 1, D=D, z=True)
+    check_chunked(inp, 16, 102)
 
 
 def test_oracle_chunked_seq_idx_no_init():
-    gen = torch.Generator().manual_seed(2)
-    inp = oracle_inputs(gen, 2, 40, 4, 4, 2, 3, seq_starts=[[1, 8, 9, 24], [20]])
-    check_chunked(inp, 8, gen, dt_softplus=True)
+    inp = oracle_leaves(Shape(batch=2, seqlen=40, nheads=4, headdim=2, ngroups=4, dstate=3), 2, dt_softplus=True,
+                        seq_idx=[[1, 8, 9, 24], [20]])
+    check_chunked(inp, 8, 103, dt_softplus=True)
 
 
 def test_oracle_chunked_extreme_decay():
-    gen = torch.Generator().manual_seed(3)
-    inp = oracle_inputs(gen, 2, 37, 4, 2, 3, 5, D="h", init=True, seq_starts=[[20], [3]])
-    with torch.no_grad():  # dt' * A = -1000 at a few tokens
-        for t in (0, 7, 16, 33):
-            inp["dt"][:, t] = 1000.0 / -inp["A"]
+    # dt' * A = -1000 at tokens 0, 7, 16 (a chunk boundary) and 33, every row and head
+    inp = oracle_leaves(ORACLE_SMALL, 3, D="h", initial_states=True, seq_idx=[[20], [3]], extreme=[0, 7, 16, 33])
     dA = process_dt(inp["dt"]) * inp["A"]
     assert torch.isclose(dA, torch.tensor(-1000.0, dtype=torch.float64)).sum() == 4 * 2 * 4
-    check_chunked(inp, 16, gen)
+    check_chunked(inp, 16, 104)
 
 
 # ---------------------------------------------------------------- causal conv1d
 
 def test_oracle_conv_matches_torch():
-    gen = torch.Generator().manual_seed(4)
-    b, l, dim, K = 2, 11, 6, 4
-    x = torch.randn(b, l, dim, generator=gen, dtype=torch.float64)
-    w = torch.randn(dim, K, generator=gen, dtype=torch.float64)
-    bias = torch.randn(dim, generator=gen, dtype=torch.float64)
+    shape = Shape(batch=2, seqlen=11, nheads=1, headdim=2, ngroups=1, dstate=2, d_conv=4)      # 6 channels
+    l, dim, K = shape.seqlen, shape.conv_dim, shape.d_conv
+    drawn = draw(shape, 4, dtype=torch.float64, device="cpu", conv_weight=True, conv_bias=True)
+    x, w, bias = xbc(drawn), drawn["conv_weight"], drawn["conv_bias"]
     want = F.silu(F.conv1d(x.transpose(1, 2), w[:, None, :], bias, padding=K - 1,
                            groups=dim)[..., :l].transpose(1, 2))
     torch.testing.assert_close(causal_conv1d_reference(x, w, bias), want, rtol=1e-13, atol=1e-13)
@@ -660,13 +695,11 @@ def test_oracle_conv_matches_torch():
 
 
 def test_oracle_conv_seq_idx():
-    gen = torch.Generator().manual_seed(5)
-    b, l, dim, K = 2, 12, 5, 4
+    shape = Shape(batch=2, seqlen=12, nheads=1, headdim=1, ngroups=1, dstate=2, d_conv=4)      # 5 channels
+    b, l = shape.batch, shape.seqlen
     starts = [[4, 6, 7], [9]]
-    seq = torch.stack([seq_from_starts(l, s) for s in starts])
-    x = torch.randn(b, l, dim, generator=gen, dtype=torch.float64, requires_grad=True)
-    w = torch.randn(dim, K, generator=gen, dtype=torch.float64)
-    bias = torch.randn(dim, generator=gen, dtype=torch.float64)
+    drawn = draw(shape, 5, dtype=torch.float64, device="cpu", conv_weight=True, conv_bias=True, seq_idx=starts)
+    x, w, bias, seq = xbc(drawn).requires_grad_(True), drawn["conv_weight"], drawn["conv_bias"], drawn["seq_idx"]
     out = causal_conv1d_reference(x, w, bias, seq)
     # every document convolved on its own
     for row in range(b):
@@ -686,13 +719,11 @@ def test_oracle_conv_seq_idx():
 # ---------------------------------------------------------------- fused conv + SSD
 
 def test_oracle_conv1d_ssd():
-    gen = torch.Generator().manual_seed(6)
-    b, l, h, p, g, n, K = 2, 21, 4, 3, 2, 5, 4
-    dim = h * p + 2 * g * n
-    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
-    xBC, dt, w, cb, dtb, D = r(b, l, dim), r(b, l, h), r(dim, K), r(dim), r(h), r(h)
-    A = -(torch.rand(h, generator=gen, dtype=torch.float64) + 0.5)
-    seq = torch.stack([seq_from_starts(l, [8]), seq_from_starts(l, [3, 16])])
+    b, l, h, p, g, n = 2, 21, 4, 3, 2, 5
+    full, _ = fused_inputs(Shape(batch=b, seqlen=l, nheads=h, headdim=p, ngroups=g, dstate=n), 6, D="h",
+                           initial_states=False, seq_idx=[[8], [3, 16]], dtype=torch.float64)
+    xBC, dt, w, cb, dtb, A, D, seq = (full[k] for k in ("xBC", "dt", "conv_weight", "conv_bias", "dt_bias", "A", "D",
+                                                        "seq_idx"))
     kw = dict(headdim=p, ngroups=g, seq_idx=seq, dt_limit=(0.0, 2.0))
     y, S = conv1d_ssd_reference(xBC, dt, w, cb, dtb, A, D, **kw)
     u = causal_conv1d_reference(xBC, w, cb, seq)
@@ -730,18 +761,18 @@ OPTIONS = {
 
 @pytest.mark.parametrize("name", list(OPTIONS))
 def test_option_against_oracle(name):
-    assert_close(run_both(make_inputs(1, **SMALL, **OPTIONS[name])), FP32_BOUND)
+    assert_close(run_both(ssd_inputs(SMALL, 1, **OPTIONS[name])), FP32_BOUND)
 
 
 @pytest.mark.parametrize("shape", [
-    dict(batch=1, seqlen=100, nheads=3, headdim=8, ngroups=1, dstate=16, chunk=64),   # partial chunk
-    dict(batch=2, seqlen=33, nheads=6, headdim=24, ngroups=3, dstate=20, chunk=16),  # odd sizes
-    dict(batch=1, seqlen=5, nheads=2, headdim=8, ngroups=2, dstate=8, chunk=16),     # shorter than a chunk
-    dict(batch=1, seqlen=64, nheads=2, headdim=32, ngroups=1, dstate=32, chunk=32),  # exact chunks
+    Shape(batch=1, seqlen=100, nheads=3, headdim=8, ngroups=1, dstate=16, chunk=64),   # partial chunk
+    Shape(batch=2, seqlen=33, nheads=6, headdim=24, ngroups=3, dstate=20, chunk=16),  # odd sizes
+    Shape(batch=1, seqlen=5, nheads=2, headdim=8, ngroups=2, dstate=8, chunk=16),     # shorter than a chunk
+    Shape(batch=1, seqlen=64, nheads=2, headdim=32, ngroups=1, dstate=32, chunk=32),  # exact chunks
 ], ids=["l100_q64", "g3_p24_n20", "l5", "exact"])
 def test_awkward_shapes(shape):
-    assert_close(run_both(make_inputs(2, **shape, D="h", z=True, dt_bias=True, dt_softplus=True,
-                                      initial_states=True)), FP32_BOUND)
+    assert_close(run_both(ssd_inputs(shape, 2, D="h", z=True, dt_bias=True, dt_softplus=True, initial_states=True)),
+                 FP32_BOUND)
 
 
 def test_set_tuning_refuses_unknown_names():
@@ -754,11 +785,11 @@ def test_gpu_program_shapes(tuned):
     """The GPU's tuning in the interpreter: one head per output program, the whole state as one
     tile in both chunk-backward kernels, the GPU's segments and conv and gate tiles."""
     tuned("gpu")
-    assert_close(run_both(make_inputs(1, **SMALL, **OPTIONS["all"])), FP32_BOUND)
+    assert_close(run_both(ssd_inputs(SMALL, 1, **OPTIONS["all"])), FP32_BOUND)
 
 
 def test_dt_limit_clamps():
-    inputs = make_inputs(3, **SMALL, dt_softplus=True, dt_bias=True, dt_limit=(0.25, 0.6))
+    inputs = ssd_inputs(SMALL, 3, dt_softplus=True, dt_bias=True, dt_limit=(0.25, 0.6))
     v = ref.process_dt(inputs["dt"], inputs["dt_bias"], True)
     low, high = (v < 0.25).float().mean().item(), (v > 0.6).float().mean().item()
     assert low > 0.05 and high > 0.05, f"the limit must clamp on both sides (got {low:.2f}, {high:.2f})"
@@ -768,16 +799,15 @@ def test_dt_limit_clamps():
 def test_seq_idx_documents():
     """Several documents, one starting exactly at a chunk boundary (32), a one-token document
     (47), and rows that split differently; with initial states that reach only the first."""
-    inputs = make_inputs(4, **dict(SMALL, seqlen=90), seq_idx=[32, 47, 48, 70], initial_states=True,
-                         D="h", z=True)
+    inputs = ssd_inputs(SMALL._replace(seqlen=90), 4, seq_idx=[32, 47, 48, 70], initial_states=True, D="h", z=True)
     assert inputs["seq_idx"][0, 31] != inputs["seq_idx"][0, 32]
     assert_close(run_both(inputs), FP32_BOUND)
 
 
 @pytest.mark.parametrize("chunk", [64, 128])
 def test_extreme_decay(chunk):
-    inputs = make_inputs(5, batch=2, seqlen=300, nheads=4, headdim=16, ngroups=2, dstate=16, chunk=chunk,
-                         extreme=True, D="hp", initial_states=True, seq_idx=[150])
+    inputs = ssd_inputs(Shape(batch=2, seqlen=300, nheads=4, headdim=16, ngroups=2, dstate=16, chunk=chunk), 5,
+                        extreme=True, D="hp", initial_states=True, seq_idx=[150])
     frac = (inputs["dt"] * inputs["A"] <= -999).float().mean().item()
     assert 0.02 < frac < 0.1
     errs = assert_close(run_both(inputs), FP32_BOUND)
@@ -797,7 +827,7 @@ GROWTH = {
 
 @pytest.mark.parametrize("name", list(GROWTH))
 def test_growth_against_oracle(name):
-    inputs = make_inputs(11, **SMALL, **GROWTH[name])
+    inputs = ssd_inputs(SMALL, 11, **GROWTH[name])
     dtp = process_dt(inputs["dt"], inputs.get("dt_bias"), inputs["dt_softplus"])
     assert (dtp * inputs["A"] > 0).float().mean() > 0.9
     assert_close(run_both(inputs), FP32_BOUND)
@@ -805,7 +835,7 @@ def test_growth_against_oracle(name):
 
 @pytest.mark.parametrize("opts", [OPTIONS["all"], GROWTH["strong_documents"]], ids=["decay", "growth"])
 def test_deterministic(opts):
-    inputs = make_inputs(6, **SMALL, **opts)
+    inputs = ssd_inputs(SMALL, 6, **opts)
     runs = []
     for _ in range(2):
         leaves = {k: v.detach().clone().requires_grad_(True) for k, v in inputs.items() if k in DIFFERENTIABLE}
@@ -817,7 +847,7 @@ def test_deterministic(opts):
 
 
 def test_returns_like_mamba_ssm():
-    inputs = make_inputs(7, **SMALL)
+    inputs = ssd_inputs(SMALL, 7)
     y = mamba_cp.mamba_chunk_scan_combined(**inputs)
     assert isinstance(y, torch.Tensor) and y.shape == inputs["x"].shape and y.dtype == inputs["x"].dtype
     y2, final = mamba_cp.mamba_chunk_scan_combined(**inputs, return_final_states=True)
@@ -828,7 +858,7 @@ def test_returns_like_mamba_ssm():
 def test_state_dtype():
     """Chunk states stored in float32 are what float32 inputs get anyway (bitwise); stored in
     bf16 or fp16 they cost accuracy, which shows the argument is honoured."""
-    inputs = make_inputs(12, **SMALL, **OPTIONS["all"])
+    inputs = ssd_inputs(SMALL, 12, **OPTIONS["all"])
     default = run_both(inputs)
     fp32 = run_both(dict(inputs, state_dtype=torch.float32))
     assert all(torch.equal(fp32[k][0], default[k][0]) for k in default)
@@ -860,8 +890,8 @@ def test_varlen_states(opts):
     15 inside a chunk and one of 40 across three chunks; both return orders."""
     lens = [1, 31, 33, 15, 40]
     cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
-    inputs = make_inputs(13, batch=1, seqlen=int(cu[-1]), nheads=4, headdim=8, ngroups=2, dstate=16, chunk=16,
-                         seq_idx=cu[1:-1].tolist(), **opts)
+    inputs = ssd_inputs(Shape(batch=1, seqlen=int(cu[-1]), nheads=4, headdim=8, ngroups=2, dstate=16, chunk=16), 13,
+                        seq_idx=cu[1:-1].tolist(), **opts)
     cu = cu.to(DEVICE)
     y, final, states = mamba_cp.mamba_chunk_scan_combined(**inputs, cu_seqlens=cu, return_final_states=True,
                                                           return_varlen_states=True)
@@ -875,7 +905,7 @@ def test_varlen_states(opts):
 def test_varlen_states_have_no_backward():
     """As in mamba_ssm: gradients flow through y (and the final state), not the varlen states."""
     cu = torch.tensor([0, 20, 45], dtype=torch.int32)
-    inputs = make_inputs(14, batch=1, seqlen=45, nheads=2, headdim=8, ngroups=1, dstate=8, chunk=16, seq_idx=[20])
+    inputs = ssd_inputs(Shape(batch=1, seqlen=45, nheads=2, headdim=8, ngroups=1, dstate=8, chunk=16), 14, seq_idx=[20])
     x = inputs["x"].clone().requires_grad_(True)
     y, states = mamba_cp.mamba_chunk_scan_combined(**dict(inputs, x=x), cu_seqlens=cu.to(DEVICE),
                                                    return_varlen_states=True)
@@ -891,7 +921,9 @@ def test_varlen_states_have_no_backward():
 # ---------------------------------------------------------------------------------------------
 
 def _bad_cases():
-    ok = make_inputs(8, batch=1, seqlen=20, nheads=4, headdim=8, ngroups=2, dstate=8, chunk=16, device="cpu")
+    drawn = ssd_inputs(Shape(batch=1, seqlen=20, nheads=4, headdim=8, ngroups=2, dstate=8, chunk=16), 8, device="cpu",
+                       D="h", z=True, dt_bias=True, initial_states=True)
+    ok = {k: v for k, v in drawn.items() if k not in ("D", "z", "dt_bias", "initial_states")}
     x, B = ok["x"], ok["B"]
     seq = torch.tensor([[0] * 8 + [1] * 12], dtype=torch.int32)        # documents [0, 8) and [8, 20)
     return {
@@ -900,11 +932,11 @@ def _bad_cases():
         "A_shape": ("A", dict(A=ok["A"][:3])),
         "B_rank": ("B", dict(B=B[0])),
         "C_shape": ("C", dict(C=ok["C"][..., :4])),
-        "ngroups": ("B", dict(B=torch.randn(1, 20, 3, 8), C=torch.randn(1, 20, 3, 8))),
-        "D_shape": ("D", dict(D=torch.randn(5))),
-        "z_shape": ("z", dict(z=torch.randn(1, 20, 4, 7))),
-        "dt_bias_shape": ("dt_bias", dict(dt_bias=torch.randn(4, 1))),
-        "init_shape": ("initial_states", dict(initial_states=torch.randn(1, 4, 8, 9))),
+        "ngroups": ("B", dict(B=torch.cat([B, B[:, :, :1]], 2), C=torch.cat([ok["C"], ok["C"][:, :, :1]], 2))),
+        "D_shape": ("D", dict(D=torch.cat([drawn["D"], drawn["D"][:1]]))),                    # (5,)
+        "z_shape": ("z", dict(z=drawn["z"][..., :7])),                                        # (1, 20, 4, 7)
+        "dt_bias_shape": ("dt_bias", dict(dt_bias=drawn["dt_bias"][:, None])),                # (4, 1)
+        "init_shape": ("initial_states", dict(initial_states=F.pad(drawn["initial_states"], (0, 1)))),  # n = 9
         "seq_float": ("seq_idx", dict(seq_idx=torch.zeros(1, 20))),
         "seq_decreasing": ("seq_idx", dict(seq_idx=torch.tensor([[1] * 10 + [0] * 10], dtype=torch.int32))),
         "chunk_not_pow2": ("chunk_size", dict(chunk_size=48)),
@@ -946,7 +978,7 @@ def cp_round_trip_errors(rank, world, group, device):
     """zigzag -> contiguous -> zigzag must be bitwise exact, forward and backward, both backends."""
     errs = {}
     for backend in ("permute_p2p", "permute_a2a"):
-        full = torch.randn(2, 2 * world * 6, 3, generator=torch.Generator().manual_seed(5)).to(device)
+        full = draw(Shape(batch=2, seqlen=12 * world, nheads=1, headdim=3), 5, device=device)["x"].flatten(2)
         x = mamba_cp.shard(full, rank, world, "virtual").requires_grad_(True)
         contiguous = mamba_cp._PermuteFn.apply(x, group, backend, True)
         want = mamba_cp.shard(full, rank, world, "none")
@@ -958,17 +990,18 @@ def cp_round_trip_errors(rank, world, group, device):
     return errs
 
 
-def random_summaries(world, layout, seed=7, batch=2, h=3, p=4, n=5):
+def random_summaries(world, layout, seed=7):
     """Every global segment's (a, S_ext, first id, last id), initial state, G, and one dfinal
-    per rank. Decays a in (0, 1.3): some segments grow. Document ids rise by 0 or 1 at each
-    segment end and inside segments, so documents start at boundaries, inside segments, and
-    span several."""
-    g = torch.Generator().manual_seed(seed)
+    per rank (draw's summaries, a segment per position). Decays a in (0, 1.3): some segments
+    grow. Document ids rise by 0 or 1 at each segment end and inside segments, so documents
+    start at boundaries, inside segments, and span several."""
     K = mamba_cp._pieces(0, world, layout)[1]
-    ids = torch.cumsum(torch.randint(0, 2, (batch, 2 * K), generator=g), dim=1).to(torch.int32)
-    return dict(a=torch.rand(batch, K, h, generator=g) * 1.3, S=torch.randn(batch, K, h, p, n, generator=g),
-                first=ids[:, 0::2], last=ids[:, 1::2], init=torch.randn(batch, h, p, n, generator=g),
-                G=torch.randn(batch, K, h, p, n, generator=g), dfinal=torch.randn(world, batch, h, p, n, generator=g))
+    shape = Shape(batch=2, seqlen=K, nheads=3, headdim=4, ngroups=1, dstate=5)
+    b, h, p, n = shape.batch, shape.nheads, shape.headdim, shape.dstate
+    drawn = draw(shape, seed, device="cpu", summaries=True, initial_states=True,
+                 weights=dict(G=(b, K, h, p, n), dfinal=(world, b, h, p, n)))
+    return dict(a=drawn["a"], S=drawn["S_ext"], first=drawn["first_id"], last=drawn["last_id"],
+                init=drawn["initial_states"], G=drawn["G"], dfinal=drawn["dfinal"])
 
 
 def sequential_summaries(s):
@@ -1085,8 +1118,8 @@ def exchange_world_check(rank, world, group, device):
     """Every layout with both summary exchanges, documents across ranks, initial and final
     states: each against the oracle, and the scan against the all-gather."""
     piece = 16
-    base = dict(CP_SMALL, batch=1, piece=piece, seq=[3, 9, 10, piece, piece + 5, 4 * piece + 7],
-                dt_limit=(0.05, 2.0), seed=1)
+    base = dict(shape=CP_SMALL._replace(batch=1, seqlen=2 * piece), seed=1, dt_limit=(0.05, 2.0),
+                seq_idx=[3, 9, 10, piece, piece + 5, 4 * piece + 7])
     results = {}
     for layout in mamba_cp.LAYOUTS:
         kept = {}
@@ -1115,7 +1148,7 @@ def test_cp_summary_exchanges(world):
 def cp_bad_input_messages(rank, world, group, device):
     """Each bad call must raise a ValueError on every rank, before any collective that could hang.
     Returns {case: message or 'no error'} for this rank."""
-    full, opts = cp_inputs(0, world, **dict(CP_SMALL, piece=6))
+    full, opts = fused_inputs(CP_SMALL._replace(seqlen=12).per_world(world), 0)
     local = {k: (mamba_cp.shard(v, rank, world, "none") if k in CP_ACTIVATIONS + ("seq_idx",) and v is not None
                  else v) for k, v in full.items()}
 
@@ -1226,7 +1259,8 @@ CONV_STARTS = {
                                       (50, "mixed2"), (77, "mixed"), (77, "mixed2")])
 def test_conv_matches_reference(d, l, halo, starts):
     bias = (d + l + halo + len(starts)) % 2 == 1   # half the cases with bias, spread over the grid
-    inp, dout = conv_inputs(2, l, 40, d, halo=halo, bias=bias, starts=CONV_STARTS[starts], seed=d * 100 + l)
+    inp, dout = conv_inputs(CONV_SMALL._replace(seqlen=l, d_conv=d), d * 100 + l, halo=halo, bias=bias,
+                            starts=CONV_STARTS[starts])
     conv_check(inp, dout)
 
 
@@ -1234,7 +1268,7 @@ def test_conv_matches_reference(d, l, halo, starts):
 @pytest.mark.parametrize("halo", [False, True])
 def test_conv_without_documents(d, halo):
     bias = (d + halo) % 2 == 1      # each of halo / no halo seen with and without bias
-    inp, dout = conv_inputs(2, 77, 40, d, halo=halo, bias=bias, starts=None, seed=d)
+    inp, dout = conv_inputs(CONV_SMALL._replace(d_conv=d), d, halo=halo, bias=bias, starts=None)
     conv_check(inp, dout)
 
 
@@ -1242,13 +1276,14 @@ def test_conv_without_documents(d, halo):
                          ids=["in-halo", "at-0", "at-1-2", "one-token", "one-doc"])
 def test_conv_document_boundaries(starts):
     """Each kind of boundary alone, d=4 with a halo: the halo's own ids matter."""
-    inp, dout = conv_inputs(2, 50, 40, 4, halo=True, bias=True, starts=starts, seed=5)
+    inp, dout = conv_inputs(CONV_SMALL._replace(seqlen=50), 5, halo=True, bias=True, starts=starts)
     conv_check(inp, dout)
 
 
 @pytest.mark.parametrize("d", [2, 4, 8])
 def test_conv_non_contiguous(d):
-    inp, dout = conv_inputs(2, 77, 40, d, halo=True, bias=True, starts=CONV_STARTS["mixed"], strided=True)
+    inp, dout = conv_inputs(CONV_SMALL._replace(d_conv=d), halo=True, bias=True, starts=CONV_STARTS["mixed"],
+                            strided=True)
     assert not inp["xBC"].is_contiguous()
     inp["halo"] = inp["halo"].transpose(1, 2).contiguous().transpose(1, 2)   # channel-strided halo
     inp["weight"] = inp["weight"].t().contiguous().t()                          # tap-major weight
@@ -1262,13 +1297,13 @@ def test_conv_small_tiles_many_programs(tuned):
     taps cross tile edges, channel masks, partial sums folded across blocks."""
     tuned(dataclasses.replace(mamba_cp.tuning(), conv_fwd_blocks=(32, 32), conv_bwd_blocks=(32, 32),
                               conv_bwd_programs=7))     # 3 token x 2 channel blocks x 2 rows -> 2 blocks each
-    inp, dout = conv_inputs(2, 77, 40, 4, halo=True, bias=True, starts=CONV_STARTS["mixed"], seed=3)
+    inp, dout = conv_inputs(CONV_SMALL, 3, halo=True, bias=True, starts=CONV_STARTS["mixed"])
     conv_check(inp, dout)
 
 
 def test_conv_deterministic(tuned):
     tuned(dataclasses.replace(mamba_cp.tuning(), conv_bwd_programs=1))   # a row's token blocks in one program
-    inp, dout = conv_inputs(2, 77, 40, 4, halo=True, bias=True, starts=CONV_STARTS["mixed"], seed=11)
+    inp, dout = conv_inputs(CONV_SMALL, 11, halo=True, bias=True, starts=CONV_STARTS["mixed"])
     a, b = mamba_cp.conv1d_bwd(dout, **inp), mamba_cp.conv1d_bwd(dout, **inp)
     for x, y in zip(a, b):
         assert torch.equal(x, y)
@@ -1276,7 +1311,7 @@ def test_conv_deterministic(tuned):
 
 
 def test_conv_need_dhalo_false():
-    inp, dout = conv_inputs(2, 50, 40, 4, halo=True, bias=False, starts=None)
+    inp, dout = conv_inputs(CONV_SMALL._replace(seqlen=50), halo=True, bias=False, starts=None)
     dx, dhalo, dw, db = mamba_cp.conv1d_bwd(dout, **inp, need_dhalo=False)
     assert dhalo is None and db is None
     _, want = conv_reference(inp, dout)
@@ -1284,7 +1319,7 @@ def test_conv_need_dhalo_false():
 
 
 def test_conv_bad_inputs():
-    inp, dout = conv_inputs(2, 10, 40, 4, halo=True, bias=True, starts=CONV_STARTS["mixed"])
+    inp, dout = conv_inputs(CONV_SMALL._replace(seqlen=10), halo=True, bias=True, starts=CONV_STARTS["mixed"])
     bad = [
         dict(weight=inp["weight"][:, :1]),                        # d_conv 1
         dict(weight=inp["weight"][:30]),                          # wrong dim
@@ -1314,28 +1349,27 @@ def cp_cases(world, gpu=False):
     """The CP checks for a world of W ranks: every layout with every option (documents that
     cross rank boundaries, initial and final states, dt_limit, ragged lengths), plain runs, and
     the all-to-all baseline."""
-    base = dict(CP_SMALL) if not gpu else dict(batch=1, nheads=64, headdim=64, ngroups=8, dstate=128, d_conv=4,
-                                               chunk=128, piece=1000, dtype=torch.bfloat16)
-    piece = base["piece"]
+    base = dict(shape=CP_RECORD, dtype=torch.bfloat16) if gpu else dict(shape=CP_SMALL)
+    piece = base["shape"].seqlen // 2
     # document starts: exactly at a segment boundary (piece), many short documents inside the
     # first piece, one document spanning three pieces (from piece + 5 to past 3 * piece)
     docs = [3, 9, 10, piece, piece + 5, 4 * piece + 7] if world > 1 else [3, 9, 10, piece, piece + 5]
     cases = []
     for layout in mamba_cp.LAYOUTS:
         if not gpu:  # on GPUs every case compiles its own kernel variants: keep to the full ones
-            cases.append(dict(base, name=f"{layout} plain", layout=layout, D="h", init=False))
-        cases.append(dict(base, name=f"{layout} all options", layout=layout, seq=docs,
+            cases.append(dict(base, name=f"{layout} plain", layout=layout, D="h", initial_states=False))
+        cases.append(dict(base, name=f"{layout} all options", layout=layout, seq_idx=docs,
                           dt_limit=(0.05, 2.0), seed=1))
-        if base["nheads"] % world == 0:
-            cases.append(dict(base, name=f"a2a {layout}", layout=layout, path="a2a", seq=docs, seed=2))
+        if base["shape"].nheads % world == 0:
+            cases.append(dict(base, name=f"a2a {layout}", layout=layout, path="a2a", seq_idx=docs, seed=2))
     # growth (A > 0): exponents of positive sign through the summaries and the scan
-    cases.append(dict(base, name="virtual growth", layout="virtual", seq=docs, growth=True, seed=4))
+    cases.append(dict(base, name="virtual growth", layout="virtual", seq_idx=docs, growth="pos_A_e8", seed=4))
     if not gpu:  # the conv without its SiLU (activation=None)
-        cases.append(dict(base, name="none, conv without activation", layout="none", seq=docs, activation=None,
+        cases.append(dict(base, name="none, conv without activation", layout="none", seq_idx=docs, activation=None,
                           seed=5))
     if world == 3 and not gpu:  # 2 heads per rank straddle the 3-head groups: per-head group copies
         cases.append(dict(base, name="a2a none, heads straddle groups", layout="none", path="a2a",
-                          nheads=6, ngroups=2, seed=3))
+                          shape=CP_SMALL._replace(nheads=6, ngroups=2), seed=3))
     return cases
 
 
@@ -1377,38 +1411,34 @@ SPLIT_OPTIONS = {
     "gate": dict(),
     "norm": dict(norm=True),
     "norm_after_gate": dict(norm=True, norm_before_gate=False),
-    "no_swiglu_no_activation_D_h": dict(d_nonssm=0, activation=None, D="h"),
-    "outproj_bias_documents": dict(norm=True, outproj="bias", seq=[5, 40]),
-    "outproj_dt_limit_no_init": dict(outproj="weight", dt_limit=(0.05, 2.0), init=False),
+    "no_swiglu_no_activation_D_h": dict(shape=SPLIT_SMALL._replace(d_nonssm=0), activation=None, D="h"),
+    "outproj_bias_documents": dict(norm=True, outproj="bias", seq_idx=[5, 40]),
+    "outproj_dt_limit_no_init": dict(outproj="weight", dt_limit=(0.05, 2.0), initial_states=False),
 }
 
 
 @pytest.mark.parametrize("name", list(SPLIT_OPTIONS))
 def test_split_conv1d_scan_single_device(name):
-    errs = split_case_errors(dict(SPLIT_SMALL, layout="none", seed=1, **SPLIT_OPTIONS[name]), 0, 1, None, DEVICE)
+    errs = split_case_errors(dict(shape=SPLIT_SMALL, layout="none", seed=1) | SPLIT_OPTIONS[name], 0, 1, None, DEVICE)
     bad = {k: e for k, e in errs.items() if not e <= FP32_BOUND}
     assert not bad, f"relative RMS above {FP32_BOUND:g}: {bad} (all: {errs})"
-
-
-SPLIT_RECORD = dict(batch=1, nheads=64, headdim=64, ngroups=8, dstate=128, d_conv=4, chunk=128, piece=1000,
-                    dtype=torch.bfloat16)
 
 
 def test_split_gate_norm_programs_loop(tuned):
     """Few programs, so each walks several row blocks and sums the norm weight's gradient over
     them (the GPU's plan at long sequences)."""
     tuned(dataclasses.replace(mamba_cp.tuning(), gate_programs=2))
-    errs = split_case_errors(dict(SPLIT_SMALL, layout="none", seed=6, norm=True), 0, 1, None, DEVICE)
+    errs = split_case_errors(dict(shape=SPLIT_SMALL, layout="none", seed=6, norm=True), 0, 1, None, DEVICE)
     assert all(e <= FP32_BOUND for e in errs.values()), errs
 
 
 def split_world_check(rank, world, group, device, gpu=False):
     """Every layout with every option combined (documents across rank boundaries), and the plain
     gate (CPU); errors reduced (MAX) over the group. gpu: bf16 at the shape of record."""
-    base = SPLIT_RECORD if gpu else SPLIT_SMALL
-    piece = base["piece"]
-    everything = dict(norm=True, norm_before_gate=False, outproj="bias", D="h", seq=[3, piece, piece + 5, 3 * piece + 2],
-                      dt_limit=(0.05, 2.0))
+    base = dict(shape=SPLIT_RECORD, dtype=torch.bfloat16) if gpu else dict(shape=SPLIT_SMALL)
+    piece = base["shape"].seqlen // 2
+    everything = dict(norm=True, norm_before_gate=False, outproj="bias", D="h",
+                      seq_idx=[3, piece, piece + 5, 3 * piece + 2], dt_limit=(0.05, 2.0))
     cases = [dict(base, layout=layout, seed=2, name=f"{layout} all options", **everything)
              for layout in mamba_cp.LAYOUTS]
     cases.append(dict(base, layout="virtual", seed=2, name="virtual all options, scan exchange", exchange="scan",
@@ -1433,7 +1463,7 @@ def test_split_conv1d_scan_cp(world):
 
 
 def test_split_conv1d_scan_bad_inputs():
-    full, opts = split_inputs(0, 1, **SPLIT_SMALL, norm=True, outproj="bias")
+    full, opts = split_inputs(SPLIT_SMALL, 0, norm=True, outproj="bias")
     call = dict(full, **opts)
     cases = {
         "zxbcdt": dict(zxbcdt=full["zxbcdt"][..., 1:]),                         # no d_nonssm fits
@@ -1464,8 +1494,8 @@ def compiled_vs_eager(fn, leaves, fullgraph, seed=0):
         ins = [t.detach().clone().requires_grad_(True) for t in leaves]
         outs = f(*ins)
         outs = outs if isinstance(outs, tuple) else (outs,)
-        g = torch.Generator().manual_seed(seed)
-        weights = [torch.randn(o.shape, generator=g).to(o.device, o.dtype) for o in outs]
+        w = draw(None, seed, device=outs[0].device, weights={str(i): o.shape for i, o in enumerate(outs)})
+        weights = [w[str(i)].to(o.dtype) for i, o in enumerate(outs)]
         pulled = [(o, w) for o, w in zip(outs, weights) if o.requires_grad]
         outs_pulled, weights_pulled = zip(*pulled)
         return [o.detach() for o in outs] + list(torch.autograd.grad(outs_pulled, ins, weights_pulled))
@@ -1478,7 +1508,7 @@ def compiled_vs_eager(fn, leaves, fullgraph, seed=0):
 def compile_cases(device, world=1, group=None, rank=0):
     """(name, fn, leaves) for each entry point: the single-device SSD with every option and
     varlen states, and the fused core on every layout and the all-to-all baseline."""
-    inputs = make_inputs(15, **SMALL, **OPTIONS["all"], device=device)
+    inputs = ssd_inputs(SMALL, 15, **OPTIONS["all"], device=device)
     seq, chunk = inputs["seq_idx"], inputs["chunk_size"]
     names = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
 
@@ -1489,8 +1519,8 @@ def compile_cases(device, world=1, group=None, rank=0):
 
     cases = [("mamba_chunk_scan_combined", ssd, [inputs[k] for k in names])] if world == 1 else []
     if world == 1:
-        v = make_inputs(16, batch=1, seqlen=45, nheads=2, headdim=8, ngroups=1, dstate=8, chunk=16, seq_idx=[20],
-                        device=device)
+        v = ssd_inputs(Shape(batch=1, seqlen=45, nheads=2, headdim=8, ngroups=1, dstate=8, chunk=16), 16,
+                       seq_idx=[20], device=device)
         cu = torch.tensor([0, 20, 45], dtype=torch.int32, device=device)
 
         def varlen(x, dt, B, C):
@@ -1499,7 +1529,7 @@ def compile_cases(device, world=1, group=None, rank=0):
             return y, states.detach()
 
         cases.append(("mamba_chunk_scan_combined varlen", varlen, [v[k] for k in ("x", "dt", "B", "C")]))
-    full, opts = cp_inputs(17, world, **CP_SMALL, seq=[3, 40, 74], device=device)
+    full, opts = fused_inputs(CP_SMALL.per_world(world), 17, seq_idx=[3, 40, 74], device=device)
     cp_names = ("xBC", "dt", "conv_weight", "conv_bias", "dt_bias", "A", "D", "initial_states")
     paths = [("cp", layout) for layout in mamba_cp.LAYOUTS] if world > 1 else [("cp", "none")]
     paths.append(("a2a", "none"))
@@ -1514,7 +1544,8 @@ def compile_cases(device, world=1, group=None, rank=0):
                          initial_states=init, return_final_states=True)
 
         cases.append((f"{'mamba_conv1d_ssd_' + path} {layout}", core, [local[k] for k in cp_names]))
-    split, sopts = split_inputs(20, world, **SPLIT_SMALL, norm=True, outproj="bias", seq=[3, 40], device=device)
+    split, sopts = split_inputs(SPLIT_SMALL.per_world(world), 20, norm=True, outproj="bias", seq_idx=[3, 40],
+                                device=device)
     for layout in ("none", "virtual") if world > 1 else ("none",):
         local = {k: mamba_cp.shard(v, rank, world, layout) if k in ("zxbcdt", "seq_idx") else v
                  for k, v in split.items()}
@@ -1557,13 +1588,10 @@ def test_torch_compile_single_process():
 def test_torch_compile_fused_core_bf16():
     """The call that crashed under inductor (an illegal memory access): the fused core in a world
     of one, bf16 (1, 2048, 768), a loss computed inside the compiled function."""
-    g = torch.Generator().manual_seed(18)
-    h, p, ng, n, L = 8, 64, 2, 64, 2048
-    conv_dim = h * p + 2 * ng * n
-    leaves = [torch.randn(1, L, conv_dim, generator=g).bfloat16(), (torch.randn(1, L, h, generator=g) * 0.5 - 1).bfloat16(),
-              torch.randn(conv_dim, 4, generator=g) * 0.3, torch.randn(conv_dim, generator=g) * 0.1,
-              torch.rand(h, generator=g) * 0.5, -torch.rand(h, generator=g) - 0.5, torch.ones(h)]
-    leaves = [t.cuda() for t in leaves]
+    p, ng = 64, 2
+    full, _ = fused_inputs(Shape(batch=1, seqlen=2048, nheads=8, headdim=p, ngroups=ng, dstate=64, chunk=128), 18,
+                           D="h", initial_states=False, dtype=torch.bfloat16, device="cuda")
+    leaves = [full["xBC"], full["dt"].bfloat16()] + [full[k] for k in ("conv_weight", "conv_bias", "dt_bias", "A", "D")]
 
     def step(xBC, dt, w, b, dt_bias, A, D):
         y = mamba_cp.mamba_conv1d_ssd_cp(xBC, dt, w, b, dt_bias, A, D, 128, headdim=p, ngroups=ng)
@@ -1637,8 +1665,8 @@ def train_losses(rank, world, group, layout, L=48, device="cpu", steps=3):
     torch.manual_seed(0)
     model = TinyMamba2Mixer().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    g = torch.Generator().manual_seed(1)
-    u, target = torch.randn(2, L, 16, generator=g).to(device), torch.randn(2, L, 16, generator=g).to(device)
+    data = draw(Shape(batch=2, seqlen=L), 1, device=device, features=16)
+    u, target = data["u"], data["target"]
     if group is not None:
         u, target = (mamba_cp.shard(t, rank, world, layout) for t in (u, target))
     losses = []
@@ -1718,7 +1746,7 @@ def hf_train(rank, world, group, layout, steps=3, L=44, dtype=torch.float32):
         sys.path.insert(0, EXAMPLES)
     import transformers_cp
     model = tiny_mamba2().to(dtype)
-    ids = torch.randint(0, model.config.vocab_size, (2, L), generator=torch.Generator().manual_seed(5))
+    ids = draw(Shape(batch=2, seqlen=L), 5, device="cpu", vocab=model.config.vocab_size)["input_ids"]
     if group is not None:
         model = transformers_cp.enable_mamba_cp(model, group, layout)
         batch = transformers_cp.shard_batch(ids, ids, rank, world, layout)
@@ -1847,7 +1875,8 @@ def test_bf16_record_shape(opts):
     """bf16 kernels against the oracle fed the same bf16-rounded values (chunked float64 form)."""
     opts = dict(opts)
     state_dtype = opts.pop("state_dtype", None)
-    inputs = dict(make_inputs(9, batch=2, seqlen=1000, **RECORD, dtype=torch.bfloat16, **opts), state_dtype=state_dtype)
+    inputs = dict(ssd_inputs(Shape(batch=2, seqlen=1000, **RECORD), 9, dtype=torch.bfloat16, **opts),
+                  state_dtype=state_dtype)
     oracle_inputs = {k: (v.float() if isinstance(v, torch.Tensor) and v.dtype == torch.bfloat16 else v)
                      for k, v in inputs.items()}
     assert_close(run_both(inputs, oracle_inputs, chunked=True), BF16_BOUND)
@@ -1857,8 +1886,8 @@ def test_bf16_record_shape(opts):
 def test_varlen_states_bf16_record_shape():
     """Documents of 1, 127, 129 and 743 tokens (one ending at a kernel-chunk boundary, 128)."""
     cu = torch.tensor([0, 1, 128, 257, 1000], dtype=torch.int32)
-    inputs = make_inputs(19, batch=1, seqlen=1000, **RECORD, dtype=torch.bfloat16, seq_idx=cu[1:-1].tolist(),
-                         initial_states=True, dt_bias=True, dt_softplus=True)
+    inputs = ssd_inputs(Shape(batch=1, seqlen=1000, **RECORD), 19, dtype=torch.bfloat16, seq_idx=cu[1:-1].tolist(),
+                        initial_states=True, dt_bias=True, dt_softplus=True)
     _, states = mamba_cp.mamba_chunk_scan_combined(**inputs, cu_seqlens=cu.cuda(), return_varlen_states=True)
     oracle = {k: (v.float() if isinstance(v, torch.Tensor) and v.dtype == torch.bfloat16 else v)
               for k, v in inputs.items()}
@@ -1868,7 +1897,8 @@ def test_varlen_states_bf16_record_shape():
 @gpu
 def test_split_conv1d_scan_bf16_record_shape():
     """The fused entry in a world of one, bf16 at the shape of record, every option."""
-    case = dict(SPLIT_RECORD, layout="none", seed=4, norm=True, outproj="bias", seq=[3, 700], dt_limit=(0.05, 2.0))
+    case = dict(shape=SPLIT_RECORD, dtype=torch.bfloat16, layout="none", seed=4, norm=True, outproj="bias",
+                seq_idx=[3, 700], dt_limit=(0.05, 2.0))
     errs = split_case_errors(case, 0, 1, None, "cuda")
     print(errs)
     assert all(e <= BF16_BOUND for e in errs.values()), errs
@@ -1900,8 +1930,8 @@ def test_split_conv1d_scan_matches_mamba_ssm(norm):
     # SwiGLU channels only with the norm: mamba_ssm 2.3.2.post1's own backward fails with SwiGLU
     # channels, the z gate (no norm) and an out projection together (an out-projection gradient
     # d_nonssm columns short: "got [5, 4096] but expected shape compatible with [5, 4099]")
-    full, opts = split_inputs(21, 1, **dict(SPLIT_RECORD, piece=2048), norm=norm, outproj="bias", D="h",
-                              d_nonssm=3 if norm else 0, device="cuda")
+    full, opts = split_inputs(SPLIT_RECORD._replace(seqlen=4096, d_nonssm=3 if norm else 0), 21, norm=norm,
+                              outproj="bias", D="h", dtype=torch.bfloat16, device="cuda")
     for k in ("outproj_weight", "outproj_bias"):       # a bf16 model's projection (mamba_ssm needs one dtype)
         full[k] = full[k].bfloat16()
     leaves = [k for k in SPLIT_LEAVES if full[k] is not None]
@@ -1909,8 +1939,7 @@ def test_split_conv1d_scan_matches_mamba_ssm(norm):
     for fn in (mamba_cp.mamba_split_conv1d_scan_combined, peer):
         mine = {k: full[k].detach().clone().requires_grad_(True) for k in leaves}
         out, f = fn(**{**full, **mine}, **opts, return_final_states=True)
-        g = torch.Generator(device="cuda").manual_seed(5)
-        w = torch.randn(out.shape, generator=g, device="cuda", dtype=out.dtype)
+        w = draw(None, 5, dtype=out.dtype, device="cuda", weights=dict(out=out.shape))["out"]   # the same for both
         results.append([out.detach(), f.detach(), *torch.autograd.grad([out, f], list(mine.values()),
                                                                         [w, torch.ones_like(f)])])
     names = ["out", "final_states"] + ["d" + k for k in leaves]
@@ -1925,13 +1954,12 @@ def test_two_to_the_twenty_tokens():
     run as two halves joined through initial_states. Memory: one set of inputs, shared by both
     runs (the gradients come from torch.autograd.grad, nothing accumulates)."""
     L = 1 << 20
-    inputs = make_inputs(10, batch=1, seqlen=L, **RECORD, dtype=torch.bfloat16, D="h", dt_bias=True,
-                         dt_softplus=True)
+    inputs = ssd_inputs(Shape(batch=1, seqlen=L, **RECORD), 10, dtype=torch.bfloat16, D="h", dt_bias=True,
+                        dt_softplus=True)
     assert inputs["x"].numel() == 1 << 32
     leaves = {k: v.requires_grad_(True) for k, v in inputs.items() if k in DIFFERENTIABLE}
-    g = torch.Generator(device="cuda").manual_seed(11)
-    wy = torch.randn(inputs["x"].shape, generator=g, device="cuda", dtype=torch.bfloat16)
-    wf = torch.randn(1, 64, 64, 128, generator=g, device="cuda")
+    wy = draw(None, 11, dtype=torch.bfloat16, device="cuda", weights=dict(y=inputs["x"].shape))["y"]
+    wf = draw(None, 12, device="cuda", weights=dict(final_states=(1, 64, 64, 128)))["final_states"]
 
     y, f = mamba_cp.mamba_chunk_scan_combined(**inputs, return_final_states=True)
     g_full = torch.autograd.grad([y, f], list(leaves.values()), [wy, wf])  # no (y * wy) products in memory
@@ -1958,14 +1986,14 @@ def graph_capture_check(rank, world, group, device, layout="virtual"):
     """Forward and backward of the CP path, collectives included, captured in one CUDA graph:
     the replay must equal eager bit for bit, and new inputs copied into the captured buffers
     must change the output and again equal eager. Returns {check: passed}."""
-    full, opts = cp_inputs(7, world, **dict(CP_SMALL, piece=300, nheads=8, headdim=32, dstate=32, chunk=64),
-                           dtype=torch.bfloat16, device=device)
+    shape = CP_SMALL._replace(seqlen=600, nheads=8, headdim=32, dstate=32, chunk=64)
+    full, opts = fused_inputs(shape.per_world(world), 7, dtype=torch.bfloat16, device=device)
     local = {k: (mamba_cp.shard(v, rank, world, layout) if k in CP_ACTIVATIONS and v is not None else v)
              for k, v in full.items()}
     static = {k: v.detach().clone().requires_grad_(v.is_floating_point()) if v is not None else None
               for k, v in local.items()}
     grad_of = [k for k in ("xBC", "dt", "conv_weight", "dt_bias", "A", "D") if static[k] is not None]
-    dy = torch.randn(*local["xBC"].shape[:2], 8, 32, device=device, dtype=torch.bfloat16)
+    dy = draw(None, 8, dtype=torch.bfloat16, device=device, weights=dict(dy=(*local["xBC"].shape[:2], 8, 32)))["dy"]
 
     def step():
         y = mamba_cp.mamba_conv1d_ssd_cp(

@@ -19,7 +19,7 @@ import socket
 import subprocess
 import time
 import traceback
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import pytest
 import torch
@@ -38,6 +38,11 @@ FP32_BOUND = 1e-5
 BF16_BOUND = 1e-2
 gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA (these shapes are too large for the interpreter)")
 
+
+# ---------------------------------------------------------------------------------------------
+# Helpers: the criterion, and the verdict on a check's errors (the pytest tests and the
+# torchrun mode both judge by failures)
+# ---------------------------------------------------------------------------------------------
 
 @pytest.fixture
 def tuned():
@@ -60,6 +65,40 @@ def rel_rms(got, want):
         err += (g - w).pow(2).sum().item()
         scale += w.pow(2).sum().item()
     return (err / scale) ** 0.5 if scale > 0 else err ** 0.5
+
+
+def failures(results, bound):
+    """The verdict on a check's results {case: {quantity: error}}: the errors above bound (NaN
+    included), {case: {quantity: error}}; empty where the check passed."""
+    bad = {}
+    for case, errs in results.items():
+        for quantity, err in errs.items():
+            if not err <= bound:
+                bad.setdefault(case, {})[quantity] = err
+    return bad
+
+
+def largest(results):
+    """{quantity: its largest error over the cases} of a check's results."""
+    worst = {}
+    for errs in results.values():
+        for quantity, err in errs.items():
+            worst[quantity] = max(worst.get(quantity, 0.0), err)
+    return worst
+
+
+def expect(results, bound, label="relative RMS"):
+    """Assert that a check's results {case: {quantity: error}} pass bound."""
+    bad = failures(results, bound)
+    assert not bad, f"{label}: above {bound:g}: {bad} (all: {results})"
+    return results
+
+
+def assert_close(pairs, bound):
+    """Assert rel_rms(got, want) <= bound for each {name: (got, want)}; returns the errors."""
+    errs = {k: rel_rms(a, b) for k, (a, b) in pairs.items()}
+    expect({"relative RMS": errs}, bound)
+    return errs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -311,13 +350,6 @@ def run_both(inputs, oracle_inputs=None, chunked=False):
     return out
 
 
-def assert_close(pairs, bound):
-    errs = {k: rel_rms(a, b) for k, (a, b) in pairs.items()}
-    bad = {k: e for k, e in errs.items() if not e <= bound}
-    assert not bad, f"relative RMS above {bound:g}: {bad} (all: {errs})"
-    return errs
-
-
 CP_PARAMS = ("conv_weight", "conv_bias", "dt_bias", "A", "D", "initial_states")
 CP_ACTIVATIONS = ("xBC", "dt")
 SPLIT_LEAVES = ("zxbcdt", "conv1d_weight", "conv1d_bias", "dt_bias", "A", "D", "initial_states", "rmsnorm_weight",
@@ -426,11 +458,47 @@ def split_case_errors(case, rank, world, group, device):
 
 
 # ---------------------------------------------------------------------------------------------
-# Helpers: the process harness. A distributed check runs on every rank, evaluates all its
-# errors, then one all_reduce(MAX) gives every rank the same verdict. The same checks run
-# under pytest (gloo processes spawned here, each world with a timeout) and under torchrun
-# (the last section).
+# Helpers: the process harness. A distributed check, registered with @check and its bound, runs
+# on every rank as run(rank, world, group, device, gpu), evaluates all its errors, then one
+# all_reduce(MAX) (errors_everywhere) gives every rank the same verdict. The same checks run
+# under pytest (world_check: gloo processes spawned here, each world with a timeout) and under
+# torchrun (main, the last section), both judged by failures.
 # ---------------------------------------------------------------------------------------------
+
+class Check(NamedTuple):
+    """A distributed check: run(rank, world, group, device, gpu=False) returns {case: {quantity:
+    error}}, every error already reduced (MAX) over the group; it passes where no error exceeds
+    bound (gpu_bound under torchrun on GPUs, where some checks run bf16 at the record shape).
+    alone: torchrun runs it again in a world of one on each rank; under_torchrun(world): whether
+    torchrun runs it at all."""
+    label: str
+    run: Callable
+    bound: float
+    gpu_bound: float
+    alone: bool
+    under_torchrun: Callable
+
+
+CHECKS = []   # in the order of this file, which is the order torchrun runs them
+
+
+def check(label, bound, gpu_bound=None, alone=False, under_torchrun=lambda world: True):
+    """Register a distributed check (the decorated function) with its bound."""
+    def register(run):
+        run.check = Check(label, run, bound, bound if gpu_bound is None else gpu_bound, alone, under_torchrun)
+        CHECKS.append(run.check)
+        return run
+    return register
+
+
+def guarded(run, *args, **kwargs):
+    """run(*args, **kwargs), or where it raises, an error entry that fails every bound: a failure
+    on one rank must still reach the reduction."""
+    try:
+        return run(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001
+        return {"exception: " + repr(e)[:300]: float("inf")}
+
 
 def errors_everywhere(results, world, group, device):
     """{case: {tensor: error}} with every error replaced by its MAX over the group, so every
@@ -553,13 +621,11 @@ def world_verdict(world, fn_name, *args, timeout=600):
     return results[0]
 
 
-def _cp_verdict(results, bound):
-    failures = {}
-    for case, errs in results.items():
-        for tensor, err in errs.items():
-            if not err <= bound:
-                failures.setdefault(case, {})[tensor] = err
-    return failures
+def world_check(world, run, timeout=600):
+    """A registered check on W gloo ranks: its one verdict, asserted to pass the check's bound."""
+    verdict = world_verdict(world, run.__name__, timeout=timeout)
+    expect(verdict, run.check.bound, f"W={world} {run.check.label}")
+    return verdict
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1074,8 +1140,10 @@ def scan_in_one_process(s, layout, world, rank):
             applied(everything, dfin) if rank == 0 else torch.zeros_like(dfin))
 
 
-def scan_helper_errors(rank, world, group, device):
-    """_scan_summaries and _scan_grads on random summaries, both layouts, with documents."""
+@check("summary scan alone", 1e-6)
+def scan_helper_errors(rank, world, group, device, gpu=False):
+    """_scan_summaries and _scan_grads on random summaries, both layouts, with documents: within
+    float32 (1e-6) of the float64 recurrence and its gradient, bitwise where promised."""
     results = {}
     for layout in ("none", "virtual"):
         s = random_summaries(world, layout)
@@ -1109,12 +1177,11 @@ def scan_helper_errors(rank, world, group, device):
 def test_summary_scan_alone(world):
     """The prefix scan over W gloo ranks on random summaries (no kernels): within float32 of the
     float64 recurrence and its gradient, and bitwise the compositions it promises."""
-    verdict = world_verdict(world, "scan_helper_errors", timeout=300)
-    failures = _cp_verdict(verdict, 1e-6)
-    assert not failures, f"W={world}: {failures}"
+    world_check(world, scan_helper_errors, timeout=300)
 
 
-def exchange_world_check(rank, world, group, device):
+@check("summary exchanges", FP32_BOUND)
+def exchange_world_check(rank, world, group, device, gpu=False):
     """Every layout with both summary exchanges, documents across ranks, initial and final
     states: each against the oracle, and the scan against the all-gather."""
     piece = 16
@@ -1125,11 +1192,8 @@ def exchange_world_check(rank, world, group, device):
         kept = {}
         for exchange in ("all_gather", "scan"):
             kept[exchange] = {}
-            try:
-                results[f"{layout} {exchange}"] = cp_case_errors(dict(base, layout=layout, exchange=exchange), rank,
-                                                                 world, group, device, keep=kept[exchange])
-            except Exception as e:  # noqa: BLE001 - a failure on one rank must still reach the reduction
-                results[f"{layout} {exchange}"] = {"exception: " + repr(e)[:200]: float("inf")}
+            results[f"{layout} {exchange}"] = guarded(cp_case_errors, dict(base, layout=layout, exchange=exchange),
+                                                      rank, world, group, device, keep=kept[exchange])
         both = kept["all_gather"].keys() & kept["scan"].keys()
         results[f"{layout} scan vs all_gather"] = {k: rel_rms(kept["scan"][k], kept["all_gather"][k]) for k in both}
     return errors_everywhere(results, world, group, device)
@@ -1138,10 +1202,8 @@ def exchange_world_check(rank, world, group, device):
 @pytest.mark.parametrize("world", [2, 3, 5, 8])
 def test_cp_summary_exchanges(world):
     """summary_exchange="all_gather" and "scan" on W gloo ranks, every layout."""
-    verdict = world_verdict(world, "exchange_world_check")
+    verdict = world_check(world, exchange_world_check)
     assert all(len(verdict[f"{layout} scan vs all_gather"]) == 10 for layout in mamba_cp.LAYOUTS), verdict
-    failures = _cp_verdict(verdict, FP32_BOUND)
-    assert not failures, f"W={world}: relative RMS above {FP32_BOUND:g}: {failures}"
     print({case: max(errs.values()) for case, errs in verdict.items()})
 
 
@@ -1373,17 +1435,12 @@ def cp_cases(world, gpu=False):
     return cases
 
 
-def cp_world_check(rank, world, group, device, gpu=False, report=None):
+@check("CP against the oracle", FP32_BOUND, BF16_BOUND, alone=True)
+def cp_world_check(rank, world, group, device, gpu=False):
     """Run every CP case on this rank; returns {case: {tensor: error}} with errors already
     reduced (MAX) over the group, so every rank reaches the same verdict."""
-    results = {}
-    for case in cp_cases(world, gpu):
-        try:
-            errs = cp_case_errors(case, rank, world, group, device)
-        except Exception as e:  # noqa: BLE001 - a failure on one rank must still reach the reduction
-            errs = {"exception: " + repr(e)[:200]: float("inf")}
-        results[case["name"]] = errs
-    results["zigzag round trip"] = cp_round_trip_errors(rank, world, group, device)
+    results = {case["name"]: guarded(cp_case_errors, case, rank, world, group, device) for case in cp_cases(world, gpu)}
+    results["zigzag round trip"] = guarded(cp_round_trip_errors, rank, world, group, device)
     return errors_everywhere(results, world, group, device)
 
 
@@ -1391,14 +1448,8 @@ def cp_world_check(rank, world, group, device, gpu=False, report=None):
 def test_cp_against_oracle(world):
     """Every layout, the baseline, documents across rank boundaries, initial and final states,
     ragged lengths, and the zigzag round trip, for W ranks on gloo."""
-    verdict = world_verdict(world, "cp_world_check")
-    worst = {}
-    for case, errs in verdict.items():
-        for tensor, err in errs.items():
-            worst[tensor] = max(worst.get(tensor, 0.0), err)
-    failures = _cp_verdict(verdict, FP32_BOUND)
-    assert not failures, f"relative RMS above {FP32_BOUND:g}: {failures}"
-    print(f"W={world}: largest relative RMS per tensor: {worst}")
+    verdict = world_check(world, cp_world_check)
+    print(f"W={world}: largest relative RMS per tensor: {largest(verdict)}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1420,8 +1471,7 @@ SPLIT_OPTIONS = {
 @pytest.mark.parametrize("name", list(SPLIT_OPTIONS))
 def test_split_conv1d_scan_single_device(name):
     errs = split_case_errors(dict(shape=SPLIT_SMALL, layout="none", seed=1) | SPLIT_OPTIONS[name], 0, 1, None, DEVICE)
-    bad = {k: e for k, e in errs.items() if not e <= FP32_BOUND}
-    assert not bad, f"relative RMS above {FP32_BOUND:g}: {bad} (all: {errs})"
+    expect({name: errs}, FP32_BOUND)
 
 
 def test_split_gate_norm_programs_loop(tuned):
@@ -1429,9 +1479,10 @@ def test_split_gate_norm_programs_loop(tuned):
     them (the GPU's plan at long sequences)."""
     tuned(dataclasses.replace(mamba_cp.tuning(), gate_programs=2))
     errs = split_case_errors(dict(shape=SPLIT_SMALL, layout="none", seed=6, norm=True), 0, 1, None, DEVICE)
-    assert all(e <= FP32_BOUND for e in errs.values()), errs
+    expect({"norm, 2 programs": errs}, FP32_BOUND)
 
 
+@check("mamba_split_conv1d_scan_combined", FP32_BOUND, BF16_BOUND)
 def split_world_check(rank, world, group, device, gpu=False):
     """Every layout with every option combined (documents across rank boundaries), and the plain
     gate (CPU); errors reduced (MAX) over the group. gpu: bf16 at the shape of record."""
@@ -1445,21 +1496,13 @@ def split_world_check(rank, world, group, device, gpu=False):
                       **everything))
     if not gpu:
         cases.append(dict(base, layout="virtual", seed=3, name="virtual gate, no activation", activation=None))
-    results = {}
-    for case in cases:
-        try:
-            results[case["name"]] = split_case_errors(case, rank, world, group, device)
-        except Exception as e:  # noqa: BLE001 - a failure on one rank must still reach the reduction
-            results[case["name"]] = {"exception: " + repr(e)[:200]: float("inf")}
-    results = errors_everywhere(results, world, group, device)
-    return {f"{c}: {t}": v for c, errs in results.items() for t, v in errs.items()}
+    results = {case["name"]: guarded(split_case_errors, case, rank, world, group, device) for case in cases}
+    return errors_everywhere(results, world, group, device)
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_split_conv1d_scan_cp(world):
-    verdict = world_verdict(world, "split_world_check")
-    bad = {k: e for k, e in verdict.items() if not e <= FP32_BOUND}
-    assert not bad, f"relative RMS above {FP32_BOUND:g}: {bad}"
+    world_check(world, split_world_check)
 
 
 def test_split_conv1d_scan_bad_inputs():
@@ -1487,7 +1530,7 @@ def test_split_conv1d_scan_bad_inputs():
 # ---------------------------------------------------------------------------------------------
 
 def compiled_vs_eager(fn, leaves, fullgraph, seed=0):
-    """{output or gradient index: error} of fn compiled (inductor, the default) against fn
+    """{"output i" or "gradient j": error} of fn compiled (inductor, the default) against fn
     eager, 0.0 where bitwise equal, else the relative RMS. Gradients of every leaf under the
     same random weights of every output."""
     def run(f):
@@ -1498,11 +1541,14 @@ def compiled_vs_eager(fn, leaves, fullgraph, seed=0):
         weights = [w[str(i)].to(o.dtype) for i, o in enumerate(outs)]
         pulled = [(o, w) for o, w in zip(outs, weights) if o.requires_grad]
         outs_pulled, weights_pulled = zip(*pulled)
-        return [o.detach() for o in outs] + list(torch.autograd.grad(outs_pulled, ins, weights_pulled))
+        grads = torch.autograd.grad(outs_pulled, ins, weights_pulled)
+        return {**{f"output {i}": o.detach() for i, o in enumerate(outs)},
+                **{f"gradient {j}": g for j, g in enumerate(grads)}}
 
     eager = run(fn)
     compiled = run(torch.compile(fn, fullgraph=fullgraph))
-    return {i: 0.0 if torch.equal(a, b) else rel_rms(b, a) for i, (a, b) in enumerate(zip(eager, compiled))}
+    assert eager.keys() == compiled.keys()
+    return {k: 0.0 if torch.equal(eager[k], compiled[k]) else rel_rms(compiled[k], eager[k]) for k in eager}
 
 
 def compile_cases(device, world=1, group=None, rank=0):
@@ -1565,23 +1611,13 @@ def compile_errors(device, world=1, group=None, rank=0):
     errs = {}
     for name, fn, leaves in compile_cases(device, world, group, rank):
         for fullgraph in (False, True):
-            try:
-                errs[f"{name}, fullgraph={fullgraph}"] = compiled_vs_eager(fn, leaves, fullgraph)
-            except Exception as e:  # noqa: BLE001 - a failure on one rank must still reach the verdict
-                errs[f"{name}, fullgraph={fullgraph}"] = {"exception: " + repr(e)[:300]: float("inf")}
+            errs[f"{name}, fullgraph={fullgraph}"] = guarded(compiled_vs_eager, fn, leaves, fullgraph)
     return errs
-
-
-def compile_bound(case):
-    """0: bitwise. Everything the entry points compute runs inside their custom ops."""
-    return 0.0
 
 
 def test_torch_compile_single_process():
     """Every entry point in one process (the fused core and the baseline without a group)."""
-    errs = compile_errors(DEVICE)
-    bad = {case: e for case, e in errs.items() if any(not v <= compile_bound(case) for v in e.values())}
-    assert not bad, f"compiled differs from eager: {bad}"
+    expect(compile_errors(DEVICE), compile_world_check.check.bound, "compiled against eager")
 
 
 @gpu
@@ -1600,27 +1636,20 @@ def test_torch_compile_fused_core_bf16():
     for fullgraph in (False, True):
         errs = compiled_vs_eager(step, leaves, fullgraph)
         print(f"fullgraph={fullgraph}: {errs}")
-        assert errs[0] == 0.0 and all(e <= BF16_BOUND for e in errs.values()), errs
+        assert errs["output 0"] == 0.0 and all(e <= BF16_BOUND for e in errs.values()), errs
 
 
-def compile_world_check(rank, world, group, device):
+# bound 0: bitwise. Everything the entry points compute runs inside their custom ops. Torchrun
+# runs it in worlds of two and more (a world of one is test_torch_compile_single_process's).
+@check("torch.compile", 0.0, under_torchrun=lambda world: world > 1)
+def compile_world_check(rank, world, group, device, gpu=False):
     """The compile cases of a world of ranks, the errors reduced (MAX) over the group."""
-    errs = compile_errors(device, world, group, rank)
-    names = sorted((c, str(i)) for c, e in errs.items() for i in e)
-    flat = {(c, str(i)): v for c, e in errs.items() for i, v in e.items()}
-    count = torch.tensor([len(names)], device=device)
-    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
-    vec = torch.tensor([flat[k] for k in names], dtype=torch.float64, device=device)
-    if count.item() == len(names):
-        dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
-    return {f"{c} [{i}]": v for (c, i), v in zip(names, vec.tolist())}
+    return errors_everywhere(compile_errors(device, world, group, rank), world, group, device)
 
 
 def test_torch_compile_two_ranks():
     """Every layout of the fused core and the baseline, compiled on two gloo ranks."""
-    verdict = world_results(2, "compile_world_check", timeout=900)[0]
-    bad = {k: v for k, v in verdict.items() if not v <= compile_bound(k)}
-    assert not bad, f"compiled differs from eager: {bad}"
+    world_check(2, compile_world_check, timeout=900)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1688,28 +1717,30 @@ MIXER_LAYOUTS = ("none", "virtual")
 MIXER_BOUND = 1e-5  # relative, per step
 
 
-def mixer_parity_losses(rank, world, group, device, L=48):
-    """Per layout, the losses of W ranks and of one process on the whole sequence."""
+def mixer_parity_errors(rank, world, group, device, layout, single, L):
+    """One layout's losses on W ranks against those of one process on the whole sequence: the
+    relative difference at each step, and whether training lowers the loss."""
+    cp = train_losses(rank, world, group, layout, L, device)
+    errs = {f"loss step {i}": abs(a - b) / abs(b) for i, (a, b) in enumerate(zip(cp, single))}
+    errs["as many steps as one process"] = 0.0 if len(cp) == len(single) else float("inf")
+    errs["the loss falls"] = 0.0 if cp[-1] < cp[0] else float("inf")
+    return errs
+
+
+@check("mixer loss parity", MIXER_BOUND)
+def mixer_parity_check(rank, world, group, device, gpu=False):
+    """Per layout, the losses of W ranks (24 W tokens) against one process's, step by step."""
+    L = 24 * world
     single = train_losses(0, 1, None, "none", L, device)
-    return {layout: (train_losses(rank, world, group, layout, L, device), single) for layout in MIXER_LAYOUTS}
-
-
-def _mixer_parity_failures(losses):
-    """{layout: why} for every layout whose CP losses do not track the single-process ones."""
-    bad = {}
-    for layout, (cp, single) in losses.items():
-        if len(cp) != len(single) or not cp[-1] < cp[0]:
-            bad[layout] = f"the loss must fall while training ({cp})"
-        elif any(abs(a - b) > MIXER_BOUND * abs(b) for a, b in zip(cp, single)):
-            bad[layout] = f"CP losses {cp} against one process {single}"
-    return bad
+    results = {layout: guarded(mixer_parity_errors, rank, world, group, device, layout, single, L)
+               for layout in MIXER_LAYOUTS}
+    return errors_everywhere(results, world, group, device)
 
 
 def test_mixer_loss_parity():
-    for losses in world_results(2, "mixer_parity_losses", timeout=600):
-        assert set(losses) == set(MIXER_LAYOUTS) and all(len(cp) == 3 for cp, _ in losses.values())
-        bad = _mixer_parity_failures(losses)
-        assert not bad, bad
+    verdict = world_check(2, mixer_parity_check, timeout=600)
+    assert set(verdict) == set(MIXER_LAYOUTS), verdict
+    assert all(sum(q.startswith("loss step") for q in errs) == 3 for errs in verdict.values()), verdict
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1982,10 +2013,11 @@ def test_two_to_the_twenty_tokens():
     assert_close(pairs, BF16_BOUND)
 
 
-def graph_capture_check(rank, world, group, device, layout="virtual"):
+@check("CUDA graph", 0.0, under_torchrun=lambda world: CUDA)
+def graph_capture_check(rank, world, group, device, gpu=False, layout="virtual"):
     """Forward and backward of the CP path, collectives included, captured in one CUDA graph:
     the replay must equal eager bit for bit, and new inputs copied into the captured buffers
-    must change the output and again equal eager. Returns {check: passed}."""
+    must change the output and again equal eager (0 where so, inf where not)."""
     shape = CP_SMALL._replace(seqlen=600, nheads=8, headdim=32, dstate=32, chunk=64)
     full, opts = fused_inputs(shape.per_world(world), 7, dtype=torch.bfloat16, device=device)
     local = {k: (mamba_cp.shard(v, rank, world, layout) if k in CP_ACTIVATIONS and v is not None else v)
@@ -2022,14 +2054,14 @@ def graph_capture_check(rank, world, group, device, layout="virtual"):
     checks["new inputs change the output"] = not torch.equal(captured[0], before)
     checks["replay equals eager on new inputs"] = all(torch.equal(a, b) for a, b in zip(captured, eager))
     torch.cuda.synchronize()
-    return checks
+    results = {f"{layout} forward and backward": {k: 0.0 if ok else float("inf") for k, ok in checks.items()}}
+    return errors_everywhere(results, world, group, device)
 
 
 @gpu
 def test_cuda_graph_capture_single_device():
     """The fused function in a world of one (no group) is captured and replayed."""
-    checks = graph_capture_check(0, 1, None, "cuda")
-    assert all(checks.values()), checks
+    expect(graph_capture_check(0, 1, None, "cuda"), graph_capture_check.check.bound, "CUDA graph")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -2062,17 +2094,20 @@ def test_module_map_is_the_section_list():
 
 
 def _report(rank, label, results, bound):
-    passed = failed = 0
+    """One line per case of a check's results, PASS or FAIL by the verdict the pytest tests
+    assert (failures); returns (passed, failed)."""
+    bad = failures(results, bound)
     for case, errs in results.items():
-        worst_tensor = max(errs, key=errs.get)
-        ok = all(e <= bound for e in errs.values())
-        passed, failed = passed + ok, failed + (not ok)
-        print(f"[rank {rank}] {'PASS' if ok else 'FAIL'} {label} {case}: largest relative RMS "
-              f"{errs[worst_tensor]:.2e} ({worst_tensor})", flush=True)
-    return passed, failed
+        worst = max(errs, key=lambda q: errs[q] if errs[q] == errs[q] else math.inf, default=None)
+        print(f"[rank {rank}] {'FAIL' if case in bad else 'PASS'} {label} {case}: "
+              + (f"largest error {errs[worst]:.2e} ({worst})" if worst is not None else "nothing measured")
+              + (f", above {bound:g}: {bad[case]}" if case in bad else ""), flush=True)
+    return len(results) - len(bad), len(bad)
 
 
 def main():
+    """Every registered check (CHECKS, in this file's order) on the torchrun world, judged as
+    the pytest tests judge them; the CP check again in a world of one on each rank."""
     backend = "nccl" if CUDA else "gloo"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=600))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -2080,54 +2115,24 @@ def main():
     if CUDA:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
         device = f"cuda:{torch.cuda.current_device()}"
-    bound = BF16_BOUND if CUDA else FP32_BOUND
-    results = cp_world_check(rank, world, dist.group.WORLD, device, gpu=CUDA)
-    cp_world_check.last = results
-    passed, failed = _report(rank, f"W={world}", results, bound)
-    if world > 1:
-        singles = [dist.new_group([r]) for r in range(world)]
-        p, f = _report(rank, "W=1", cp_world_check(0, 1, singles[rank], device, gpu=CUDA), bound)
-        passed, failed = passed + p, failed + f
-    # the two summary exchanges: the scan alone on random summaries, and the fused core with each
-    p, f = _report(rank, f"W={world} summary scan alone", scan_helper_errors(rank, world, dist.group.WORLD, device),
-                   1e-6)
-    passed, failed = passed + p, failed + f
-    p, f = _report(rank, f"W={world} summary exchanges",
-                   exchange_world_check(rank, world, dist.group.WORLD, device), FP32_BOUND)
-    passed, failed = passed + p, failed + f
-    if CUDA:  # forward and backward, collectives included, in one CUDA graph
-        for check, ok in graph_capture_check(rank, world, dist.group.WORLD, device).items():
-            passed, failed = passed + ok, failed + (not ok)
-            print(f"[rank {rank}] {'PASS' if ok else 'FAIL'} W={world} CUDA graph: {check}", flush=True)
-    # mamba_split_conv1d_scan_combined on every layout (bf16 at the record shape on GPUs)
-    for check, err in split_world_check(rank, world, dist.group.WORLD, device, gpu=CUDA).items():
-        ok = err <= bound
-        passed, failed = passed + ok, failed + (not ok)
-        print(f"[rank {rank}] {'PASS' if ok else 'FAIL'} W={world} mamba_split_conv1d_scan_combined {check}: "
-              f"{err:.2e}", flush=True)
-    # torch.compile, default and fullgraph, of every CP path (float32, small shapes)
-    for check, err in compile_world_check(rank, world, dist.group.WORLD, device).items() if world > 1 else []:
-        ok = err <= compile_bound(check)
-        passed, failed = passed + ok, failed + (not ok)
-        if not ok or check.endswith("[0]"):
-            print(f"[rank {rank}] {'PASS' if ok else 'FAIL'} W={world} torch.compile {check}: "
-                  f"{'bitwise' if ok else err}", flush=True)
-    # the vendoring example: a tiny mixer trains on W ranks and on one, losses step by step
-    mixer = _mixer_parity_failures(mixer_parity_losses(rank, world, dist.group.WORLD, device, L=24 * world))
-    for layout in MIXER_LAYOUTS:
-        ok = layout not in mixer
-        passed, failed = passed + ok, failed + (not ok)
-        print(f"[rank {rank}] {'PASS' if ok else 'FAIL'} W={world} mixer loss parity ({layout})"
-              + ("" if ok else f": {mixer[layout]}"), flush=True)
-    if rank == 0:
-        worst = {}
-        for errs in cp_world_check.last.values():
-            for tensor, err in errs.items():
-                worst[tensor] = max(worst.get(tensor, 0.0), err)
-        print(f"[rank 0] largest relative RMS per tensor, W={world}: "
-              + ", ".join(f"{t} {e:.2e}" for t, e in sorted(worst.items())), flush=True)
+    group = dist.group.WORLD
+    singles = [dist.new_group([r]) for r in range(world)] if world > 1 else None   # collective: every rank makes each
+    passed = failed = 0
+    for chk in CHECKS:
+        if not chk.under_torchrun(world):
+            continue
+        runs = [(f"W={world}", rank, world, group)]
+        if chk.alone and world > 1:
+            runs.append(("W=1", 0, 1, singles[rank]))
+        for label, r, w, g in runs:
+            results = chk.run(r, w, g, device, gpu=CUDA)
+            p, f = _report(rank, f"{label} {chk.label}", results, chk.gpu_bound if CUDA else chk.bound)
+            passed, failed = passed + p, failed + f
+            if chk.run is cp_world_check and w == world and rank == 0:
+                print(f"[rank 0] largest relative RMS per tensor, W={world}: "
+                      + ", ".join(f"{t} {e:.2e}" for t, e in sorted(largest(results).items())), flush=True)
     totals = torch.tensor([passed, failed], device=device)
-    dist.all_reduce(totals, group=dist.group.WORLD)
+    dist.all_reduce(totals, group=group)
     dist.barrier()
     if rank == 0:
         print(f"{totals[0].item()} passed, {totals[1].item()} failed", flush=True)

@@ -637,7 +637,8 @@ def world_verdict(world, fn_name, *args, timeout=600):
     """world_results of a check whose errors the ranks reduced together: the one verdict, which
     every rank must have reached."""
     results = world_results(world, fn_name, *args, timeout=timeout)
-    differ = sorted({c for r in results for c in r if repr(r.get(c)) != repr(results[0].get(c))})
+    same = lambda errs: None if errs is None else sorted((q, repr(e)) for q, e in errs.items())   # noqa: E731 (NaN too)
+    differ = sorted({c for r in results for c in r if same(r.get(c)) != same(results[0].get(c))})
     assert not differ, f"ranks reached different verdicts: {[{c: r.get(c) for c in differ} for r in results]}"
     return results[0]
 
@@ -1215,7 +1216,7 @@ def exchange_world_check(rank, world, group, device, gpu=False):
             kept[exchange] = {}
             results[f"{layout} {exchange}"] = guarded(cp_case_errors, dict(base, layout=layout, exchange=exchange),
                                                       rank, world, group, device, keep=kept[exchange])
-        both = kept["all_gather"].keys() & kept["scan"].keys()
+        both = sorted(kept["all_gather"].keys() & kept["scan"].keys())
         results[f"{layout} scan vs all_gather"] = {k: rel_rms(kept["scan"][k], kept["all_gather"][k]) for k in both}
     return errors_everywhere(results, world, group, device)
 

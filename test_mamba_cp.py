@@ -4,8 +4,29 @@
                                           # GPU: the same cases, plus bf16 at the record shape
                                           #      and one 2^20-token call
 
+    torchrun --nproc_per_node=N test_mamba_cp.py   # the distributed checks in place (last section)
+
 Criterion (README "Tests and benchmark"): relative RMS error rms(got - want) / rms(want), per tensor,
 for the output, the final state and every gradient.
+
+Reading order (the section headers below): the helpers, the oracle's self-tests, then the
+tests in the order of mamba_cp.py's sections, the torchrun mode last.
+    Helpers: the criterion, and the verdict on a check's errors (failures)
+    Helpers: the inputs (draw, the one input factory, and what arranges its draws)
+    Helpers: one call against the oracle
+    Helpers: the process harness (@check, world_check; main runs the same checks)
+    The oracle checks itself
+    mamba_cp sections 1-4 and 6: the single-device SSD, forward and backward
+    mamba_cp section 5: bad input
+    mamba_cp sections 7 and 8: layouts and communication
+    mamba_cp section 9: the causal conv1d
+    mamba_cp sections 10 and 12: the fused conv1d + SSD under CP, and the all-to-all baseline
+    mamba_cp section 11: mamba_split_conv1d_scan_combined
+    torch.compile
+    Vendoring: a tiny mixer trained under CP; Hugging Face transformers
+    GPU only
+    The module reads in the order the method runs (its docstring's map)
+    torchrun --nproc_per_node=N test_mamba_cp.py
 """
 
 import dataclasses
@@ -19,6 +40,7 @@ import socket
 import subprocess
 import time
 import traceback
+from typing import Callable, NamedTuple
 
 import pytest
 import torch
@@ -37,6 +59,11 @@ FP32_BOUND = 1e-5
 BF16_BOUND = 1e-2
 gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA (these shapes are too large for the interpreter)")
 
+
+# ---------------------------------------------------------------------------------------------
+# Helpers: the criterion, and the verdict on a check's errors (the pytest tests and the
+# torchrun mode both judge by failures)
+# ---------------------------------------------------------------------------------------------
 
 @pytest.fixture
 def tuned():
@@ -61,69 +88,259 @@ def rel_rms(got, want):
     return (err / scale) ** 0.5 if scale > 0 else err ** 0.5
 
 
+def failures(results, bound):
+    """The verdict on a check's results {case: {quantity: error}}: the errors above bound (NaN
+    included), {case: {quantity: error}}; empty where the check passed."""
+    bad = {}
+    for case, errs in results.items():
+        for quantity, err in errs.items():
+            if not err <= bound:
+                bad.setdefault(case, {})[quantity] = err
+    return bad
+
+
+def largest(results):
+    """{quantity: its largest error over the cases} of a check's results."""
+    worst = {}
+    for errs in results.values():
+        for quantity, err in errs.items():
+            worst[quantity] = max(worst.get(quantity, 0.0), err)
+    return worst
+
+
+def expect(results, bound, label="relative RMS"):
+    """Assert that a check's results {case: {quantity: error}} pass bound."""
+    bad = failures(results, bound)
+    assert not bad, f"{label}: above {bound:g}: {bad} (all: {results})"
+    return results
+
+
+def assert_close(pairs, bound):
+    """Assert rel_rms(got, want) <= bound for each {name: (got, want)}; returns the errors."""
+    errs = {k: rel_rms(a, b) for k, (a, b) in pairs.items()}
+    expect({"relative RMS": errs}, bound)
+    return errs
+
+
 # ---------------------------------------------------------------------------------------------
-# Inputs
+# Helpers: the inputs. One factory, draw, makes every random tensor of these tests from one
+# seeded generator; the functions after it only arrange what it drew into an entry point's
+# arguments (xBC = [x | B | C], zxbcdt = [z0 | x0 | z | xBC | dt]).
 # ---------------------------------------------------------------------------------------------
 
-SMALL = dict(batch=2, seqlen=77, nheads=4, headdim=24, ngroups=2, dstate=20, chunk=16)
+class Shape(NamedTuple):
+    """The sizes of one set of inputs. seqlen is the whole sequence; the CP cases give what one
+    rank holds (two pieces of seqlen / 2 tokens) and multiply it by W (per_world)."""
+    batch: int
+    seqlen: int
+    nheads: int = 4
+    headdim: int = 8
+    ngroups: int = 2
+    dstate: int = 8
+    chunk: int = 16
+    d_conv: int = 4
+    d_nonssm: int = 0     # the SwiGLU channels z0, x0 in front of zxbcdt
+
+    @property
+    def conv_dim(self):
+        return self.nheads * self.headdim + 2 * self.ngroups * self.dstate
+
+    def per_world(self, world):
+        return self._replace(seqlen=world * self.seqlen)
 
 
-def seq_from_starts(l, starts):
-    """Document ids (l,) with a new document at each position in `starts`."""
-    s = torch.zeros(l, dtype=torch.int32)
-    for st in starts:
-        s[st:] += 1
-    return s
+def draw(shape, seed=0, *, dtype=torch.float32, device=DEVICE, D=None, z=False, dt_bias=False, dt_softplus=False,
+         initial_states=False, seq_idx=None, extreme=False, growth=None, conv_weight=False, conv_bias=False,
+         halo=False, rmsnorm_weight=False, outproj=None, summaries=False, features=None, vocab=None, weights=None):
+    """Every random input of these tests, drawn in this order from one generator seeded with
+    `seed`: {name: tensor} on `device`. Options named as in mamba_chunk_scan_combined.
 
-
-def make_inputs(seed, *, batch, seqlen, nheads, headdim, ngroups, dstate, chunk, dtype=torch.float32,
-                device=DEVICE, D=None, z=False, dt_bias=False, dt_softplus=False, initial_states=False,
-                seq_idx=None, dt_limit=(0.0, float("inf")), extreme=False, growth=None):
-    """One seeded set of inputs; options named as in mamba_chunk_scan_combined.
-    D: None, "h" or "hp". seq_idx: None or a list of document start positions.
-    growth: None (decay: dt'*A < 0), "neg_dt" (dt' < 0 without softplus, A < 0), "pos_A"
-    (A > 0), or a number: dt'*A equal to it at every token (dt' < 0)."""
+    With a shape, always x (b, l, h, p), B and C (b, l, g, n), dt (b, l, h) and A (h,) in
+    (-1.65, -0.37), and z0, x0 (b, l, d_nonssm) where shape.d_nonssm > 0. Then, if asked:
+      D: None, "h" or "hp" (shapes (h,), (h, p)); z (b, l, h, p); dt_bias (h,); initial_states
+        (b, h, p, n).
+      dt_softplus: dt raw, for a softplus inside (about N(-1, 0.7)); otherwise already positive,
+        in (0.02, 0.32).
+      extreme: True (5% of entries at random) or a list of token positions (every row and head):
+        dt'*A = -1000 there, among decays ten times smaller.
+      growth: None (decay: dt'*A < 0), "neg_dt" (dt' < 0 without softplus, A < 0), "pos_A"
+        (A > 0), "pos_A_e8" (A > 0 scaled to the length: the state grows by about e^8 over the
+        whole sequence, however long), or a number: dt'*A equal to it at every token (dt' < 0).
+      seq_idx: document starts (int32 ids (b, l)), one list for every row (row 1 then starts one
+        more document at l // 2, so that rows differ) or a list per row. With a halo, positions
+        count in the shard, negative ones inside the halo (a start at its first token changes
+        nothing), and halo_seq (b, d_conv - 1) comes with seq_idx.
+      conv_weight (conv_dim, d_conv), conv_bias (conv_dim,), halo (b, d_conv - 1, conv_dim).
+      rmsnorm_weight (h p,) about 1; outproj: None, "weight" (outproj_weight (5, d_nonssm + h p))
+        or "bias" (and outproj_bias (5,)).
+      summaries: one shard summary per position of seqlen: a (b, l, h) in (0, 1.3) (some grow),
+        S_ext (b, l, h, p, n), first_id and last_id (b, l): document ids that rise by 0 or 1
+        inside every segment and at its end.
+      features: u and target (b, l, features), a model's input and regression target.
+      vocab: input_ids (b, l), token ids below vocab.
+    weights: {name: size}, standard normal output weights (the dy a gradient check pulls back);
+    drawn with or without a shape.
+    dtype: that of the activations (x, B, C, z, z0, x0, halo) and of the weights; every other
+    floating tensor is float32, or float64 where dtype is."""
     g = torch.Generator().manual_seed(seed)
+    param = torch.float64 if dtype == torch.float64 else torch.float32
+    out = {}
 
-    def rnd(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g) * scale).to(device)
+    def normal(*size, scale=1.0, shift=0.0, to=param):
+        t = torch.randn(*size, generator=g)
+        if scale != 1.0:
+            t.mul_(scale)
+        if shift:
+            t.add_(shift)
+        return t.to(to)
 
-    b, l, h, p, n = batch, seqlen, nheads, headdim, dstate
-    kw = {}
-    A = -torch.exp(torch.rand(h, generator=g) * 1.5 - 1.0).to(device)            # (h,) in (-1.6, -0.4)
-    if dt_softplus:
-        dt = rnd(b, l, h, scale=0.7) - 1.0                                         # raw, softplus inside
-    else:
-        dt = (torch.rand(b, l, h, generator=g) * 0.3 + 0.02).to(device)            # already positive
-    if extreme:  # 5% of tokens with dt'*A = -1000 among small decays
-        big = (torch.rand(b, l, h, generator=g) < 0.05).to(device)
-        dt = torch.where(big, 1000.0 / -A, dt * 0.1)
-    if growth == "neg_dt":  # what a caller's raw dt can do with dt_softplus=False
-        dt = -(torch.rand(b, l, h, generator=g) * 0.2).to(device)
-    elif growth == "pos_A":
-        A = -0.5 * A
-    elif growth is not None:
-        dt = (growth / A).expand(b, l, h).contiguous()
-    x = rnd(b, l, h, p).to(dtype)
-    B = rnd(b, l, ngroups, n).to(dtype)
-    C = rnd(b, l, ngroups, n).to(dtype)
-    if D == "h":
-        kw["D"] = rnd(h)
-    elif D == "hp":
-        kw["D"] = rnd(h, p)
-    if z:
-        kw["z"] = rnd(b, l, h, p).to(dtype)
-    if dt_bias:
-        kw["dt_bias"] = rnd(h, scale=0.5)
-    if initial_states:
-        kw["initial_states"] = rnd(b, h, p, n)
-    if seq_idx is not None:
-        ids = seq_from_starts(l, seq_idx).expand(b, l).clone()
-        if b > 1:  # the second row splits once more, mid-chunk
-            ids[1, l // 2:] += 1
-        kw["seq_idx"] = ids.to(device)
-    return dict(x=x, dt=dt, A=A, B=B, C=C, chunk_size=chunk, dt_softplus=dt_softplus, dt_limit=dt_limit, **kw)
+    def uniform(*size, low=0.0, high=1.0):
+        return (torch.rand(*size, generator=g) * (high - low) + low).to(param)
 
+    if shape is not None:
+        b, l, h, p, ng, n = shape.batch, shape.seqlen, shape.nheads, shape.headdim, shape.ngroups, shape.dstate
+        d_conv, conv_dim, d_nonssm = shape.d_conv, shape.conv_dim, shape.d_nonssm
+        A = -torch.exp(uniform(h, low=-1.0, high=0.5))
+        dt = normal(b, l, h, scale=0.7, shift=-1.0) if dt_softplus else uniform(b, l, h, low=0.02, high=0.32)
+        if extreme is True:
+            big = uniform(b, l, h) < 0.05
+        elif extreme:
+            big = torch.zeros(1, l, 1, dtype=torch.bool)
+            big[:, list(extreme)] = True
+        if extreme is not False:
+            dt = torch.where(big, 1000.0 / -A, dt * 0.1)
+        if growth == "neg_dt":  # what a caller's raw dt can do with dt_softplus=False
+            dt = -uniform(b, l, h, high=0.2)
+        elif growth == "pos_A":
+            A = -0.5 * A
+        elif growth == "pos_A_e8":
+            A = uniform(h, low=0.75, high=1.25) * (20.0 / l)
+        elif growth is not None:
+            dt = (growth / A).expand(b, l, h).contiguous()
+        out.update(x=normal(b, l, h, p, to=dtype), dt=dt, A=A, B=normal(b, l, ng, n, to=dtype),
+                   C=normal(b, l, ng, n, to=dtype))
+        if d_nonssm:
+            out.update(z0=normal(b, l, d_nonssm, to=dtype), x0=normal(b, l, d_nonssm, to=dtype))
+        if D == "h":
+            out["D"] = normal(h)
+        elif D == "hp":
+            out["D"] = normal(h, p)
+        if z:
+            out["z"] = normal(b, l, h, p, to=dtype)
+        if dt_bias:
+            out["dt_bias"] = normal(h, scale=0.5)
+        if initial_states:
+            out["initial_states"] = normal(b, h, p, n)
+        if seq_idx is not None:
+            per_row = len(seq_idx) > 0 and isinstance(seq_idx[0], (list, tuple))
+            rows = seq_idx if per_row else [list(seq_idx) + ([l // 2] if r == 1 else []) for r in range(b)]
+            lead = d_conv - 1 if halo else 0
+            ids = torch.zeros(b, lead + l, dtype=torch.int32)
+            for r, starts in enumerate(rows):
+                for s in starts:
+                    if -lead < s < l:
+                        ids[r, lead + s:] += 1
+            out["seq_idx"] = ids[:, lead:].contiguous()
+            if halo:
+                out["halo_seq"] = ids[:, :lead].contiguous()
+        if conv_weight:
+            out["conv_weight"] = normal(conv_dim, d_conv, scale=0.5)
+        if conv_bias:
+            out["conv_bias"] = normal(conv_dim, scale=0.5)
+        if halo:
+            out["halo"] = normal(b, d_conv - 1, conv_dim, to=dtype)
+        if rmsnorm_weight:
+            out["rmsnorm_weight"] = normal(h * p, scale=0.5, shift=1.0)
+        if outproj:
+            out["outproj_weight"] = normal(5, d_nonssm + h * p, scale=0.2)
+        if outproj == "bias":
+            out["outproj_bias"] = normal(5)
+        if summaries:
+            ids = torch.cumsum(torch.randint(0, 2, (b, 2 * l), generator=g), dim=1).to(torch.int32)
+            out.update(a=uniform(b, l, h, high=1.3), S_ext=normal(b, l, h, p, n), first_id=ids[:, 0::2],
+                       last_id=ids[:, 1::2])
+        if features:
+            out.update(u=normal(b, l, features), target=normal(b, l, features))
+        if vocab:
+            out["input_ids"] = torch.randint(0, vocab, (b, l), generator=g)
+    for name, size in (weights or {}).items():
+        out[name] = normal(*size, to=dtype)
+    return {k: v.to(device) for k, v in out.items()}
+
+
+SMALL = Shape(batch=2, seqlen=77, nheads=4, headdim=24, ngroups=2, dstate=20, chunk=16)
+CP_SMALL = Shape(batch=2, seqlen=74, nheads=4, headdim=8, ngroups=2, dstate=8, chunk=16, d_conv=4)   # per rank
+SPLIT_SMALL = CP_SMALL._replace(seqlen=38, d_nonssm=3)                                              # per rank
+CONV_SMALL = Shape(batch=2, seqlen=77, nheads=4, headdim=6, ngroups=2, dstate=4)                    # 40 channels
+# GPU only, bf16: the shape of record, per rank
+CP_RECORD = Shape(batch=1, seqlen=2000, nheads=64, headdim=64, ngroups=8, dstate=128, chunk=128, d_conv=4)
+SPLIT_RECORD = CP_RECORD._replace(d_nonssm=3)
+
+
+def ssd_inputs(shape, seed, *, dt_limit=(0.0, float("inf")), **options):
+    """The arguments of mamba_chunk_scan_combined: draw's tensors, chunk_size, dt_softplus, dt_limit."""
+    return dict(draw(shape, seed, **options), chunk_size=shape.chunk, dt_softplus=options.get("dt_softplus", False),
+                dt_limit=dt_limit)
+
+
+def xbc(drawn):
+    """The conv's input (b, l, conv_dim): x, B and C side by side, as the fused core splits it."""
+    return torch.cat([drawn[k].flatten(2) for k in ("x", "B", "C")], dim=-1)
+
+
+def conv_inputs(shape, seed=0, *, halo, bias, starts, strided=False):
+    """conv1d_fwd's arguments (d_conv taps) and a dout. starts: document starts per row, in shard
+    positions (negative: inside the halo). strided: xBC a view into a wider buffer."""
+    b, l, dim = shape.batch, shape.seqlen, shape.conv_dim
+    drawn = draw(shape, seed, conv_weight=True, conv_bias=bias, halo=halo, seq_idx=starts,
+                 weights=dict(dout=(b, l, dim)))
+    xBC = xbc(drawn)
+    if strided:
+        wide = torch.zeros(b, l, dim + 13, device=xBC.device)
+        wide[..., 5:5 + dim] = xBC
+        xBC = wide[..., 5:5 + dim]
+    inp = dict(xBC=xBC, weight=drawn["conv_weight"], bias=drawn.get("conv_bias"), halo=drawn.get("halo"),
+               seq_idx=drawn.get("seq_idx"), halo_seq=drawn.get("halo_seq"))
+    return inp, drawn["dout"]
+
+
+def fused_inputs(shape, seed=0, *, D="hp", initial_states=True, seq_idx=None, growth=None,
+                 dt_limit=(0.0, float("inf")), activation="silu", dtype=torch.float32, device="cpu"):
+    """The full-sequence arguments of mamba_conv1d_ssd_cp (the same on every rank: one seed) and
+    its options. seq_idx: None or document starts in the global sequence."""
+    drawn = draw(shape, seed, dtype=dtype, device=device, D=D, dt_bias=True, dt_softplus=True,
+                 initial_states=initial_states, seq_idx=seq_idx, growth=growth, conv_weight=True, conv_bias=True)
+    full = dict(xBC=xbc(drawn), dt=drawn["dt"], conv_weight=drawn["conv_weight"], conv_bias=drawn["conv_bias"],
+                dt_bias=drawn["dt_bias"], A=drawn["A"], D=drawn.get("D"), initial_states=drawn.get("initial_states"),
+                seq_idx=drawn.get("seq_idx"))
+    opts = dict(chunk_size=shape.chunk, headdim=shape.headdim, ngroups=shape.ngroups, dt_limit=dt_limit,
+                activation=activation)
+    return full, opts
+
+
+def split_inputs(shape, seed=0, *, activation="silu", norm=False, norm_before_gate=True, D="hp", outproj=None,
+                 initial_states=True, seq_idx=None, dt_limit=(0.0, float("inf")), dtype=torch.float32, device="cpu"):
+    """The full-sequence arguments of mamba_split_conv1d_scan_combined and its options: zxbcdt
+    packs [z0 | x0 | z | xBC | dt]. outproj: None, "weight" or "bias"; seq_idx: None or global
+    document starts."""
+    drawn = draw(shape, seed, dtype=dtype, device=device, D=D, z=True, dt_bias=True, dt_softplus=True,
+                 initial_states=initial_states, seq_idx=seq_idx, conv_weight=True, conv_bias=True,
+                 rmsnorm_weight=norm, outproj=outproj)
+    swiglu = [drawn["z0"], drawn["x0"]] if shape.d_nonssm else []
+    full = dict(zxbcdt=torch.cat(swiglu + [drawn["z"].flatten(2), xbc(drawn), drawn["dt"].to(dtype)], dim=-1),
+                conv1d_weight=drawn["conv_weight"], conv1d_bias=drawn["conv_bias"], dt_bias=drawn["dt_bias"],
+                A=drawn["A"], D=drawn["D"], initial_states=drawn.get("initial_states"),
+                rmsnorm_weight=drawn.get("rmsnorm_weight"), outproj_weight=drawn.get("outproj_weight"),
+                outproj_bias=drawn.get("outproj_bias"), seq_idx=drawn.get("seq_idx"))
+    opts = dict(chunk_size=shape.chunk, headdim=None if D == "hp" else shape.headdim, ngroups=shape.ngroups,
+                dt_limit=dt_limit, activation=activation, norm_before_gate=norm_before_gate)
+    return full, opts
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers: one call against the oracle (the SSD alone; the fused core and the mixer entry
+# rank by rank, each rank's shard of the full-sequence oracle)
+# ---------------------------------------------------------------------------------------------
 
 DIFFERENTIABLE = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
 
@@ -138,9 +355,8 @@ def run_both(inputs, oracle_inputs=None, chunked=False):
     leaves = [k for k in DIFFERENTIABLE if k in inputs]
 
     y, final = mamba_cp.mamba_chunk_scan_combined(**inputs, return_final_states=True)
-    g = torch.Generator().manual_seed(1234)
-    wy = torch.randn(y.shape, generator=g).to(y.device)
-    wf = torch.randn(final.shape, generator=g).to(y.device)
+    w = draw(None, 1234, device=y.device, weights=dict(y=y.shape, final_states=final.shape))
+    wy, wf = w["y"], w["final_states"]
     grads = torch.autograd.grad((y.float() * wy).sum() + (final * wf).sum(), [inputs[k] for k in leaves])
 
     oracle_kw = {k: v for k, v in oracle_inputs.items() if k not in ("chunk_size", "state_dtype")}
@@ -155,672 +371,34 @@ def run_both(inputs, oracle_inputs=None, chunked=False):
     return out
 
 
-def assert_close(pairs, bound):
-    errs = {k: rel_rms(a, b) for k, (a, b) in pairs.items()}
-    bad = {k: e for k, e in errs.items() if not e <= bound}
-    assert not bad, f"relative RMS above {bound:g}: {bad} (all: {errs})"
-    return errs
-
-
-# ---------------------------------------------------------------------------------------------
-# The oracle checks itself: a hand-computed case, and its chunked float64 form and causal conv
-# against the token loop and torch (so the chunked form may stand in for the loop on the GPU)
-# ---------------------------------------------------------------------------------------------
-
-# ---------------------------------------------------------------- hand-computed case
-
-def test_oracle_hand_computed():
-    x = torch.tensor([1.0, 2.0, 3.0]).view(1, 3, 1, 1)
-    dt = torch.tensor([0.5, 1.0, 0.25]).view(1, 3, 1)
-    A = torch.tensor([-1.0])
-    B = torch.tensor([1.0, 1.0, 2.0]).view(1, 3, 1, 1)
-    C = torch.tensor([2.0, 1.0, 1.0]).view(1, 3, 1, 1)
-    D = torch.tensor([0.5])
-    z = torch.tensor([0.0, 1.0, -2.0]).view(1, 3, 1, 1)
-
-    s0 = 0.5 * 1 * 1
-    s1 = math.exp(-1.0) * s0 + 1.0 * 2 * 1
-    s2 = math.exp(-0.25) * s1 + 0.25 * 3 * 2
-    want = [s0 * 2 + 0.5 * 1, s1 * 1 + 0.5 * 2, s2 * 1 + 0.5 * 3]
-    y, S = ssd_reference(x, dt, A, B, C, D=D)
-    assert y.dtype == torch.float64 and S.shape == (1, 1, 1, 1)
-    torch.testing.assert_close(y.flatten(), torch.tensor(want, dtype=torch.float64))
-    assert S.item() == pytest.approx(s2, rel=1e-14)
-
-    # gate: y *= silu(z)
-    silu = lambda v: v / (1 + math.exp(-v))
-    y, _ = ssd_reference(x, dt, A, B, C, D=D, z=z)
-    gated = [w * silu(v) for w, v in zip(want, [0.0, 1.0, -2.0])]
-    torch.testing.assert_close(y.flatten(), torch.tensor(gated, dtype=torch.float64))
-
-    # initial state 1 reaches the first document only; a new document starts at t = 2
-    init = torch.ones(1, 1, 1, 1)
-    seq = torch.tensor([[0, 0, 1]], dtype=torch.int32)
-    i0 = math.exp(-0.5) * 1.0 + 0.5
-    i1 = math.exp(-1.0) * i0 + 2.0
-    i2 = 0.0 + 1.5
-    y, S = ssd_reference(x, dt, A, B, C, initial_states=init, seq_idx=seq)
-    want = [i0 * 2, i1 * 1, i2 * 1]
-    torch.testing.assert_close(y.flatten(), torch.tensor(want, dtype=torch.float64))
-    assert S.item() == pytest.approx(i2, rel=1e-14)
-
-
-def test_oracle_process_dt():
-    dt = torch.tensor([[[-1.0, 0.3, 30.0]]])
-    assert torch.equal(process_dt(dt), dt.double())  # default limit: no clamp, stays negative
-    sp = process_dt(dt, dt_softplus=True)
-    torch.testing.assert_close(sp, F.softplus(dt.double()))
-    assert sp[0, 0, 2].item() == 30.0  # linear above threshold 20
-    cl = process_dt(dt, dt_bias=torch.tensor([0.0, 0.1, 0.0]), dt_limit=(0.0, 1.0))
-    torch.testing.assert_close(cl, torch.tensor([[[0.0, 0.4, 1.0]]], dtype=torch.float64))
-
-
-# ---------------------------------------------------------------- chunked == sequential
-
-def oracle_inputs(gen, b, l, h, g, p, n, *, D=None, z=False, dt_bias=False, init=False,
-                seq_starts=None):
-    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
-    inp = dict(
-        x=r(b, l, h, p),
-        dt=torch.rand(b, l, h, generator=gen, dtype=torch.float64) + 0.01,
-        A=-(torch.rand(h, generator=gen, dtype=torch.float64) + 0.5),
-        B=r(b, l, g, n),
-        C=r(b, l, g, n),
-    )
-    if D == "h":
-        inp["D"] = r(h)
-    elif D == "hp":
-        inp["D"] = r(h, p)
-    if z:
-        inp["z"] = r(b, l, h, p)
-    if dt_bias:
-        inp["dt_bias"] = r(h) * 0.5
-    if init:
-        inp["initial_states"] = r(b, h, p, n)
-    for v in inp.values():
-        v.requires_grad_(True)
-    if seq_starts is not None:
-        inp["seq_idx"] = torch.stack([seq_from_starts(l, s) for s in seq_starts])
-    return inp
-
-
-def check_chunked(inp, chunk_size, gen, **kw):
-    y1, s1 = ssd_reference(**inp, **kw)
-    y2, s2 = ssd_reference_chunked(**inp, **kw, chunk_size=chunk_size)
-    assert rel_rms(y2, y1) < 1e-10
-    assert rel_rms(s2, s1) < 1e-10
-    wy = torch.randn(y1.shape, generator=gen, dtype=torch.float64)
-    ws = torch.randn(s1.shape, generator=gen, dtype=torch.float64)
-    leaves = {k: v for k, v in inp.items() if torch.is_tensor(v) and v.requires_grad}
-    g1 = torch.autograd.grad((y1 * wy).sum() + (s1 * ws).sum(), list(leaves.values()))
-    g2 = torch.autograd.grad((y2 * wy).sum() + (s2 * ws).sum(), list(leaves.values()))
-    for name, a, b in zip(leaves, g1, g2):
-        assert torch.isfinite(b).all(), name
-        assert rel_rms(b, a) < 1e-10, (name, rel_rms(b, a))
-
-
-def test_oracle_chunked_all_options():
-    gen = torch.Generator().manual_seed(0)
-    # row 0: documents start at 10, 16 (a chunk boundary), 30 and a 1-token document at 31;
-    # row 1: documents start at 5 and 32 (a chunk boundary)
-    inp = oracle_inputs(gen, 2, 37, 4, 2, 3, 5, D="hp", z=True, dt_bias=True, init=True,
-                      seq_starts=[[10, 16, 30, 31], [5, 32]])
-    with torch.no_grad():  # signed raw dt so softplus spans both sides of the limit
-        inp["dt"].copy_(torch.randn(inp["dt"].shape, generator=gen, dtype=torch.float64) * 2 - 1)
-    limit = (0.1, 1.5)
-    dtp = process_dt(inp["dt"], inp["dt_bias"], True, limit)
-    low, high = (dtp == limit[0]).float().mean(), (dtp == limit[1]).float().mean()
-    assert 0.05 < low < 0.5 and 0.05 < high < 0.5  # the limit really clamps, on both sides
-    check_chunked(inp, 16, gen, dt_softplus=True, dt_limit=limit)
-
-
-@pytest.mark.parametrize("l,chunk", [(64, 16), (37, 16), (37, 64), (16, 16), (1, 8)])
-def test_oracle_chunked_lengths(l, chunk):
-    gen = torch.Generator().manual_seed(l * 100 + chunk)
-    inp = oracle_inputs(gen, 2, l, 4, 1, 3, 4, init=True)
-    check_chunked(inp, chunk, gen)
-
-
-@pytest.mark.parametrize("D", ["h", "hp"])
-def test_oracle_chunked_D_and_groups(D):
-    gen = torch.Generator().manual_seed(1)
-    inp = oracle_inputs(gen, 1, 37, 4, 2, 3, 5, D=D, z=True)
-    check_chunked(inp, 16, gen)
-
-
-def test_oracle_chunked_seq_idx_no_init():
-    gen = torch.Generator().manual_seed(2)
-    inp = oracle_inputs(gen, 2, 40, 4, 4, 2, 3, seq_starts=[[1, 8, 9, 24], [20]])
-    check_chunked(inp, 8, gen, dt_softplus=True)
-
-
-def test_oracle_chunked_extreme_decay():
-    gen = torch.Generator().manual_seed(3)
-    inp = oracle_inputs(gen, 2, 37, 4, 2, 3, 5, D="h", init=True, seq_starts=[[20], [3]])
-    with torch.no_grad():  # dt' * A = -1000 at a few tokens
-        for t in (0, 7, 16, 33):
-            inp["dt"][:, t] = 1000.0 / -inp["A"]
-    dA = process_dt(inp["dt"]) * inp["A"]
-    assert torch.isclose(dA, torch.tensor(-1000.0, dtype=torch.float64)).sum() == 4 * 2 * 4
-    check_chunked(inp, 16, gen)
-
-
-# ---------------------------------------------------------------- causal conv1d
-
-def test_oracle_conv_matches_torch():
-    gen = torch.Generator().manual_seed(4)
-    b, l, dim, K = 2, 11, 6, 4
-    x = torch.randn(b, l, dim, generator=gen, dtype=torch.float64)
-    w = torch.randn(dim, K, generator=gen, dtype=torch.float64)
-    bias = torch.randn(dim, generator=gen, dtype=torch.float64)
-    want = F.silu(F.conv1d(x.transpose(1, 2), w[:, None, :], bias, padding=K - 1,
-                           groups=dim)[..., :l].transpose(1, 2))
-    torch.testing.assert_close(causal_conv1d_reference(x, w, bias), want, rtol=1e-13, atol=1e-13)
-    want0 = F.silu(F.conv1d(x.transpose(1, 2), w[:, None, :], None, padding=K - 1,
-                            groups=dim)[..., :l].transpose(1, 2))
-    torch.testing.assert_close(causal_conv1d_reference(x, w), want0, rtol=1e-13, atol=1e-13)
-
-
-def test_oracle_conv_seq_idx():
-    gen = torch.Generator().manual_seed(5)
-    b, l, dim, K = 2, 12, 5, 4
-    starts = [[4, 6, 7], [9]]
-    seq = torch.stack([seq_from_starts(l, s) for s in starts])
-    x = torch.randn(b, l, dim, generator=gen, dtype=torch.float64, requires_grad=True)
-    w = torch.randn(dim, K, generator=gen, dtype=torch.float64)
-    bias = torch.randn(dim, generator=gen, dtype=torch.float64)
-    out = causal_conv1d_reference(x, w, bias, seq)
-    # every document convolved on its own
-    for row in range(b):
-        edges = [0] + starts[row] + [l]
-        for s, e in zip(edges[:-1], edges[1:]):
-            torch.testing.assert_close(out[row, s:e], causal_conv1d_reference(x[row:row + 1, s:e], w, bias)[0],
-                                       rtol=1e-13, atol=1e-13)
-    # output at a document's first token has exactly zero gradient w.r.t. earlier tokens
-    for row in range(b):
-        for st in starts[row]:
-            (gx,) = torch.autograd.grad(out[row, st].sum(), x, retain_graph=True)
-            assert torch.all(gx[row, :st] == 0)
-            assert torch.all(gx[1 - row] == 0)
-            assert torch.any(gx[row, st] != 0)
-
-
-# ---------------------------------------------------------------- fused conv + SSD
-
-def test_oracle_conv1d_ssd():
-    gen = torch.Generator().manual_seed(6)
-    b, l, h, p, g, n, K = 2, 21, 4, 3, 2, 5, 4
-    dim = h * p + 2 * g * n
-    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
-    xBC, dt, w, cb, dtb, D = r(b, l, dim), r(b, l, h), r(dim, K), r(dim), r(h), r(h)
-    A = -(torch.rand(h, generator=gen, dtype=torch.float64) + 0.5)
-    seq = torch.stack([seq_from_starts(l, [8]), seq_from_starts(l, [3, 16])])
-    kw = dict(headdim=p, ngroups=g, seq_idx=seq, dt_limit=(0.0, 2.0))
-    y, S = conv1d_ssd_reference(xBC, dt, w, cb, dtb, A, D, **kw)
-    u = causal_conv1d_reference(xBC, w, cb, seq)
-    x_, B_, C_ = u[..., :h * p], u[..., h * p:h * p + g * n], u[..., h * p + g * n:]
-    y2, S2 = ssd_reference(x_.reshape(b, l, h, p), dt, A, B_.reshape(b, l, g, n),
-                           C_.reshape(b, l, g, n), D=D, dt_bias=dtb, seq_idx=seq,
-                           dt_softplus=True, dt_limit=(0.0, 2.0))
-    torch.testing.assert_close(y, y2, rtol=0, atol=0)
-    torch.testing.assert_close(S, S2, rtol=0, atol=0)
-    y3, S3 = conv1d_ssd_reference(xBC, dt, w, cb, dtb, A, D, chunked=True, chunk_size=8, **kw)
-    assert rel_rms(y3, y) < 1e-10 and rel_rms(S3, S) < 1e-10
-    with pytest.raises(ValueError):
-        conv1d_ssd_reference(xBC[..., :-1], dt, w[:-1], cb[:-1], dtb, A, D, **kw)
-
-
-# ---------------------------------------------------------------------------------------------
-# Single-device SSD against the oracle
-# ---------------------------------------------------------------------------------------------
-
-OPTIONS = {
-    "plain": {},
-    "D_h": dict(D="h"),
-    "D_hp": dict(D="hp"),
-    "z": dict(z=True),
-    "dt_bias": dict(dt_bias=True),
-    "dt_softplus": dict(dt_softplus=True),
-    "initial_states": dict(initial_states=True),
-    "seq_idx": dict(seq_idx=[16, 40, 41]),
-    "dt_limit": dict(dt_softplus=True, dt_bias=True, dt_limit=(0.25, 0.6)),
-    "all": dict(D="hp", z=True, dt_bias=True, dt_softplus=True, initial_states=True,
-                seq_idx=[16, 40, 41], dt_limit=(0.05, 1.5)),
-}
-
-
-@pytest.mark.parametrize("name", list(OPTIONS))
-def test_option_against_oracle(name):
-    assert_close(run_both(make_inputs(1, **SMALL, **OPTIONS[name])), FP32_BOUND)
-
-
-@pytest.mark.parametrize("shape", [
-    dict(batch=1, seqlen=100, nheads=3, headdim=8, ngroups=1, dstate=16, chunk=64),   # partial chunk
-    dict(batch=2, seqlen=33, nheads=6, headdim=24, ngroups=3, dstate=20, chunk=16),  # odd sizes
-    dict(batch=1, seqlen=5, nheads=2, headdim=8, ngroups=2, dstate=8, chunk=16),     # shorter than a chunk
-    dict(batch=1, seqlen=64, nheads=2, headdim=32, ngroups=1, dstate=32, chunk=32),  # exact chunks
-], ids=["l100_q64", "g3_p24_n20", "l5", "exact"])
-def test_awkward_shapes(shape):
-    assert_close(run_both(make_inputs(2, **shape, D="h", z=True, dt_bias=True, dt_softplus=True,
-                                      initial_states=True)), FP32_BOUND)
-
-
-def test_set_tuning_refuses_unknown_names():
-    with pytest.raises(ValueError, match="expected a Tuning or one of"):
-        mamba_cp.set_tuning("h100")
-    assert mamba_cp.tuning() is mamba_cp.TUNINGS["gpu" if CUDA else "interpreter"]
-
-
-def test_gpu_program_shapes(tuned):
-    """The GPU's tuning in the interpreter: one head per output program, the whole state as one
-    tile in both chunk-backward kernels, the GPU's segments and conv and gate tiles."""
-    tuned("gpu")
-    assert_close(run_both(make_inputs(1, **SMALL, **OPTIONS["all"])), FP32_BOUND)
-
-
-def test_dt_limit_clamps():
-    inputs = make_inputs(3, **SMALL, dt_softplus=True, dt_bias=True, dt_limit=(0.25, 0.6))
-    v = ref.process_dt(inputs["dt"], inputs["dt_bias"], True)
-    low, high = (v < 0.25).float().mean().item(), (v > 0.6).float().mean().item()
-    assert low > 0.05 and high > 0.05, f"the limit must clamp on both sides (got {low:.2f}, {high:.2f})"
-    assert_close(run_both(inputs), FP32_BOUND)
-
-
-def test_seq_idx_documents():
-    """Several documents, one starting exactly at a chunk boundary (32), a one-token document
-    (47), and rows that split differently; with initial states that reach only the first."""
-    inputs = make_inputs(4, **dict(SMALL, seqlen=90), seq_idx=[32, 47, 48, 70], initial_states=True,
-                         D="h", z=True)
-    assert inputs["seq_idx"][0, 31] != inputs["seq_idx"][0, 32]
-    assert_close(run_both(inputs), FP32_BOUND)
-
-
-@pytest.mark.parametrize("chunk", [64, 128])
-def test_extreme_decay(chunk):
-    inputs = make_inputs(5, batch=2, seqlen=300, nheads=4, headdim=16, ngroups=2, dstate=16, chunk=chunk,
-                         extreme=True, D="hp", initial_states=True, seq_idx=[150])
-    frac = (inputs["dt"] * inputs["A"] <= -999).float().mean().item()
-    assert 0.02 < frac < 0.1
-    errs = assert_close(run_both(inputs), FP32_BOUND)
-    assert all(e == e for e in errs.values())
-
-
-# Growth: dt'*A > 0, where the per-token factors exceed 1. The lengths keep the true values
-# finite in float32; "strong" grows by e^3 a token, with a document every 10 tokens, so that
-# exponents spanning documents overflow (they must be selected away, never multiplied by 0).
-GROWTH = {
-    "neg_dt": dict(growth="neg_dt"),
-    "neg_dt_all": dict(growth="neg_dt", D="hp", z=True, initial_states=True, seq_idx=[16, 40, 41]),
-    "pos_A_softplus": dict(growth="pos_A", D="h", dt_bias=True, dt_softplus=True, initial_states=True),
-    "strong_documents": dict(growth=3.0, seq_idx=list(range(5, 77, 10)), initial_states=True, D="h"),
-}
-
-
-@pytest.mark.parametrize("name", list(GROWTH))
-def test_growth_against_oracle(name):
-    inputs = make_inputs(11, **SMALL, **GROWTH[name])
-    dtp = process_dt(inputs["dt"], inputs.get("dt_bias"), inputs["dt_softplus"])
-    assert (dtp * inputs["A"] > 0).float().mean() > 0.9
-    assert_close(run_both(inputs), FP32_BOUND)
-
-
-@pytest.mark.parametrize("opts", [OPTIONS["all"], GROWTH["strong_documents"]], ids=["decay", "growth"])
-def test_deterministic(opts):
-    inputs = make_inputs(6, **SMALL, **opts)
-    runs = []
-    for _ in range(2):
-        leaves = {k: v.detach().clone().requires_grad_(True) for k, v in inputs.items() if k in DIFFERENTIABLE}
-        y, f = mamba_cp.mamba_chunk_scan_combined(**{**inputs, **leaves}, return_final_states=True)
-        grads = torch.autograd.grad(y.sum() + f.pow(2).sum(), list(leaves.values()))
-        runs.append([y, f, *grads])
-    for a, b in zip(*runs):
-        assert torch.equal(a, b)
-
-
-def test_returns_like_mamba_ssm():
-    inputs = make_inputs(7, **SMALL)
-    y = mamba_cp.mamba_chunk_scan_combined(**inputs)
-    assert isinstance(y, torch.Tensor) and y.shape == inputs["x"].shape and y.dtype == inputs["x"].dtype
-    y2, final = mamba_cp.mamba_chunk_scan_combined(**inputs, return_final_states=True)
-    assert final.dtype == torch.float32 and final.shape == (2, 4, 24, 20)
-    assert torch.equal(y, y2)
-
-
-def test_state_dtype():
-    """Chunk states stored in float32 are what float32 inputs get anyway (bitwise); stored in
-    bf16 or fp16 they cost accuracy, which shows the argument is honoured."""
-    inputs = make_inputs(12, **SMALL, **OPTIONS["all"])
-    default = run_both(inputs)
-    fp32 = run_both(dict(inputs, state_dtype=torch.float32))
-    assert all(torch.equal(fp32[k][0], default[k][0]) for k in default)
-    assert_close(fp32, FP32_BOUND)
-    for dtype, lowest, highest in ((torch.bfloat16, 1e-4, 3e-3), (torch.float16, 5e-6, 3e-4)):
-        errs = assert_close(run_both(dict(inputs, state_dtype=dtype)), highest)
-        assert errs["y"] > lowest, f"state_dtype={dtype}: y {errs['y']:.1e}, as exact as float32 states"
-
-
-def document_end_oracle(inputs, cu):
-    """The float64 state after each packed document: the oracle run on each document alone,
-    with initial_states for the first one only."""
-    per_token = ("x", "dt", "B", "C", "z")
-    states = []
-    for d in range(cu.numel() - 1):
-        a, b = int(cu[d]), int(cu[d + 1])
-        kw = {k: v for k, v in inputs.items() if k not in ("chunk_size", "seq_idx", "state_dtype")}
-        kw.update({k: inputs[k][:, a:b] for k in per_token if k in inputs})
-        if d > 0:
-            kw["initial_states"] = None
-        states.append(ssd_reference(**kw)[1][0])
-    return torch.stack(states)                                                # (num_docs, h, p, n)
-
-
-@pytest.mark.parametrize("opts", [dict(initial_states=True, D="hp", z=True, dt_bias=True, dt_softplus=True),
-                                  dict(growth="neg_dt")], ids=["decay", "growth"])
-def test_varlen_states(opts):
-    """Documents of 1, 31 and 33 tokens (the second ends at a kernel-chunk boundary, 32), one of
-    15 inside a chunk and one of 40 across three chunks; both return orders."""
-    lens = [1, 31, 33, 15, 40]
-    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
-    inputs = make_inputs(13, batch=1, seqlen=int(cu[-1]), nheads=4, headdim=8, ngroups=2, dstate=16, chunk=16,
-                         seq_idx=cu[1:-1].tolist(), **opts)
-    cu = cu.to(DEVICE)
-    y, final, states = mamba_cp.mamba_chunk_scan_combined(**inputs, cu_seqlens=cu, return_final_states=True,
-                                                          return_varlen_states=True)
-    assert states.shape == (5, 4, 8, 16) and states.dtype == torch.float32
-    want = document_end_oracle(inputs, cu)
-    assert_close({"varlen_states": (states, want), "last = final": (states[-1:], final)}, FP32_BOUND)
-    y2, states2 = mamba_cp.mamba_chunk_scan_combined(**inputs, cu_seqlens=cu, return_varlen_states=True)
-    assert torch.equal(y2, y) and torch.equal(states2, states)
-
-
-def test_varlen_states_have_no_backward():
-    """As in mamba_ssm: gradients flow through y (and the final state), not the varlen states."""
-    cu = torch.tensor([0, 20, 45], dtype=torch.int32)
-    inputs = make_inputs(14, batch=1, seqlen=45, nheads=2, headdim=8, ngroups=1, dstate=8, chunk=16, seq_idx=[20])
-    x = inputs["x"].clone().requires_grad_(True)
-    y, states = mamba_cp.mamba_chunk_scan_combined(**dict(inputs, x=x), cu_seqlens=cu.to(DEVICE),
-                                                   return_varlen_states=True)
-    (dx,) = torch.autograd.grad(y.sum(), x, retain_graph=True)
-    plain = mamba_cp.mamba_chunk_scan_combined(**dict(inputs, x=x))
-    assert torch.equal(dx, torch.autograd.grad(plain.sum(), x)[0])
-    with pytest.raises(RuntimeError, match="return_varlen_states=True have no backward"):
-        torch.autograd.grad((y.sum() + states.sum()), x)
-
-
-# ---------------------------------------------------------------------------------------------
-# Bad input: a ValueError naming the argument
-# ---------------------------------------------------------------------------------------------
-
-def _bad_cases():
-    ok = make_inputs(8, batch=1, seqlen=20, nheads=4, headdim=8, ngroups=2, dstate=8, chunk=16, device="cpu")
-    x, B = ok["x"], ok["B"]
-    seq = torch.tensor([[0] * 8 + [1] * 12], dtype=torch.int32)        # documents [0, 8) and [8, 20)
-    return {
-        "x_rank": ("x", dict(x=x[0])),
-        "dt_shape": ("dt", dict(dt=ok["dt"][:, :10])),
-        "A_shape": ("A", dict(A=ok["A"][:3])),
-        "B_rank": ("B", dict(B=B[0])),
-        "C_shape": ("C", dict(C=ok["C"][..., :4])),
-        "ngroups": ("B", dict(B=torch.randn(1, 20, 3, 8), C=torch.randn(1, 20, 3, 8))),
-        "D_shape": ("D", dict(D=torch.randn(5))),
-        "z_shape": ("z", dict(z=torch.randn(1, 20, 4, 7))),
-        "dt_bias_shape": ("dt_bias", dict(dt_bias=torch.randn(4, 1))),
-        "init_shape": ("initial_states", dict(initial_states=torch.randn(1, 4, 8, 9))),
-        "seq_float": ("seq_idx", dict(seq_idx=torch.zeros(1, 20))),
-        "seq_decreasing": ("seq_idx", dict(seq_idx=torch.tensor([[1] * 10 + [0] * 10], dtype=torch.int32))),
-        "chunk_not_pow2": ("chunk_size", dict(chunk_size=48)),
-        "chunk_small": ("chunk_size", dict(chunk_size=8)),
-        "dtype_mismatch": ("B", dict(B=B.double())),
-        "device_mismatch": ("A", dict(A=ok["A"].to("meta"))),
-        "state_dtype": ("state_dtype", dict(state_dtype=torch.float64)),
-        "varlen_without_cu_seqlens": ("cu_seqlens", dict(return_varlen_states=True)),
-        "cu_seqlens_without_seq_idx": ("seq_idx", dict(cu_seqlens=torch.tensor([0, 8, 20]))),
-        "cu_seqlens_float": ("cu_seqlens", dict(seq_idx=seq, cu_seqlens=torch.tensor([0.0, 8.0, 20.0]))),
-        "cu_seqlens_not_increasing": ("cu_seqlens", dict(seq_idx=seq, cu_seqlens=torch.tensor([0, 8, 8, 20]))),
-        "cu_seqlens_not_ending_at_L": ("cu_seqlens", dict(seq_idx=seq, cu_seqlens=torch.tensor([0, 8, 19]))),
-        "cu_seqlens_disagree_with_seq_idx": ("cu_seqlens", dict(seq_idx=seq, cu_seqlens=torch.tensor([0, 9, 20]),
-                                                                return_varlen_states=True)),
-        "cu_seqlens_batch_2": ("x", dict(x=torch.cat([x, x]), dt=torch.cat([ok["dt"]] * 2),
-                                         B=torch.cat([B, B]), C=torch.cat([ok["C"]] * 2),
-                                         seq_idx=torch.cat([seq, seq]), cu_seqlens=torch.tensor([0, 8, 20]))),
-    }, ok
-
-
-@pytest.mark.parametrize("case", list(_bad_cases()[0]))
-def test_bad_input_raises(case):
-    cases, ok = _bad_cases()
-    name, change = cases[case]
-    with pytest.raises(ValueError, match=rf"^{name}: got .*, expected "):
-        mamba_cp.mamba_chunk_scan_combined(**{**ok, **change})
-
-
-# ---------------------------------------------------------------------------------------------
-# The causal conv1d with its halo, against causal_conv1d_reference. The reference has no halo:
-# it runs on [halo, xBC] (ids [halo_seq, seq_idx]) and its first d-1 outputs are dropped; the
-# halo's gradient is the gradient w.r.t. those first d-1 rows.
-# ---------------------------------------------------------------------------------------------
-
-def doc_ids(b, l, d, starts):
-    """Ids (b, d-1+l) of [halo, shard]: row i gets a new document at each shard position in
-    starts[i] (negative = inside the halo)."""
-    full = torch.zeros(b, d - 1 + l, dtype=torch.int32)
-    for i, pos in enumerate(starts):
-        for p in pos:
-            if -(d - 1) < p < l:   # a start at the first halo token changes nothing
-                full[i, p + d - 1:] += 1
-    return full
-
-
-def conv_inputs(b, l, dim, d, *, halo, bias, starts, seed=0, strided=False):
-    g = torch.Generator().manual_seed(seed)
-    wide = torch.randn(b, l, dim + 13, generator=g).to(DEVICE)   # slice on the device: .to() would compact it
-    xBC = wide[:, :, 5:5 + dim] if strided else wide[:, :, :dim].contiguous()   # (b, l, dim)
-    inp = dict(
-        xBC=xBC,
-        weight=torch.randn(dim, d, generator=g) * 0.5,
-        bias=torch.randn(dim, generator=g) if bias else None,
-        halo=torch.randn(b, d - 1, dim, generator=g) if halo else None,
-        seq_idx=None, halo_seq=None)
-    if starts is not None:
-        ids = doc_ids(b, l, d, starts)
-        inp["seq_idx"] = ids[:, d - 1:].contiguous()
-        if halo:
-            inp["halo_seq"] = ids[:, :d - 1].contiguous()
-    dout = torch.randn(b, l, dim, generator=g)
-    return {k: (v.to(DEVICE) if v is not None else None) for k, v in inp.items()}, dout.to(DEVICE)
-
-
-def conv_reference(inp, dout):
-    """float64 output and gradients (dxBC, dhalo, dweight, dbias) of sum(out * dout)."""
-    d = inp["weight"].shape[1]
-    x = inp["xBC"].detach().double().requires_grad_()
-    w = inp["weight"].detach().double().requires_grad_()
-    bias = inp["bias"].detach().double().requires_grad_() if inp["bias"] is not None else None
-    seq = inp["seq_idx"]
-    if inp["halo"] is not None:
-        h = inp["halo"].detach().double().requires_grad_()
-        full = torch.cat([h, x], dim=1)                                   # (b, d-1+l, dim)
-        seq_full = torch.cat([inp["halo_seq"], seq], dim=1) if seq is not None else None
-        out = causal_conv1d_reference(full, w, bias, seq_full)[:, d - 1:]
-    else:
-        h = None
-        out = causal_conv1d_reference(x, w, bias, seq)
-    leaves = [t for t in (x, h, w, bias) if t is not None]
-    grads = iter(torch.autograd.grad((out * dout.double()).sum(), leaves))
-    return out, tuple(next(grads) if t is not None else None for t in (x, h, w, bias))
-
-
-def conv_check(inp, dout):
-    out = mamba_cp.conv1d_fwd(**inp)
-    got = mamba_cp.conv1d_bwd(dout, **inp)
-    want_out, want = conv_reference(inp, dout)
-    assert out.dtype == inp["xBC"].dtype and out.is_contiguous()
-    errs = {"out": rel_rms(out, want_out)}
-    for name, g, w in zip(("dxBC", "dhalo", "dweight", "dbias"), got, want):
-        assert (g is None) == (w is None), name
-        if w is not None:
-            assert g.shape == w.shape, name
-            errs[name] = rel_rms(g, w)
-    assert got[0].dtype == inp["xBC"].dtype
-    assert all(e < FP32_BOUND for e in errs.values()), errs
-    return out, got
-
-
-# Document starts per batch row, in shard positions (negative: inside the halo; starts past the
-# shard's end are dropped). "mixed": a start inside the halo, a one-token document at 4, and a
-# start at 1 so that taps straddle it; "mixed2": a start exactly at 0, and starts at 2 and 3 (a
-# one-token document at 2); "one-doc": ids given, a single document everywhere.
-CONV_STARTS = {
-    "none": None,
-    "one-doc": [[], []],
-    "mixed": [[-1, 4, 5], [1]],
-    "mixed2": [[0], [2, 3]],
-}
-
-
-@pytest.mark.parametrize("d", [2, 3, 4])
-@pytest.mark.parametrize("halo", [False, True])
-@pytest.mark.parametrize("l,starts", [(1, "mixed"), (3, "mixed"), (3, "mixed2"), (50, "mixed"),
-                                      (50, "mixed2"), (77, "mixed"), (77, "mixed2")])
-def test_conv_matches_reference(d, l, halo, starts):
-    bias = (d + l + halo + len(starts)) % 2 == 1   # half the cases with bias, spread over the grid
-    inp, dout = conv_inputs(2, l, 40, d, halo=halo, bias=bias, starts=CONV_STARTS[starts], seed=d * 100 + l)
-    conv_check(inp, dout)
-
-
-@pytest.mark.parametrize("d", [2, 3, 4])
-@pytest.mark.parametrize("halo", [False, True])
-def test_conv_without_documents(d, halo):
-    bias = (d + halo) % 2 == 1      # each of halo / no halo seen with and without bias
-    inp, dout = conv_inputs(2, 77, 40, d, halo=halo, bias=bias, starts=None, seed=d)
-    conv_check(inp, dout)
-
-
-@pytest.mark.parametrize("starts", [[[-2], [-1]], [[0], [0]], [[1], [2]], [[3, 4], [1, 2]], [[], []]],
-                         ids=["in-halo", "at-0", "at-1-2", "one-token", "one-doc"])
-def test_conv_document_boundaries(starts):
-    """Each kind of boundary alone, d=4 with a halo: the halo's own ids matter."""
-    inp, dout = conv_inputs(2, 50, 40, 4, halo=True, bias=True, starts=starts, seed=5)
-    conv_check(inp, dout)
-
-
-@pytest.mark.parametrize("d", [2, 4, 8])
-def test_conv_non_contiguous(d):
-    inp, dout = conv_inputs(2, 77, 40, d, halo=True, bias=True, starts=CONV_STARTS["mixed"], strided=True)
-    assert not inp["xBC"].is_contiguous()
-    inp["halo"] = inp["halo"].transpose(1, 2).contiguous().transpose(1, 2)   # channel-strided halo
-    inp["weight"] = inp["weight"].t().contiguous().t()                          # tap-major weight
-    dout = dout.transpose(0, 1).contiguous().transpose(0, 1)
-    inp["seq_idx"] = inp["seq_idx"].long()                                      # int64 ids, int32 halo ids
-    conv_check(inp, dout)
-
-
-def test_conv_small_tiles_many_programs(tuned):
-    """Tiles smaller than the sequence and the channels, several token blocks per backward program:
-    taps cross tile edges, channel masks, partial sums folded across blocks."""
-    tuned(dataclasses.replace(mamba_cp.tuning(), conv_fwd_blocks=(32, 32), conv_bwd_blocks=(32, 32),
-                              conv_bwd_programs=7))     # 3 token x 2 channel blocks x 2 rows -> 2 blocks each
-    inp, dout = conv_inputs(2, 77, 40, 4, halo=True, bias=True, starts=CONV_STARTS["mixed"], seed=3)
-    conv_check(inp, dout)
-
-
-def test_conv_deterministic(tuned):
-    tuned(dataclasses.replace(mamba_cp.tuning(), conv_bwd_programs=1))   # a row's token blocks in one program
-    inp, dout = conv_inputs(2, 77, 40, 4, halo=True, bias=True, starts=CONV_STARTS["mixed"], seed=11)
-    a, b = mamba_cp.conv1d_bwd(dout, **inp), mamba_cp.conv1d_bwd(dout, **inp)
-    for x, y in zip(a, b):
-        assert torch.equal(x, y)
-    assert torch.equal(mamba_cp.conv1d_fwd(**inp), mamba_cp.conv1d_fwd(**inp))
-
-
-def test_conv_need_dhalo_false():
-    inp, dout = conv_inputs(2, 50, 40, 4, halo=True, bias=False, starts=None)
-    dx, dhalo, dw, db = mamba_cp.conv1d_bwd(dout, **inp, need_dhalo=False)
-    assert dhalo is None and db is None
-    _, want = conv_reference(inp, dout)
-    assert rel_rms(dx, want[0]) < FP32_BOUND and rel_rms(dw, want[2]) < FP32_BOUND
-
-
-def test_conv_bad_inputs():
-    inp, dout = conv_inputs(2, 10, 40, 4, halo=True, bias=True, starts=CONV_STARTS["mixed"])
-    bad = [
-        dict(weight=inp["weight"][:, :1]),                        # d_conv 1
-        dict(weight=inp["weight"][:30]),                          # wrong dim
-        dict(halo=inp["halo"][:, :2]),                            # halo not d-1 rows
-        dict(halo_seq=None),                                      # halo + seq_idx need halo_seq
-        dict(seq_idx=inp["seq_idx"].float()),                     # ids must be integers
-        dict(seq_idx=None),                                       # halo_seq without seq_idx
-        dict(xBC=inp["xBC"][0]),                                  # 2 dims
-        dict(bias=inp["bias"][:5]),
-    ]
-    for change in bad:
-        with pytest.raises(ValueError, match=r"^\w+: got .*, expected "):
-            mamba_cp.conv1d_fwd(**{**inp, **change})
-    with pytest.raises(ValueError, match="dout: got"):
-        mamba_cp.conv1d_bwd(dout[:, :5], **inp)
-
-
-# ---------------------------------------------------------------------------------------------
-# Context parallelism, rank by rank against the oracle on the full sequence
-#
-# Every rank builds the full inputs from one seeded generator, runs the float64 oracle on the
-# whole sequence, and compares its local output shard, its local input gradients, and the
-# parameter gradients summed over the group. All errors are evaluated first, then one
-# all_reduce(MAX) gives every rank the same verdict. The same checks run under pytest (gloo
-# processes spawned here, each world with a timeout) and under torchrun (see the bottom).
-# ---------------------------------------------------------------------------------------------
-
-CP_SMALL = dict(batch=2, nheads=4, headdim=8, ngroups=2, dstate=8, d_conv=4, chunk=16, piece=37)
-
-
-def cp_inputs(seed, world, *, batch, nheads, headdim, ngroups, dstate, d_conv, chunk, piece, D="hp",
-              init=True, seq=None, dt_limit=(0.0, float("inf")), dtype=torch.float32, device="cpu",
-              growth=False, **_):
-    """Full-sequence inputs of the fused core (L = 2 * W * piece tokens), the same on every rank.
-    seq: None or a list of document start positions in the global sequence. growth: A > 0, scaled
-    so that the state grows by about e^8 over the whole sequence, whatever its length."""
-    g = torch.Generator().manual_seed(seed)
-    L = 2 * world * piece
-    conv_dim = nheads * headdim + 2 * ngroups * dstate
-
-    def rnd(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g) * scale).to(device)
-
-    full = dict(
-        xBC=rnd(batch, L, conv_dim).to(dtype),
-        dt=rnd(batch, L, nheads, scale=0.5) - 1.0,
-        conv_weight=rnd(conv_dim, d_conv, scale=0.5),
-        conv_bias=rnd(conv_dim, scale=0.2),
-        dt_bias=rnd(nheads, scale=0.3),
-        A=-torch.exp(torch.rand(nheads, generator=g) * 1.5 - 1.0).to(device),
-        D=None if D is None else (rnd(nheads) if D == "h" else rnd(nheads, headdim)),
-        initial_states=rnd(batch, nheads, headdim, dstate) if init else None,
-        seq_idx=None,
-    )
-    if growth:
-        full["A"] = (torch.rand(nheads, generator=g) * 0.5 + 0.75).to(device) * 20.0 / L
-    if seq is not None:
-        full["seq_idx"] = seq_from_starts(L, seq).expand(batch, L).contiguous().to(device)
-    opts = dict(chunk_size=chunk, headdim=headdim, ngroups=ngroups, dt_limit=dt_limit)
-    return full, opts
-
-
-CP_PARAMS = ("conv_weight", "conv_bias", "dt_bias", "A", "D", "initial_states")
 CP_ACTIVATIONS = ("xBC", "dt")
+SPLIT_LEAVES = ("zxbcdt", "conv1d_weight", "conv1d_bias", "dt_bias", "A", "D", "initial_states", "rmsnorm_weight",
+                "outproj_weight", "outproj_bias")
+
+
+CASE_KEYS = ("name", "shape", "seed", "layout", "path", "exchange")
+
+
+def case_inputs(case, world, arrange, device):
+    """A CP case's full-sequence inputs and options: arrange (fused_inputs or split_inputs) of
+    its shape with W times one rank's tokens, its seed, and its other entries as options."""
+    options = {k: v for k, v in case.items() if k not in CASE_KEYS}
+    return arrange(case["shape"].per_world(world), case.get("seed", 0), device=device, **options)
 
 
 def cp_case_errors(case, rank, world, group, device, keep=None):
     """Relative RMS errors of one CP case on this rank, against the oracle on the full sequence.
-    keep: a dict that receives this rank's results (y, final_states and the gradients)."""
-    full, opts = cp_inputs(case.get("seed", 0), world, device=device, **{k: v for k, v in case.items() if k != "seed"})
+    case: shape (one rank's), layout, and optionally seed, path ("cp" or "a2a"), exchange and
+    fused_inputs' options. keep: a dict that receives this rank's results (y, final_states and
+    the gradients)."""
+    full, opts = case_inputs(case, world, fused_inputs, device)
     layout, path = case["layout"], case.get("path", "cp")
     fn = mamba_cp.mamba_conv1d_ssd_cp if path == "cp" else mamba_cp.mamba_conv1d_ssd_a2a
     exchange = dict(summary_exchange=case["exchange"]) if "exchange" in case else {}
-    wg = torch.Generator().manual_seed(99)
     b, L = full["xBC"].shape[:2]
-    h, p, n = case["nheads"], case["headdim"], case["dstate"]
-    wy_full = torch.randn(b, L, h, p, generator=wg).to(device)
-    wf_all = torch.randn(world, b, h, p, n, generator=wg).to(device)               # one per rank's copy
+    h, p, n = case["shape"].nheads, case["shape"].headdim, case["shape"].dstate
+    w = draw(None, 99, device=device, weights=dict(y=(b, L, h, p), final_states=(world, b, h, p, n)))
+    wy_full, wf_all = w["y"], w["final_states"]                                   # one final weight per rank
 
     # the oracle, float64, on the full sequence
     leaves = {k: v.detach().clone().requires_grad_(True) for k, v in full.items()
@@ -831,7 +409,7 @@ def cp_case_errors(case, rank, world, group, device, keep=None):
         ref_kw["A"], ref_kw["D"], headdim=opts["headdim"], ngroups=opts["ngroups"], seq_idx=full["seq_idx"],
         initial_states=ref_kw["initial_states"], dt_limit=opts["dt_limit"],
         chunked=device != "cpu", chunk_size=64,                  # the loop is too slow at GPU shapes
-        activation=case.get("activation", "silu"))
+        activation=opts["activation"])
     loss = (y_ref * wy_full.double()).sum() + (f_ref * wf_all.sum(0).double()).sum()
     g_ref = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
 
@@ -844,8 +422,7 @@ def cp_case_errors(case, rank, world, group, device, keep=None):
     y, f = fn(kw["xBC"], kw["dt"], kw["conv_weight"], kw["conv_bias"], kw["dt_bias"], kw["A"], kw["D"],
               opts["chunk_size"], headdim=opts["headdim"], ngroups=opts["ngroups"], cp_group=group,
               load_balancing=layout, seq_idx=kw["seq_idx"], initial_states=kw["initial_states"],
-              dt_limit=opts["dt_limit"], return_final_states=True, activation=case.get("activation", "silu"),
-              **exchange)
+              dt_limit=opts["dt_limit"], return_final_states=True, activation=opts["activation"], **exchange)
     wy = mamba_cp.shard(wy_full, rank, world, layout)
     grads = dict(zip(mine, torch.autograd.grad((y.float() * wy).sum() + (f * wf_all[rank]).sum(),
                                                list(mine.values()))))
@@ -871,63 +448,76 @@ def shard_errors(outputs, final, grads, g_ref, per_token, rank, world, group, la
     return errs
 
 
-def cp_round_trip_errors(rank, world, group, device):
-    """zigzag -> contiguous -> zigzag must be bitwise exact, forward and backward, both backends."""
-    errs = {}
-    for backend in ("permute_p2p", "permute_a2a"):
-        full = torch.randn(2, 2 * world * 6, 3, generator=torch.Generator().manual_seed(5)).to(device)
-        x = mamba_cp.shard(full, rank, world, "virtual").requires_grad_(True)
-        contiguous = mamba_cp._PermuteFn.apply(x, group, backend, True)
-        want = mamba_cp.shard(full, rank, world, "none")
-        back = mamba_cp._PermuteFn.apply(contiguous, group, backend, False)
-        g = torch.autograd.grad((back * full[:1, :x.shape[1]]).sum(), x)[0]
-        errs[f"{backend} to contiguous"] = 0.0 if torch.equal(contiguous, want) else float("inf")
-        errs[f"{backend} round trip"] = 0.0 if torch.equal(back, x) else float("inf")
-        errs[f"{backend} backward"] = 0.0 if torch.equal(g, full[:1, :x.shape[1]].expand_as(g)) else float("inf")
-    return errs
+def split_case_errors(case, rank, world, group, device):
+    """Relative RMS errors of one mamba_split_conv1d_scan_combined case on this rank."""
+    full, opts = case_inputs(case, world, split_inputs, device)
+    layout = case["layout"]
+    per_token = ("zxbcdt", "seq_idx")
+    leaves = {k: full[k].detach().clone().requires_grad_(True) for k in SPLIT_LEAVES if full[k] is not None}
+    ref_kw = {k: leaves.get(k, full[k]) for k in full}
+    p = opts["headdim"] or full["D"].shape[1]
+    out_ref, f_ref = ref.split_conv1d_scan_reference(
+        **{k: v for k, v in ref_kw.items() if k not in ("seq_idx",)}, seq_idx=full["seq_idx"], headdim=p,
+        ngroups=opts["ngroups"], dt_limit=opts["dt_limit"], activation=opts["activation"],
+        norm_before_gate=opts["norm_before_gate"], chunked=device != "cpu", chunk_size=64)
+    w = draw(None, 98, device=device, weights=dict(out=out_ref.shape, final_states=(world, *f_ref.shape)))
+    w_full, wf_all = w["out"], w["final_states"]
+    g_ref = dict(zip(leaves, torch.autograd.grad((out_ref * w_full.double()).sum()
+                                                 + (f_ref * wf_all.sum(0).double()).sum(), list(leaves.values()))))
+
+    local = {k: mamba_cp.shard(v, rank, world, layout) if k in per_token and v is not None else v
+             for k, v in full.items()}
+    mine = {k: local[k].detach().clone().requires_grad_(True) for k in leaves}
+    out, f = mamba_cp.mamba_split_conv1d_scan_combined(
+        **{**local, **mine}, **opts, return_final_states=True, cp_group=group, load_balancing=layout,
+        summary_exchange=case.get("exchange", "auto"))
+    w = mamba_cp.shard(w_full, rank, world, layout)
+    grads = dict(zip(mine, torch.autograd.grad((out.float() * w).sum() + (f * wf_all[rank]).sum(),
+                                               list(mine.values()))))
+    return shard_errors({"out": (out, out_ref)}, (f, f_ref), grads, g_ref, per_token, rank, world, group, layout)
 
 
-def cp_cases(world, gpu=False):
-    """The CP checks for a world of W ranks: every layout with every option (documents that
-    cross rank boundaries, initial and final states, dt_limit, ragged lengths), plain runs, and
-    the all-to-all baseline."""
-    base = dict(CP_SMALL) if not gpu else dict(batch=1, nheads=64, headdim=64, ngroups=8, dstate=128, d_conv=4,
-                                               chunk=128, piece=1000, dtype=torch.bfloat16)
-    piece = base["piece"]
-    # document starts: exactly at a segment boundary (piece), many short documents inside the
-    # first piece, one document spanning three pieces (from piece + 5 to past 3 * piece)
-    docs = [3, 9, 10, piece, piece + 5, 4 * piece + 7] if world > 1 else [3, 9, 10, piece, piece + 5]
-    cases = []
-    for layout in mamba_cp.LAYOUTS:
-        if not gpu:  # on GPUs every case compiles its own kernel variants: keep to the full ones
-            cases.append(dict(base, name=f"{layout} plain", layout=layout, D="h", init=False))
-        cases.append(dict(base, name=f"{layout} all options", layout=layout, seq=docs,
-                          dt_limit=(0.05, 2.0), seed=1))
-        if base["nheads"] % world == 0:
-            cases.append(dict(base, name=f"a2a {layout}", layout=layout, path="a2a", seq=docs, seed=2))
-    # growth (A > 0): exponents of positive sign through the summaries and the scan
-    cases.append(dict(base, name="virtual growth", layout="virtual", seq=docs, growth=True, seed=4))
-    if not gpu:  # the conv without its SiLU (activation=None)
-        cases.append(dict(base, name="none, conv without activation", layout="none", seq=docs, activation=None,
-                          seed=5))
-    if world == 3 and not gpu:  # 2 heads per rank straddle the 3-head groups: per-head group copies
-        cases.append(dict(base, name="a2a none, heads straddle groups", layout="none", path="a2a",
-                          nheads=6, ngroups=2, seed=3))
-    return cases
+# ---------------------------------------------------------------------------------------------
+# Helpers: the process harness. A distributed check, registered with @check and its bound, runs
+# on every rank as run(rank, world, group, device, gpu), evaluates all its errors, then one
+# all_reduce(MAX) (errors_everywhere) gives every rank the same verdict. The same checks run
+# under pytest (world_check: gloo processes spawned here, each world with a timeout) and under
+# torchrun (main, the last section), both judged by failures.
+# ---------------------------------------------------------------------------------------------
+
+class Check(NamedTuple):
+    """A distributed check: run(rank, world, group, device, gpu=False) returns {case: {quantity:
+    error}}, every error already reduced (MAX) over the group; it passes where no error exceeds
+    bound (gpu_bound under torchrun on GPUs, where some checks run bf16 at the record shape).
+    alone: torchrun runs it again in a world of one on each rank; under_torchrun(world): whether
+    torchrun runs it at all."""
+    label: str
+    run: Callable
+    bound: float
+    gpu_bound: float
+    alone: bool
+    under_torchrun: Callable
 
 
-def cp_world_check(rank, world, group, device, gpu=False, report=None):
-    """Run every CP case on this rank; returns {case: {tensor: error}} with errors already
-    reduced (MAX) over the group, so every rank reaches the same verdict."""
-    results = {}
-    for case in cp_cases(world, gpu):
-        try:
-            errs = cp_case_errors(case, rank, world, group, device)
-        except Exception as e:  # noqa: BLE001 - a failure on one rank must still reach the reduction
-            errs = {"exception: " + repr(e)[:200]: float("inf")}
-        results[case["name"]] = errs
-    results["zigzag round trip"] = cp_round_trip_errors(rank, world, group, device)
-    return errors_everywhere(results, world, group, device)
+CHECKS = []   # in the order of this file, which is the order torchrun runs them
+
+
+def check(label, bound, gpu_bound=None, alone=False, under_torchrun=lambda world: True):
+    """Register a distributed check (the decorated function) with its bound."""
+    def register(run):
+        run.check = Check(label, run, bound, bound if gpu_bound is None else gpu_bound, alone, under_torchrun)
+        CHECKS.append(run.check)
+        return run
+    return register
+
+
+def guarded(run, *args, **kwargs):
+    """run(*args, **kwargs), or where it raises, an error entry that fails every bound: a failure
+    on one rank must still reach the reduction."""
+    try:
+        return run(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001
+        return {"exception: " + repr(e)[:300]: float("inf")}
 
 
 def errors_everywhere(results, world, group, device):
@@ -968,9 +558,9 @@ def _world_entry(rank, world, port, fn_name, args, queue):
 _INTERPRETER_PROBE = """
 import torch, mamba_cp
 assert mamba_cp.INTERPRET
-x = torch.randn(1, 40, 2, 8)
-y = mamba_cp.mamba_chunk_scan_combined(x, torch.rand(1, 40, 2) * 0.1, -torch.rand(2),
-                                       torch.randn(1, 40, 1, 8), torch.randn(1, 40, 1, 8), 16)
+x = torch.linspace(-1, 1, 640).reshape(1, 40, 2, 8)
+y = mamba_cp.mamba_chunk_scan_combined(x, torch.full((1, 40, 2), 0.05), -torch.ones(2),
+                                       (x[:, :, :1] * 0.5).contiguous(), x[:, :, 1:].contiguous(), 16)
 assert torch.isfinite(y).all()
 """
 
@@ -1047,50 +637,459 @@ def world_verdict(world, fn_name, *args, timeout=600):
     """world_results of a check whose errors the ranks reduced together: the one verdict, which
     every rank must have reached."""
     results = world_results(world, fn_name, *args, timeout=timeout)
-    assert all(r == results[0] for r in results), "ranks reached different verdicts"
+    same = lambda errs: None if errs is None else sorted((q, repr(e)) for q, e in errs.items())   # noqa: E731 (NaN too)
+    differ = sorted({c for r in results for c in r if same(r.get(c)) != same(results[0].get(c))})
+    assert not differ, f"ranks reached different verdicts: {[{c: r.get(c) for c in differ} for r in results]}"
     return results[0]
 
 
-def _cp_verdict(results, bound):
-    failures = {}
-    for case, errs in results.items():
-        for tensor, err in errs.items():
-            if not err <= bound:
-                failures.setdefault(case, {})[tensor] = err
-    return failures
+def world_check(world, run, timeout=600):
+    """A registered check on W gloo ranks: its one verdict, asserted to pass the check's bound."""
+    verdict = world_verdict(world, run.__name__, timeout=timeout)
+    expect(verdict, run.check.bound, f"W={world} {run.check.label}")
+    return verdict
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_cp_against_oracle(world):
-    """Every layout, the baseline, documents across rank boundaries, initial and final states,
-    ragged lengths, and the zigzag round trip, for W ranks on gloo."""
-    verdict = world_verdict(world, "cp_world_check")
-    worst = {}
-    for case, errs in verdict.items():
-        for tensor, err in errs.items():
-            worst[tensor] = max(worst.get(tensor, 0.0), err)
-    failures = _cp_verdict(verdict, FP32_BOUND)
-    assert not failures, f"relative RMS above {FP32_BOUND:g}: {failures}"
-    print(f"W={world}: largest relative RMS per tensor: {worst}")
+# ---------------------------------------------------------------------------------------------
+# The oracle checks itself: a hand-computed case, and its chunked float64 form and causal conv
+# against the token loop and torch (so the chunked form may stand in for the loop on the GPU)
+# ---------------------------------------------------------------------------------------------
+
+# ---------------------------------------------------------------- hand-computed case
+
+def test_oracle_hand_computed():
+    x = torch.tensor([1.0, 2.0, 3.0]).view(1, 3, 1, 1)
+    dt = torch.tensor([0.5, 1.0, 0.25]).view(1, 3, 1)
+    A = torch.tensor([-1.0])
+    B = torch.tensor([1.0, 1.0, 2.0]).view(1, 3, 1, 1)
+    C = torch.tensor([2.0, 1.0, 1.0]).view(1, 3, 1, 1)
+    D = torch.tensor([0.5])
+    z = torch.tensor([0.0, 1.0, -2.0]).view(1, 3, 1, 1)
+
+    s0 = 0.5 * 1 * 1
+    s1 = math.exp(-1.0) * s0 + 1.0 * 2 * 1
+    s2 = math.exp(-0.25) * s1 + 0.25 * 3 * 2
+    want = [s0 * 2 + 0.5 * 1, s1 * 1 + 0.5 * 2, s2 * 1 + 0.5 * 3]
+    y, S = ssd_reference(x, dt, A, B, C, D=D)
+    assert y.dtype == torch.float64 and S.shape == (1, 1, 1, 1)
+    torch.testing.assert_close(y.flatten(), torch.tensor(want, dtype=torch.float64))
+    assert S.item() == pytest.approx(s2, rel=1e-14)
+
+    # gate: y *= silu(z)
+    silu = lambda v: v / (1 + math.exp(-v))
+    y, _ = ssd_reference(x, dt, A, B, C, D=D, z=z)
+    gated = [w * silu(v) for w, v in zip(want, [0.0, 1.0, -2.0])]
+    torch.testing.assert_close(y.flatten(), torch.tensor(gated, dtype=torch.float64))
+
+    # initial state 1 reaches the first document only; a new document starts at t = 2
+    init = torch.ones(1, 1, 1, 1)
+    seq = torch.tensor([[0, 0, 1]], dtype=torch.int32)
+    i0 = math.exp(-0.5) * 1.0 + 0.5
+    i1 = math.exp(-1.0) * i0 + 2.0
+    i2 = 0.0 + 1.5
+    y, S = ssd_reference(x, dt, A, B, C, initial_states=init, seq_idx=seq)
+    want = [i0 * 2, i1 * 1, i2 * 1]
+    torch.testing.assert_close(y.flatten(), torch.tensor(want, dtype=torch.float64))
+    assert S.item() == pytest.approx(i2, rel=1e-14)
 
 
-# ---------------------------------------------------------------- the two summary exchanges
-# The prefix scan over ranks (summary_exchange="scan") alone, on random summaries of every
-# global segment: against the float64 recurrence (forward) and its autograd (backward), and
-# bitwise against the same compositions in the same order in one process. Then the whole
-# fused core with both exchanges, every layout, against the oracle and against each other.
+def test_oracle_process_dt():
+    dt = torch.tensor([[[-1.0, 0.3, 30.0]]])
+    assert torch.equal(process_dt(dt), dt.double())  # default limit: no clamp, stays negative
+    sp = process_dt(dt, dt_softplus=True)
+    torch.testing.assert_close(sp, F.softplus(dt.double()))
+    assert sp[0, 0, 2].item() == 30.0  # linear above threshold 20
+    cl = process_dt(dt, dt_bias=torch.tensor([0.0, 0.1, 0.0]), dt_limit=(0.0, 1.0))
+    torch.testing.assert_close(cl, torch.tensor([[[0.0, 0.4, 1.0]]], dtype=torch.float64))
 
-def random_summaries(world, layout, seed=7, batch=2, h=3, p=4, n=5):
+
+# ---------------------------------------------------------------- chunked == sequential
+
+def oracle_leaves(shape, seed, **options):
+    """draw's tensors in float64 on the CPU, every floating one a leaf that requires grad."""
+    drawn = draw(shape, seed, dtype=torch.float64, device="cpu", **options)
+    return {k: v.requires_grad_(True) if v.is_floating_point() else v for k, v in drawn.items()}
+
+
+def check_chunked(inp, chunk_size, seed, **kw):
+    y1, s1 = ssd_reference(**inp, **kw)
+    y2, s2 = ssd_reference_chunked(**inp, **kw, chunk_size=chunk_size)
+    assert rel_rms(y2, y1) < 1e-10
+    assert rel_rms(s2, s1) < 1e-10
+    w = draw(None, seed, dtype=torch.float64, device="cpu", weights=dict(y=y1.shape, final_states=s1.shape))
+    wy, ws = w["y"], w["final_states"]
+    leaves = {k: v for k, v in inp.items() if torch.is_tensor(v) and v.requires_grad}
+    g1 = torch.autograd.grad((y1 * wy).sum() + (s1 * ws).sum(), list(leaves.values()))
+    g2 = torch.autograd.grad((y2 * wy).sum() + (s2 * ws).sum(), list(leaves.values()))
+    for name, a, b in zip(leaves, g1, g2):
+        assert torch.isfinite(b).all(), name
+        assert rel_rms(b, a) < 1e-10, (name, rel_rms(b, a))
+
+
+ORACLE_SMALL = Shape(batch=2, seqlen=37, nheads=4, headdim=3, ngroups=2, dstate=5)
+
+
+def test_oracle_chunked_all_options():
+    # row 0: documents start at 10, 16 (a chunk boundary), 30 and a 1-token document at 31;
+    # row 1: documents start at 5 and 32 (a chunk boundary). Raw dt, softplus inside.
+    inp = oracle_leaves(ORACLE_SMALL, 0, D="hp", z=True, dt_bias=True, dt_softplus=True, initial_states=True,
+                        seq_idx=[[10, 16, 30, 31], [5, 32]])
+    limit = (0.25, 0.6)
+    dtp = process_dt(inp["dt"], inp["dt_bias"], True, limit)
+    low, high = (dtp == limit[0]).float().mean(), (dtp == limit[1]).float().mean()
+    assert 0.05 < low < 0.5 and 0.05 < high < 0.5  # the limit really clamps, on both sides
+    check_chunked(inp, 16, 100, dt_softplus=True, dt_limit=limit)
+
+
+@pytest.mark.parametrize("l,chunk", [(64, 16), (37, 16), (37, 64), (16, 16), (1, 8)])
+def test_oracle_chunked_lengths(l, chunk):
+    inp = oracle_leaves(ORACLE_SMALL._replace(seqlen=l, ngroups=1, dstate=4), l * 100 + chunk, initial_states=True)
+    check_chunked(inp, chunk, 101)
+
+
+@pytest.mark.parametrize("D", ["h", "hp"])
+def test_oracle_chunked_D_and_groups(D):
+    inp = oracle_leaves(ORACLE_SMALL._replace(batch=1), 1, D=D, z=True)
+    check_chunked(inp, 16, 102)
+
+
+def test_oracle_chunked_seq_idx_no_init():
+    inp = oracle_leaves(Shape(batch=2, seqlen=40, nheads=4, headdim=2, ngroups=4, dstate=3), 2, dt_softplus=True,
+                        seq_idx=[[1, 8, 9, 24], [20]])
+    check_chunked(inp, 8, 103, dt_softplus=True)
+
+
+def test_oracle_chunked_extreme_decay():
+    # dt' * A = -1000 at tokens 0, 7, 16 (a chunk boundary) and 33, every row and head
+    inp = oracle_leaves(ORACLE_SMALL, 3, D="h", initial_states=True, seq_idx=[[20], [3]], extreme=[0, 7, 16, 33])
+    dA = process_dt(inp["dt"]) * inp["A"]
+    assert torch.isclose(dA, torch.tensor(-1000.0, dtype=torch.float64)).sum() == 4 * 2 * 4
+    check_chunked(inp, 16, 104)
+
+
+# ---------------------------------------------------------------- causal conv1d
+
+def test_oracle_conv_matches_torch():
+    shape = Shape(batch=2, seqlen=11, nheads=1, headdim=2, ngroups=1, dstate=2, d_conv=4)      # 6 channels
+    l, dim, K = shape.seqlen, shape.conv_dim, shape.d_conv
+    drawn = draw(shape, 4, dtype=torch.float64, device="cpu", conv_weight=True, conv_bias=True)
+    x, w, bias = xbc(drawn), drawn["conv_weight"], drawn["conv_bias"]
+    want = F.silu(F.conv1d(x.transpose(1, 2), w[:, None, :], bias, padding=K - 1,
+                           groups=dim)[..., :l].transpose(1, 2))
+    torch.testing.assert_close(causal_conv1d_reference(x, w, bias), want, rtol=1e-13, atol=1e-13)
+    want0 = F.silu(F.conv1d(x.transpose(1, 2), w[:, None, :], None, padding=K - 1,
+                            groups=dim)[..., :l].transpose(1, 2))
+    torch.testing.assert_close(causal_conv1d_reference(x, w), want0, rtol=1e-13, atol=1e-13)
+
+
+def test_oracle_conv_seq_idx():
+    shape = Shape(batch=2, seqlen=12, nheads=1, headdim=1, ngroups=1, dstate=2, d_conv=4)      # 5 channels
+    b, l = shape.batch, shape.seqlen
+    starts = [[4, 6, 7], [9]]
+    drawn = draw(shape, 5, dtype=torch.float64, device="cpu", conv_weight=True, conv_bias=True, seq_idx=starts)
+    x, w, bias, seq = xbc(drawn).requires_grad_(True), drawn["conv_weight"], drawn["conv_bias"], drawn["seq_idx"]
+    out = causal_conv1d_reference(x, w, bias, seq)
+    # every document convolved on its own
+    for row in range(b):
+        edges = [0] + starts[row] + [l]
+        for s, e in zip(edges[:-1], edges[1:]):
+            torch.testing.assert_close(out[row, s:e], causal_conv1d_reference(x[row:row + 1, s:e], w, bias)[0],
+                                       rtol=1e-13, atol=1e-13)
+    # output at a document's first token has exactly zero gradient w.r.t. earlier tokens
+    for row in range(b):
+        for st in starts[row]:
+            (gx,) = torch.autograd.grad(out[row, st].sum(), x, retain_graph=True)
+            assert torch.all(gx[row, :st] == 0)
+            assert torch.all(gx[1 - row] == 0)
+            assert torch.any(gx[row, st] != 0)
+
+
+# ---------------------------------------------------------------- fused conv + SSD
+
+def test_oracle_conv1d_ssd():
+    b, l, h, p, g, n = 2, 21, 4, 3, 2, 5
+    full, _ = fused_inputs(Shape(batch=b, seqlen=l, nheads=h, headdim=p, ngroups=g, dstate=n), 6, D="h",
+                           initial_states=False, seq_idx=[[8], [3, 16]], dtype=torch.float64)
+    xBC, dt, w, cb, dtb, A, D, seq = (full[k] for k in ("xBC", "dt", "conv_weight", "conv_bias", "dt_bias", "A", "D",
+                                                        "seq_idx"))
+    kw = dict(headdim=p, ngroups=g, seq_idx=seq, dt_limit=(0.0, 2.0))
+    y, S = conv1d_ssd_reference(xBC, dt, w, cb, dtb, A, D, **kw)
+    u = causal_conv1d_reference(xBC, w, cb, seq)
+    x_, B_, C_ = u[..., :h * p], u[..., h * p:h * p + g * n], u[..., h * p + g * n:]
+    y2, S2 = ssd_reference(x_.reshape(b, l, h, p), dt, A, B_.reshape(b, l, g, n),
+                           C_.reshape(b, l, g, n), D=D, dt_bias=dtb, seq_idx=seq,
+                           dt_softplus=True, dt_limit=(0.0, 2.0))
+    torch.testing.assert_close(y, y2, rtol=0, atol=0)
+    torch.testing.assert_close(S, S2, rtol=0, atol=0)
+    y3, S3 = conv1d_ssd_reference(xBC, dt, w, cb, dtb, A, D, chunked=True, chunk_size=8, **kw)
+    assert rel_rms(y3, y) < 1e-10 and rel_rms(S3, S) < 1e-10
+    with pytest.raises(ValueError):
+        conv1d_ssd_reference(xBC[..., :-1], dt, w[:-1], cb[:-1], dtb, A, D, **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# mamba_cp sections 1-4 and 6: the single-device SSD against the oracle, forward and backward
+# (section 2's tuning too)
+# ---------------------------------------------------------------------------------------------
+
+OPTIONS = {
+    "plain": {},
+    "D_h": dict(D="h"),
+    "D_hp": dict(D="hp"),
+    "z": dict(z=True),
+    "dt_bias": dict(dt_bias=True),
+    "dt_softplus": dict(dt_softplus=True),
+    "initial_states": dict(initial_states=True),
+    "seq_idx": dict(seq_idx=[16, 40, 41]),
+    "dt_limit": dict(dt_softplus=True, dt_bias=True, dt_limit=(0.25, 0.6)),
+    "all": dict(D="hp", z=True, dt_bias=True, dt_softplus=True, initial_states=True,
+                seq_idx=[16, 40, 41], dt_limit=(0.05, 1.5)),
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_option_against_oracle(name):
+    assert_close(run_both(ssd_inputs(SMALL, 1, **OPTIONS[name])), FP32_BOUND)
+
+
+@pytest.mark.parametrize("shape", [
+    Shape(batch=1, seqlen=100, nheads=3, headdim=8, ngroups=1, dstate=16, chunk=64),   # partial chunk
+    Shape(batch=2, seqlen=33, nheads=6, headdim=24, ngroups=3, dstate=20, chunk=16),  # odd sizes
+    Shape(batch=1, seqlen=5, nheads=2, headdim=8, ngroups=2, dstate=8, chunk=16),     # shorter than a chunk
+    Shape(batch=1, seqlen=64, nheads=2, headdim=32, ngroups=1, dstate=32, chunk=32),  # exact chunks
+], ids=["l100_q64", "g3_p24_n20", "l5", "exact"])
+def test_awkward_shapes(shape):
+    assert_close(run_both(ssd_inputs(shape, 2, D="h", z=True, dt_bias=True, dt_softplus=True, initial_states=True)),
+                 FP32_BOUND)
+
+
+def test_set_tuning_refuses_unknown_names():
+    with pytest.raises(ValueError, match="expected a Tuning or one of"):
+        mamba_cp.set_tuning("h100")
+    assert mamba_cp.tuning() is mamba_cp.TUNINGS["gpu" if CUDA else "interpreter"]
+
+
+def test_gpu_program_shapes(tuned):
+    """The GPU's tuning in the interpreter: one head per output program, the whole state as one
+    tile in both chunk-backward kernels, the GPU's segments and conv and gate tiles."""
+    tuned("gpu")
+    assert_close(run_both(ssd_inputs(SMALL, 1, **OPTIONS["all"])), FP32_BOUND)
+
+
+def test_dt_limit_clamps():
+    inputs = ssd_inputs(SMALL, 3, dt_softplus=True, dt_bias=True, dt_limit=(0.25, 0.6))
+    v = ref.process_dt(inputs["dt"], inputs["dt_bias"], True)
+    low, high = (v < 0.25).float().mean().item(), (v > 0.6).float().mean().item()
+    assert low > 0.05 and high > 0.05, f"the limit must clamp on both sides (got {low:.2f}, {high:.2f})"
+    assert_close(run_both(inputs), FP32_BOUND)
+
+
+def test_seq_idx_documents():
+    """Several documents, one starting exactly at a chunk boundary (32), a one-token document
+    (47), and rows that split differently; with initial states that reach only the first."""
+    inputs = ssd_inputs(SMALL._replace(seqlen=90), 4, seq_idx=[32, 47, 48, 70], initial_states=True, D="h", z=True)
+    assert inputs["seq_idx"][0, 31] != inputs["seq_idx"][0, 32]
+    assert_close(run_both(inputs), FP32_BOUND)
+
+
+@pytest.mark.parametrize("chunk", [64, 128])
+def test_extreme_decay(chunk):
+    inputs = ssd_inputs(Shape(batch=2, seqlen=300, nheads=4, headdim=16, ngroups=2, dstate=16, chunk=chunk), 5,
+                        extreme=True, D="hp", initial_states=True, seq_idx=[150])
+    frac = (inputs["dt"] * inputs["A"] <= -999).float().mean().item()
+    assert 0.02 < frac < 0.1
+    errs = assert_close(run_both(inputs), FP32_BOUND)
+    assert all(e == e for e in errs.values())
+
+
+# Growth: dt'*A > 0, where the per-token factors exceed 1. The lengths keep the true values
+# finite in float32; "strong" grows by e^3 a token, with a document every 10 tokens, so that
+# exponents spanning documents overflow (they must be selected away, never multiplied by 0).
+GROWTH = {
+    "neg_dt": dict(growth="neg_dt"),
+    "neg_dt_all": dict(growth="neg_dt", D="hp", z=True, initial_states=True, seq_idx=[16, 40, 41]),
+    "pos_A_softplus": dict(growth="pos_A", D="h", dt_bias=True, dt_softplus=True, initial_states=True),
+    "strong_documents": dict(growth=3.0, seq_idx=list(range(5, 77, 10)), initial_states=True, D="h"),
+}
+
+
+@pytest.mark.parametrize("name", list(GROWTH))
+def test_growth_against_oracle(name):
+    inputs = ssd_inputs(SMALL, 11, **GROWTH[name])
+    dtp = process_dt(inputs["dt"], inputs.get("dt_bias"), inputs["dt_softplus"])
+    assert (dtp * inputs["A"] > 0).float().mean() > 0.9
+    assert_close(run_both(inputs), FP32_BOUND)
+
+
+@pytest.mark.parametrize("opts", [OPTIONS["all"], GROWTH["strong_documents"]], ids=["decay", "growth"])
+def test_deterministic(opts):
+    inputs = ssd_inputs(SMALL, 6, **opts)
+    runs = []
+    for _ in range(2):
+        leaves = {k: v.detach().clone().requires_grad_(True) for k, v in inputs.items() if k in DIFFERENTIABLE}
+        y, f = mamba_cp.mamba_chunk_scan_combined(**{**inputs, **leaves}, return_final_states=True)
+        grads = torch.autograd.grad(y.sum() + f.pow(2).sum(), list(leaves.values()))
+        runs.append([y, f, *grads])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_returns_like_mamba_ssm():
+    inputs = ssd_inputs(SMALL, 7)
+    y = mamba_cp.mamba_chunk_scan_combined(**inputs)
+    assert isinstance(y, torch.Tensor) and y.shape == inputs["x"].shape and y.dtype == inputs["x"].dtype
+    y2, final = mamba_cp.mamba_chunk_scan_combined(**inputs, return_final_states=True)
+    assert final.dtype == torch.float32 and final.shape == (2, 4, 24, 20)
+    assert torch.equal(y, y2)
+
+
+def test_state_dtype():
+    """Chunk states stored in float32 are what float32 inputs get anyway (bitwise); stored in
+    bf16 or fp16 they cost accuracy, which shows the argument is honoured."""
+    inputs = ssd_inputs(SMALL, 12, **OPTIONS["all"])
+    default = run_both(inputs)
+    fp32 = run_both(dict(inputs, state_dtype=torch.float32))
+    assert all(torch.equal(fp32[k][0], default[k][0]) for k in default)
+    assert_close(fp32, FP32_BOUND)
+    for dtype, lowest, highest in ((torch.bfloat16, 1e-4, 3e-3), (torch.float16, 5e-6, 3e-4)):
+        errs = assert_close(run_both(dict(inputs, state_dtype=dtype)), highest)
+        assert errs["y"] > lowest, f"state_dtype={dtype}: y {errs['y']:.1e}, as exact as float32 states"
+
+
+def document_end_oracle(inputs, cu):
+    """The float64 state after each packed document: the oracle run on each document alone,
+    with initial_states for the first one only."""
+    per_token = ("x", "dt", "B", "C", "z")
+    states = []
+    for d in range(cu.numel() - 1):
+        a, b = int(cu[d]), int(cu[d + 1])
+        kw = {k: v for k, v in inputs.items() if k not in ("chunk_size", "seq_idx", "state_dtype")}
+        kw.update({k: inputs[k][:, a:b] for k in per_token if k in inputs})
+        if d > 0:
+            kw["initial_states"] = None
+        states.append(ssd_reference(**kw)[1][0])
+    return torch.stack(states)                                                # (num_docs, h, p, n)
+
+
+@pytest.mark.parametrize("opts", [dict(initial_states=True, D="hp", z=True, dt_bias=True, dt_softplus=True),
+                                  dict(growth="neg_dt")], ids=["decay", "growth"])
+def test_varlen_states(opts):
+    """Documents of 1, 31 and 33 tokens (the second ends at a kernel-chunk boundary, 32), one of
+    15 inside a chunk and one of 40 across three chunks; both return orders."""
+    lens = [1, 31, 33, 15, 40]
+    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    inputs = ssd_inputs(Shape(batch=1, seqlen=int(cu[-1]), nheads=4, headdim=8, ngroups=2, dstate=16, chunk=16), 13,
+                        seq_idx=cu[1:-1].tolist(), **opts)
+    cu = cu.to(DEVICE)
+    y, final, states = mamba_cp.mamba_chunk_scan_combined(**inputs, cu_seqlens=cu, return_final_states=True,
+                                                          return_varlen_states=True)
+    assert states.shape == (5, 4, 8, 16) and states.dtype == torch.float32
+    want = document_end_oracle(inputs, cu)
+    assert_close({"varlen_states": (states, want), "last = final": (states[-1:], final)}, FP32_BOUND)
+    y2, states2 = mamba_cp.mamba_chunk_scan_combined(**inputs, cu_seqlens=cu, return_varlen_states=True)
+    assert torch.equal(y2, y) and torch.equal(states2, states)
+
+
+def test_varlen_states_have_no_backward():
+    """As in mamba_ssm: gradients flow through y (and the final state), not the varlen states."""
+    cu = torch.tensor([0, 20, 45], dtype=torch.int32)
+    inputs = ssd_inputs(Shape(batch=1, seqlen=45, nheads=2, headdim=8, ngroups=1, dstate=8, chunk=16), 14, seq_idx=[20])
+    x = inputs["x"].clone().requires_grad_(True)
+    y, states = mamba_cp.mamba_chunk_scan_combined(**dict(inputs, x=x), cu_seqlens=cu.to(DEVICE),
+                                                   return_varlen_states=True)
+    (dx,) = torch.autograd.grad(y.sum(), x, retain_graph=True)
+    plain = mamba_cp.mamba_chunk_scan_combined(**dict(inputs, x=x))
+    assert torch.equal(dx, torch.autograd.grad(plain.sum(), x)[0])
+    with pytest.raises(RuntimeError, match="return_varlen_states=True have no backward"):
+        torch.autograd.grad((y.sum() + states.sum()), x)
+
+
+# ---------------------------------------------------------------------------------------------
+# mamba_cp section 5: bad input, a ValueError naming the argument
+# ---------------------------------------------------------------------------------------------
+
+def _bad_cases():
+    drawn = ssd_inputs(Shape(batch=1, seqlen=20, nheads=4, headdim=8, ngroups=2, dstate=8, chunk=16), 8, device="cpu",
+                       D="h", z=True, dt_bias=True, initial_states=True)
+    ok = {k: v for k, v in drawn.items() if k not in ("D", "z", "dt_bias", "initial_states")}
+    x, B = ok["x"], ok["B"]
+    seq = torch.tensor([[0] * 8 + [1] * 12], dtype=torch.int32)        # documents [0, 8) and [8, 20)
+    return {
+        "x_rank": ("x", dict(x=x[0])),
+        "dt_shape": ("dt", dict(dt=ok["dt"][:, :10])),
+        "A_shape": ("A", dict(A=ok["A"][:3])),
+        "B_rank": ("B", dict(B=B[0])),
+        "C_shape": ("C", dict(C=ok["C"][..., :4])),
+        "ngroups": ("B", dict(B=torch.cat([B, B[:, :, :1]], 2), C=torch.cat([ok["C"], ok["C"][:, :, :1]], 2))),
+        "D_shape": ("D", dict(D=torch.cat([drawn["D"], drawn["D"][:1]]))),                    # (5,)
+        "z_shape": ("z", dict(z=drawn["z"][..., :7])),                                        # (1, 20, 4, 7)
+        "dt_bias_shape": ("dt_bias", dict(dt_bias=drawn["dt_bias"][:, None])),                # (4, 1)
+        "init_shape": ("initial_states", dict(initial_states=F.pad(drawn["initial_states"], (0, 1)))),  # n = 9
+        "seq_float": ("seq_idx", dict(seq_idx=torch.zeros(1, 20))),
+        "seq_decreasing": ("seq_idx", dict(seq_idx=torch.tensor([[1] * 10 + [0] * 10], dtype=torch.int32))),
+        "chunk_not_pow2": ("chunk_size", dict(chunk_size=48)),
+        "chunk_small": ("chunk_size", dict(chunk_size=8)),
+        "dtype_mismatch": ("B", dict(B=B.double())),
+        "device_mismatch": ("A", dict(A=ok["A"].to("meta"))),
+        "state_dtype": ("state_dtype", dict(state_dtype=torch.float64)),
+        "varlen_without_cu_seqlens": ("cu_seqlens", dict(return_varlen_states=True)),
+        "cu_seqlens_without_seq_idx": ("seq_idx", dict(cu_seqlens=torch.tensor([0, 8, 20]))),
+        "cu_seqlens_float": ("cu_seqlens", dict(seq_idx=seq, cu_seqlens=torch.tensor([0.0, 8.0, 20.0]))),
+        "cu_seqlens_not_increasing": ("cu_seqlens", dict(seq_idx=seq, cu_seqlens=torch.tensor([0, 8, 8, 20]))),
+        "cu_seqlens_not_ending_at_L": ("cu_seqlens", dict(seq_idx=seq, cu_seqlens=torch.tensor([0, 8, 19]))),
+        "cu_seqlens_disagree_with_seq_idx": ("cu_seqlens", dict(seq_idx=seq, cu_seqlens=torch.tensor([0, 9, 20]),
+                                                                return_varlen_states=True)),
+        "cu_seqlens_batch_2": ("x", dict(x=torch.cat([x, x]), dt=torch.cat([ok["dt"]] * 2),
+                                         B=torch.cat([B, B]), C=torch.cat([ok["C"]] * 2),
+                                         seq_idx=torch.cat([seq, seq]), cu_seqlens=torch.tensor([0, 8, 20]))),
+    }, ok
+
+
+@pytest.mark.parametrize("case", list(_bad_cases()[0]))
+def test_bad_input_raises(case):
+    cases, ok = _bad_cases()
+    name, change = cases[case]
+    with pytest.raises(ValueError, match=rf"^{name}: got .*, expected "):
+        mamba_cp.mamba_chunk_scan_combined(**{**ok, **change})
+
+
+# ---------------------------------------------------------------------------------------------
+# mamba_cp sections 7 and 8: layouts and communication. The zigzag permutation's round trip
+# (a case of the fused core's check); the prefix scan over ranks (summary_exchange="scan")
+# alone, on random summaries of every global segment: against the float64 recurrence
+# (forward) and its autograd (backward), and bitwise against the same compositions in the
+# same order in one process. Then the whole fused core with both exchanges, every layout,
+# against the oracle and against each other; and bad calls refused on every rank.
+# ---------------------------------------------------------------------------------------------
+
+def cp_round_trip_errors(rank, world, group, device):
+    """zigzag -> contiguous -> zigzag must be bitwise exact, forward and backward, both backends."""
+    errs = {}
+    for backend in ("permute_p2p", "permute_a2a"):
+        full = draw(Shape(batch=2, seqlen=12 * world, nheads=1, headdim=3), 5, device=device)["x"].flatten(2)
+        x = mamba_cp.shard(full, rank, world, "virtual").requires_grad_(True)
+        contiguous = mamba_cp._PermuteFn.apply(x, group, backend, True)
+        want = mamba_cp.shard(full, rank, world, "none")
+        back = mamba_cp._PermuteFn.apply(contiguous, group, backend, False)
+        g = torch.autograd.grad((back * full[:1, :x.shape[1]]).sum(), x)[0]
+        errs[f"{backend} to contiguous"] = 0.0 if torch.equal(contiguous, want) else float("inf")
+        errs[f"{backend} round trip"] = 0.0 if torch.equal(back, x) else float("inf")
+        errs[f"{backend} backward"] = 0.0 if torch.equal(g, full[:1, :x.shape[1]].expand_as(g)) else float("inf")
+    return errs
+
+
+def random_summaries(world, layout, seed=7):
     """Every global segment's (a, S_ext, first id, last id), initial state, G, and one dfinal
-    per rank. Decays a in (0, 1.3): some segments grow. Document ids rise by 0 or 1 at each
-    segment end and inside segments, so documents start at boundaries, inside segments, and
-    span several."""
-    g = torch.Generator().manual_seed(seed)
+    per rank (draw's summaries, a segment per position). Decays a in (0, 1.3): some segments
+    grow. Document ids rise by 0 or 1 at each segment end and inside segments, so documents
+    start at boundaries, inside segments, and span several."""
     K = mamba_cp._pieces(0, world, layout)[1]
-    ids = torch.cumsum(torch.randint(0, 2, (batch, 2 * K), generator=g), dim=1).to(torch.int32)
-    return dict(a=torch.rand(batch, K, h, generator=g) * 1.3, S=torch.randn(batch, K, h, p, n, generator=g),
-                first=ids[:, 0::2], last=ids[:, 1::2], init=torch.randn(batch, h, p, n, generator=g),
-                G=torch.randn(batch, K, h, p, n, generator=g), dfinal=torch.randn(world, batch, h, p, n, generator=g))
+    shape = Shape(batch=2, seqlen=K, nheads=3, headdim=4, ngroups=1, dstate=5)
+    b, h, p, n = shape.batch, shape.nheads, shape.headdim, shape.dstate
+    drawn = draw(shape, seed, device="cpu", summaries=True, initial_states=True,
+                 weights=dict(G=(b, K, h, p, n), dfinal=(world, b, h, p, n)))
+    return dict(a=drawn["a"], S=drawn["S_ext"], first=drawn["first_id"], last=drawn["last_id"],
+                init=drawn["initial_states"], G=drawn["G"], dfinal=drawn["dfinal"])
 
 
 def sequential_summaries(s):
@@ -1163,8 +1162,10 @@ def scan_in_one_process(s, layout, world, rank):
             applied(everything, dfin) if rank == 0 else torch.zeros_like(dfin))
 
 
-def scan_helper_errors(rank, world, group, device):
-    """_scan_summaries and _scan_grads on random summaries, both layouts, with documents."""
+@check("summary scan alone", 1e-6)
+def scan_helper_errors(rank, world, group, device, gpu=False):
+    """_scan_summaries and _scan_grads on random summaries, both layouts, with documents: within
+    float32 (1e-6) of the float64 recurrence and its gradient, bitwise where promised."""
     results = {}
     for layout in ("none", "virtual"):
         s = random_summaries(world, layout)
@@ -1198,28 +1199,24 @@ def scan_helper_errors(rank, world, group, device):
 def test_summary_scan_alone(world):
     """The prefix scan over W gloo ranks on random summaries (no kernels): within float32 of the
     float64 recurrence and its gradient, and bitwise the compositions it promises."""
-    verdict = world_verdict(world, "scan_helper_errors", timeout=300)
-    failures = _cp_verdict(verdict, 1e-6)
-    assert not failures, f"W={world}: {failures}"
+    world_check(world, scan_helper_errors, timeout=300)
 
 
-def exchange_world_check(rank, world, group, device):
+@check("summary exchanges", FP32_BOUND)
+def exchange_world_check(rank, world, group, device, gpu=False):
     """Every layout with both summary exchanges, documents across ranks, initial and final
     states: each against the oracle, and the scan against the all-gather."""
     piece = 16
-    base = dict(CP_SMALL, batch=1, piece=piece, seq=[3, 9, 10, piece, piece + 5, 4 * piece + 7],
-                dt_limit=(0.05, 2.0), seed=1)
+    base = dict(shape=CP_SMALL._replace(batch=1, seqlen=2 * piece), seed=1, dt_limit=(0.05, 2.0),
+                seq_idx=[3, 9, 10, piece, piece + 5, 4 * piece + 7])
     results = {}
     for layout in mamba_cp.LAYOUTS:
         kept = {}
         for exchange in ("all_gather", "scan"):
             kept[exchange] = {}
-            try:
-                results[f"{layout} {exchange}"] = cp_case_errors(dict(base, layout=layout, exchange=exchange), rank,
-                                                                 world, group, device, keep=kept[exchange])
-            except Exception as e:  # noqa: BLE001 - a failure on one rank must still reach the reduction
-                results[f"{layout} {exchange}"] = {"exception: " + repr(e)[:200]: float("inf")}
-        both = kept["all_gather"].keys() & kept["scan"].keys()
+            results[f"{layout} {exchange}"] = guarded(cp_case_errors, dict(base, layout=layout, exchange=exchange),
+                                                      rank, world, group, device, keep=kept[exchange])
+        both = sorted(kept["all_gather"].keys() & kept["scan"].keys())
         results[f"{layout} scan vs all_gather"] = {k: rel_rms(kept["scan"][k], kept["all_gather"][k]) for k in both}
     return errors_everywhere(results, world, group, device)
 
@@ -1227,17 +1224,15 @@ def exchange_world_check(rank, world, group, device):
 @pytest.mark.parametrize("world", [2, 3, 5, 8])
 def test_cp_summary_exchanges(world):
     """summary_exchange="all_gather" and "scan" on W gloo ranks, every layout."""
-    verdict = world_verdict(world, "exchange_world_check")
+    verdict = world_check(world, exchange_world_check)
     assert all(len(verdict[f"{layout} scan vs all_gather"]) == 10 for layout in mamba_cp.LAYOUTS), verdict
-    failures = _cp_verdict(verdict, FP32_BOUND)
-    assert not failures, f"W={world}: relative RMS above {FP32_BOUND:g}: {failures}"
     print({case: max(errs.values()) for case, errs in verdict.items()})
 
 
 def cp_bad_input_messages(rank, world, group, device):
     """Each bad call must raise a ValueError on every rank, before any collective that could hang.
     Returns {case: message or 'no error'} for this rank."""
-    full, opts = cp_inputs(0, world, **dict(CP_SMALL, piece=6))
+    full, opts = fused_inputs(CP_SMALL._replace(seqlen=12).per_world(world), 0)
     local = {k: (mamba_cp.shard(v, rank, world, "none") if k in CP_ACTIVATIONS + ("seq_idx",) and v is not None
                  else v) for k, v in full.items()}
 
@@ -1289,136 +1284,251 @@ def test_cp_bad_input_raises_on_every_rank():
 
 
 # ---------------------------------------------------------------------------------------------
-# mamba_split_conv1d_scan_combined: zxbcdt = [z0 | x0 | z | xBC | dt] in, the gated (or gated-
-# RMSNorm'd, optionally out-projected) output out, against the float64 oracle on the whole
-# sequence, rank by rank.
+# mamba_cp section 9: the causal conv1d with its halo, against causal_conv1d_reference. The
+# reference has no halo: it runs on [halo, xBC] (ids [halo_seq, seq_idx]) and its first d-1
+# outputs are dropped; the halo's gradient is the gradient w.r.t. those first d-1 rows.
 # ---------------------------------------------------------------------------------------------
 
-SPLIT_SMALL = dict(batch=2, nheads=4, headdim=8, ngroups=2, dstate=8, d_conv=4, chunk=16, piece=19)
-SPLIT_LEAVES = ("zxbcdt", "conv1d_weight", "conv1d_bias", "dt_bias", "A", "D", "initial_states", "rmsnorm_weight",
-                "outproj_weight", "outproj_bias")
+def conv_reference(inp, dout):
+    """float64 output and gradients (dxBC, dhalo, dweight, dbias) of sum(out * dout)."""
+    d = inp["weight"].shape[1]
+    x = inp["xBC"].detach().double().requires_grad_()
+    w = inp["weight"].detach().double().requires_grad_()
+    bias = inp["bias"].detach().double().requires_grad_() if inp["bias"] is not None else None
+    seq = inp["seq_idx"]
+    if inp["halo"] is not None:
+        h = inp["halo"].detach().double().requires_grad_()
+        full = torch.cat([h, x], dim=1)                                   # (b, d-1+l, dim)
+        seq_full = torch.cat([inp["halo_seq"], seq], dim=1) if seq is not None else None
+        out = causal_conv1d_reference(full, w, bias, seq_full)[:, d - 1:]
+    else:
+        h = None
+        out = causal_conv1d_reference(x, w, bias, seq)
+    leaves = [t for t in (x, h, w, bias) if t is not None]
+    grads = iter(torch.autograd.grad((out * dout.double()).sum(), leaves))
+    return out, tuple(next(grads) if t is not None else None for t in (x, h, w, bias))
 
 
-def split_inputs(seed, world, *, batch, nheads, headdim, ngroups, dstate, d_conv, chunk, piece, d_nonssm=3,
-                 activation="silu", norm=False, norm_before_gate=True, D="hp", outproj=None, init=True, seq=None,
-                 dt_limit=(0.0, float("inf")), dtype=torch.float32, device="cpu", **_):
-    """Full-sequence inputs (L = 2 * W * piece tokens) and options of one call. outproj: None,
-    "weight" or "bias"; seq: None or global document starts."""
-    g = torch.Generator().manual_seed(seed)
-    L, dim = 2 * world * piece, nheads * headdim
-    conv_dim = dim + 2 * ngroups * dstate
-
-    def rnd(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g) * scale).to(device)
-
-    zxbcdt = rnd(batch, L, 2 * d_nonssm + dim + conv_dim + nheads)
-    zxbcdt[..., -nheads:] = zxbcdt[..., -nheads:] * 0.5 - 1.0                      # raw dt
-    full = dict(zxbcdt=zxbcdt.to(dtype), conv1d_weight=rnd(conv_dim, d_conv, scale=0.5),
-                conv1d_bias=rnd(conv_dim, scale=0.2), dt_bias=rnd(nheads, scale=0.3),
-                A=-torch.exp(torch.rand(nheads, generator=g) * 1.5 - 1.0).to(device),
-                D=rnd(nheads, headdim) if D == "hp" else rnd(nheads),
-                initial_states=rnd(batch, nheads, headdim, dstate) if init else None,
-                rmsnorm_weight=rnd(dim, scale=0.5) + 1.0 if norm else None,
-                outproj_weight=rnd(5, d_nonssm + dim, scale=0.2) if outproj else None,
-                outproj_bias=rnd(5) if outproj == "bias" else None, seq_idx=None)
-    if seq is not None:
-        full["seq_idx"] = seq_from_starts(L, seq).expand(batch, L).contiguous().to(device)
-    opts = dict(chunk_size=chunk, headdim=None if D == "hp" else headdim, ngroups=ngroups, dt_limit=dt_limit,
-                activation=activation, norm_before_gate=norm_before_gate)
-    return full, opts
+def conv_check(inp, dout):
+    out = mamba_cp.conv1d_fwd(**inp)
+    got = mamba_cp.conv1d_bwd(dout, **inp)
+    want_out, want = conv_reference(inp, dout)
+    assert out.dtype == inp["xBC"].dtype and out.is_contiguous()
+    errs = {"out": rel_rms(out, want_out)}
+    for name, g, w in zip(("dxBC", "dhalo", "dweight", "dbias"), got, want):
+        assert (g is None) == (w is None), name
+        if w is not None:
+            assert g.shape == w.shape, name
+            errs[name] = rel_rms(g, w)
+    assert got[0].dtype == inp["xBC"].dtype
+    assert all(e < FP32_BOUND for e in errs.values()), errs
+    return out, got
 
 
-def split_case_errors(case, rank, world, group, device):
-    """Relative RMS errors of one mamba_split_conv1d_scan_combined case on this rank."""
-    full, opts = split_inputs(case.get("seed", 0), world, device=device, **{k: v for k, v in case.items() if k != "seed"})
-    layout = case["layout"]
-    per_token = ("zxbcdt", "seq_idx")
-    wg = torch.Generator().manual_seed(98)
-    leaves = {k: full[k].detach().clone().requires_grad_(True) for k in SPLIT_LEAVES if full[k] is not None}
-    ref_kw = {k: leaves.get(k, full[k]) for k in full}
-    p = opts["headdim"] or full["D"].shape[1]
-    out_ref, f_ref = ref.split_conv1d_scan_reference(
-        **{k: v for k, v in ref_kw.items() if k not in ("seq_idx",)}, seq_idx=full["seq_idx"], headdim=p,
-        ngroups=opts["ngroups"], dt_limit=opts["dt_limit"], activation=opts["activation"],
-        norm_before_gate=opts["norm_before_gate"], chunked=device != "cpu", chunk_size=64)
-    w_full = torch.randn(out_ref.shape, generator=wg).to(device)
-    wf_all = torch.randn(world, *f_ref.shape, generator=wg).to(device)
-    g_ref = dict(zip(leaves, torch.autograd.grad((out_ref * w_full.double()).sum()
-                                                 + (f_ref * wf_all.sum(0).double()).sum(), list(leaves.values()))))
+# Document starts per batch row, in shard positions (negative: inside the halo; starts past the
+# shard's end are dropped). "mixed": a start inside the halo, a one-token document at 4, and a
+# start at 1 so that taps straddle it; "mixed2": a start exactly at 0, and starts at 2 and 3 (a
+# one-token document at 2); "one-doc": ids given, a single document everywhere.
+CONV_STARTS = {
+    "none": None,
+    "one-doc": [[], []],
+    "mixed": [[-1, 4, 5], [1]],
+    "mixed2": [[0], [2, 3]],
+}
 
-    local = {k: mamba_cp.shard(v, rank, world, layout) if k in per_token and v is not None else v
-             for k, v in full.items()}
-    mine = {k: local[k].detach().clone().requires_grad_(True) for k in leaves}
-    out, f = mamba_cp.mamba_split_conv1d_scan_combined(
-        **{**local, **mine}, **opts, return_final_states=True, cp_group=group, load_balancing=layout,
-        summary_exchange=case.get("exchange", "auto"))
-    w = mamba_cp.shard(w_full, rank, world, layout)
-    grads = dict(zip(mine, torch.autograd.grad((out.float() * w).sum() + (f * wf_all[rank]).sum(),
-                                               list(mine.values()))))
-    return shard_errors({"out": (out, out_ref)}, (f, f_ref), grads, g_ref, per_token, rank, world, group, layout)
 
+@pytest.mark.parametrize("d", [2, 3, 4])
+@pytest.mark.parametrize("halo", [False, True])
+@pytest.mark.parametrize("l,starts", [(1, "mixed"), (3, "mixed"), (3, "mixed2"), (50, "mixed"),
+                                      (50, "mixed2"), (77, "mixed"), (77, "mixed2")])
+def test_conv_matches_reference(d, l, halo, starts):
+    bias = (d + l + halo + len(starts)) % 2 == 1   # half the cases with bias, spread over the grid
+    inp, dout = conv_inputs(CONV_SMALL._replace(seqlen=l, d_conv=d), d * 100 + l, halo=halo, bias=bias,
+                            starts=CONV_STARTS[starts])
+    conv_check(inp, dout)
+
+
+@pytest.mark.parametrize("d", [2, 3, 4])
+@pytest.mark.parametrize("halo", [False, True])
+def test_conv_without_documents(d, halo):
+    bias = (d + halo) % 2 == 1      # each of halo / no halo seen with and without bias
+    inp, dout = conv_inputs(CONV_SMALL._replace(d_conv=d), d, halo=halo, bias=bias, starts=None)
+    conv_check(inp, dout)
+
+
+@pytest.mark.parametrize("starts", [[[-2], [-1]], [[0], [0]], [[1], [2]], [[3, 4], [1, 2]], [[], []]],
+                         ids=["in-halo", "at-0", "at-1-2", "one-token", "one-doc"])
+def test_conv_document_boundaries(starts):
+    """Each kind of boundary alone, d=4 with a halo: the halo's own ids matter."""
+    inp, dout = conv_inputs(CONV_SMALL._replace(seqlen=50), 5, halo=True, bias=True, starts=starts)
+    conv_check(inp, dout)
+
+
+@pytest.mark.parametrize("d", [2, 4, 8])
+def test_conv_non_contiguous(d):
+    inp, dout = conv_inputs(CONV_SMALL._replace(d_conv=d), halo=True, bias=True, starts=CONV_STARTS["mixed"],
+                            strided=True)
+    assert not inp["xBC"].is_contiguous()
+    inp["halo"] = inp["halo"].transpose(1, 2).contiguous().transpose(1, 2)   # channel-strided halo
+    inp["weight"] = inp["weight"].t().contiguous().t()                          # tap-major weight
+    dout = dout.transpose(0, 1).contiguous().transpose(0, 1)
+    inp["seq_idx"] = inp["seq_idx"].long()                                      # int64 ids, int32 halo ids
+    conv_check(inp, dout)
+
+
+def test_conv_small_tiles_many_programs(tuned):
+    """Tiles smaller than the sequence and the channels, several token blocks per backward program:
+    taps cross tile edges, channel masks, partial sums folded across blocks."""
+    tuned(dataclasses.replace(mamba_cp.tuning(), conv_fwd_blocks=(32, 32), conv_bwd_blocks=(32, 32),
+                              conv_bwd_programs=7))     # 3 token x 2 channel blocks x 2 rows -> 2 blocks each
+    inp, dout = conv_inputs(CONV_SMALL, 3, halo=True, bias=True, starts=CONV_STARTS["mixed"])
+    conv_check(inp, dout)
+
+
+def test_conv_deterministic(tuned):
+    tuned(dataclasses.replace(mamba_cp.tuning(), conv_bwd_programs=1))   # a row's token blocks in one program
+    inp, dout = conv_inputs(CONV_SMALL, 11, halo=True, bias=True, starts=CONV_STARTS["mixed"])
+    a, b = mamba_cp.conv1d_bwd(dout, **inp), mamba_cp.conv1d_bwd(dout, **inp)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+    assert torch.equal(mamba_cp.conv1d_fwd(**inp), mamba_cp.conv1d_fwd(**inp))
+
+
+def test_conv_need_dhalo_false():
+    inp, dout = conv_inputs(CONV_SMALL._replace(seqlen=50), halo=True, bias=False, starts=None)
+    dx, dhalo, dw, db = mamba_cp.conv1d_bwd(dout, **inp, need_dhalo=False)
+    assert dhalo is None and db is None
+    _, want = conv_reference(inp, dout)
+    assert rel_rms(dx, want[0]) < FP32_BOUND and rel_rms(dw, want[2]) < FP32_BOUND
+
+
+def test_conv_bad_inputs():
+    inp, dout = conv_inputs(CONV_SMALL._replace(seqlen=10), halo=True, bias=True, starts=CONV_STARTS["mixed"])
+    bad = [
+        dict(weight=inp["weight"][:, :1]),                        # d_conv 1
+        dict(weight=inp["weight"][:30]),                          # wrong dim
+        dict(halo=inp["halo"][:, :2]),                            # halo not d-1 rows
+        dict(halo_seq=None),                                      # halo + seq_idx need halo_seq
+        dict(seq_idx=inp["seq_idx"].float()),                     # ids must be integers
+        dict(seq_idx=None),                                       # halo_seq without seq_idx
+        dict(xBC=inp["xBC"][0]),                                  # 2 dims
+        dict(bias=inp["bias"][:5]),
+    ]
+    for change in bad:
+        with pytest.raises(ValueError, match=r"^\w+: got .*, expected "):
+            mamba_cp.conv1d_fwd(**{**inp, **change})
+    with pytest.raises(ValueError, match="dout: got"):
+        mamba_cp.conv1d_bwd(dout[:, :5], **inp)
+
+
+# ---------------------------------------------------------------------------------------------
+# mamba_cp sections 10 and 12: the fused conv1d + SSD with context parallelism, and the
+# all-to-all baseline, rank by rank against the oracle on the full sequence. Every rank builds
+# the full inputs from one seed, runs the float64 oracle on the whole sequence, and compares
+# its local output shard, its local input gradients, and the parameter gradients summed over
+# the group.
+# ---------------------------------------------------------------------------------------------
+
+def cp_cases(world, gpu=False):
+    """The CP checks for a world of W ranks: every layout with every option (documents that
+    cross rank boundaries, initial and final states, dt_limit, ragged lengths), plain runs, and
+    the all-to-all baseline."""
+    base = dict(shape=CP_RECORD, dtype=torch.bfloat16) if gpu else dict(shape=CP_SMALL)
+    piece = base["shape"].seqlen // 2
+    # document starts: exactly at a segment boundary (piece), many short documents inside the
+    # first piece, one document spanning three pieces (from piece + 5 to past 3 * piece)
+    docs = [3, 9, 10, piece, piece + 5, 4 * piece + 7] if world > 1 else [3, 9, 10, piece, piece + 5]
+    cases = []
+    for layout in mamba_cp.LAYOUTS:
+        if not gpu:  # on GPUs every case compiles its own kernel variants: keep to the full ones
+            cases.append(dict(base, name=f"{layout} plain", layout=layout, D="h", initial_states=False))
+        cases.append(dict(base, name=f"{layout} all options", layout=layout, seq_idx=docs,
+                          dt_limit=(0.05, 2.0), seed=1))
+        if base["shape"].nheads % world == 0:
+            cases.append(dict(base, name=f"a2a {layout}", layout=layout, path="a2a", seq_idx=docs, seed=2))
+    # growth (A > 0): exponents of positive sign through the summaries and the scan
+    cases.append(dict(base, name="virtual growth", layout="virtual", seq_idx=docs, growth="pos_A_e8", seed=4))
+    if not gpu:  # the conv without its SiLU (activation=None)
+        cases.append(dict(base, name="none, conv without activation", layout="none", seq_idx=docs, activation=None,
+                          seed=5))
+    if world == 3 and not gpu:  # 2 heads per rank straddle the 3-head groups: per-head group copies
+        cases.append(dict(base, name="a2a none, heads straddle groups", layout="none", path="a2a",
+                          shape=CP_SMALL._replace(nheads=6, ngroups=2), seed=3))
+    return cases
+
+
+@check("CP against the oracle", FP32_BOUND, BF16_BOUND, alone=True)
+def cp_world_check(rank, world, group, device, gpu=False):
+    """Run every CP case on this rank; returns {case: {tensor: error}} with errors already
+    reduced (MAX) over the group, so every rank reaches the same verdict."""
+    results = {case["name"]: guarded(cp_case_errors, case, rank, world, group, device) for case in cp_cases(world, gpu)}
+    results["zigzag round trip"] = guarded(cp_round_trip_errors, rank, world, group, device)
+    return errors_everywhere(results, world, group, device)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_cp_against_oracle(world):
+    """Every layout, the baseline, documents across rank boundaries, initial and final states,
+    ragged lengths, and the zigzag round trip, for W ranks on gloo."""
+    verdict = world_check(world, cp_world_check)
+    print(f"W={world}: largest relative RMS per tensor: {largest(verdict)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# mamba_cp section 11: mamba_split_conv1d_scan_combined. zxbcdt = [z0 | x0 | z | xBC | dt] in,
+# the gated (or gated-RMSNorm'd, optionally out-projected) output out, against the float64
+# oracle on the whole sequence, rank by rank.
+# ---------------------------------------------------------------------------------------------
 
 SPLIT_OPTIONS = {
     "gate": dict(),
     "norm": dict(norm=True),
     "norm_after_gate": dict(norm=True, norm_before_gate=False),
-    "no_swiglu_no_activation_D_h": dict(d_nonssm=0, activation=None, D="h"),
-    "outproj_bias_documents": dict(norm=True, outproj="bias", seq=[5, 40]),
-    "outproj_dt_limit_no_init": dict(outproj="weight", dt_limit=(0.05, 2.0), init=False),
+    "no_swiglu_no_activation_D_h": dict(shape=SPLIT_SMALL._replace(d_nonssm=0), activation=None, D="h"),
+    "outproj_bias_documents": dict(norm=True, outproj="bias", seq_idx=[5, 40]),
+    "outproj_dt_limit_no_init": dict(outproj="weight", dt_limit=(0.05, 2.0), initial_states=False),
 }
 
 
 @pytest.mark.parametrize("name", list(SPLIT_OPTIONS))
 def test_split_conv1d_scan_single_device(name):
-    errs = split_case_errors(dict(SPLIT_SMALL, layout="none", seed=1, **SPLIT_OPTIONS[name]), 0, 1, None, DEVICE)
-    bad = {k: e for k, e in errs.items() if not e <= FP32_BOUND}
-    assert not bad, f"relative RMS above {FP32_BOUND:g}: {bad} (all: {errs})"
-
-
-SPLIT_RECORD = dict(batch=1, nheads=64, headdim=64, ngroups=8, dstate=128, d_conv=4, chunk=128, piece=1000,
-                    dtype=torch.bfloat16)
+    errs = split_case_errors(dict(shape=SPLIT_SMALL, layout="none", seed=1) | SPLIT_OPTIONS[name], 0, 1, None, DEVICE)
+    expect({name: errs}, FP32_BOUND)
 
 
 def test_split_gate_norm_programs_loop(tuned):
     """Few programs, so each walks several row blocks and sums the norm weight's gradient over
     them (the GPU's plan at long sequences)."""
     tuned(dataclasses.replace(mamba_cp.tuning(), gate_programs=2))
-    errs = split_case_errors(dict(SPLIT_SMALL, layout="none", seed=6, norm=True), 0, 1, None, DEVICE)
-    assert all(e <= FP32_BOUND for e in errs.values()), errs
+    errs = split_case_errors(dict(shape=SPLIT_SMALL, layout="none", seed=6, norm=True), 0, 1, None, DEVICE)
+    expect({"norm, 2 programs": errs}, FP32_BOUND)
 
 
+@check("mamba_split_conv1d_scan_combined", FP32_BOUND, BF16_BOUND)
 def split_world_check(rank, world, group, device, gpu=False):
     """Every layout with every option combined (documents across rank boundaries), and the plain
     gate (CPU); errors reduced (MAX) over the group. gpu: bf16 at the shape of record."""
-    base = SPLIT_RECORD if gpu else SPLIT_SMALL
-    piece = base["piece"]
-    everything = dict(norm=True, norm_before_gate=False, outproj="bias", D="h", seq=[3, piece, piece + 5, 3 * piece + 2],
-                      dt_limit=(0.05, 2.0))
+    base = dict(shape=SPLIT_RECORD, dtype=torch.bfloat16) if gpu else dict(shape=SPLIT_SMALL)
+    piece = base["shape"].seqlen // 2
+    everything = dict(norm=True, norm_before_gate=False, outproj="bias", D="h",
+                      seq_idx=[3, piece, piece + 5, 3 * piece + 2], dt_limit=(0.05, 2.0))
     cases = [dict(base, layout=layout, seed=2, name=f"{layout} all options", **everything)
              for layout in mamba_cp.LAYOUTS]
     cases.append(dict(base, layout="virtual", seed=2, name="virtual all options, scan exchange", exchange="scan",
                       **everything))
     if not gpu:
         cases.append(dict(base, layout="virtual", seed=3, name="virtual gate, no activation", activation=None))
-    results = {}
-    for case in cases:
-        try:
-            results[case["name"]] = split_case_errors(case, rank, world, group, device)
-        except Exception as e:  # noqa: BLE001 - a failure on one rank must still reach the reduction
-            results[case["name"]] = {"exception: " + repr(e)[:200]: float("inf")}
-    results = errors_everywhere(results, world, group, device)
-    return {f"{c}: {t}": v for c, errs in results.items() for t, v in errs.items()}
+    results = {case["name"]: guarded(split_case_errors, case, rank, world, group, device) for case in cases}
+    return errors_everywhere(results, world, group, device)
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_split_conv1d_scan_cp(world):
-    verdict = world_verdict(world, "split_world_check")
-    bad = {k: e for k, e in verdict.items() if not e <= FP32_BOUND}
-    assert not bad, f"relative RMS above {FP32_BOUND:g}: {bad}"
+    world_check(world, split_world_check)
 
 
 def test_split_conv1d_scan_bad_inputs():
-    full, opts = split_inputs(0, 1, **SPLIT_SMALL, norm=True, outproj="bias")
+    full, opts = split_inputs(SPLIT_SMALL, 0, norm=True, outproj="bias")
     call = dict(full, **opts)
     cases = {
         "zxbcdt": dict(zxbcdt=full["zxbcdt"][..., 1:]),                         # no d_nonssm fits
@@ -1442,28 +1552,31 @@ def test_split_conv1d_scan_bad_inputs():
 # ---------------------------------------------------------------------------------------------
 
 def compiled_vs_eager(fn, leaves, fullgraph, seed=0):
-    """{output or gradient index: error} of fn compiled (inductor, the default) against fn
+    """{"output i" or "gradient j": error} of fn compiled (inductor, the default) against fn
     eager, 0.0 where bitwise equal, else the relative RMS. Gradients of every leaf under the
     same random weights of every output."""
     def run(f):
         ins = [t.detach().clone().requires_grad_(True) for t in leaves]
         outs = f(*ins)
         outs = outs if isinstance(outs, tuple) else (outs,)
-        g = torch.Generator().manual_seed(seed)
-        weights = [torch.randn(o.shape, generator=g).to(o.device, o.dtype) for o in outs]
+        w = draw(None, seed, device=outs[0].device, weights={str(i): o.shape for i, o in enumerate(outs)})
+        weights = [w[str(i)].to(o.dtype) for i, o in enumerate(outs)]
         pulled = [(o, w) for o, w in zip(outs, weights) if o.requires_grad]
         outs_pulled, weights_pulled = zip(*pulled)
-        return [o.detach() for o in outs] + list(torch.autograd.grad(outs_pulled, ins, weights_pulled))
+        grads = torch.autograd.grad(outs_pulled, ins, weights_pulled)
+        return {**{f"output {i}": o.detach() for i, o in enumerate(outs)},
+                **{f"gradient {j}": g for j, g in enumerate(grads)}}
 
     eager = run(fn)
     compiled = run(torch.compile(fn, fullgraph=fullgraph))
-    return {i: 0.0 if torch.equal(a, b) else rel_rms(b, a) for i, (a, b) in enumerate(zip(eager, compiled))}
+    assert eager.keys() == compiled.keys()
+    return {k: 0.0 if torch.equal(eager[k], compiled[k]) else rel_rms(compiled[k], eager[k]) for k in eager}
 
 
 def compile_cases(device, world=1, group=None, rank=0):
     """(name, fn, leaves) for each entry point: the single-device SSD with every option and
     varlen states, and the fused core on every layout and the all-to-all baseline."""
-    inputs = make_inputs(15, **SMALL, **OPTIONS["all"], device=device)
+    inputs = ssd_inputs(SMALL, 15, **OPTIONS["all"], device=device)
     seq, chunk = inputs["seq_idx"], inputs["chunk_size"]
     names = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
 
@@ -1474,8 +1587,8 @@ def compile_cases(device, world=1, group=None, rank=0):
 
     cases = [("mamba_chunk_scan_combined", ssd, [inputs[k] for k in names])] if world == 1 else []
     if world == 1:
-        v = make_inputs(16, batch=1, seqlen=45, nheads=2, headdim=8, ngroups=1, dstate=8, chunk=16, seq_idx=[20],
-                        device=device)
+        v = ssd_inputs(Shape(batch=1, seqlen=45, nheads=2, headdim=8, ngroups=1, dstate=8, chunk=16), 16,
+                       seq_idx=[20], device=device)
         cu = torch.tensor([0, 20, 45], dtype=torch.int32, device=device)
 
         def varlen(x, dt, B, C):
@@ -1484,7 +1597,7 @@ def compile_cases(device, world=1, group=None, rank=0):
             return y, states.detach()
 
         cases.append(("mamba_chunk_scan_combined varlen", varlen, [v[k] for k in ("x", "dt", "B", "C")]))
-    full, opts = cp_inputs(17, world, **CP_SMALL, seq=[3, 40, 74], device=device)
+    full, opts = fused_inputs(CP_SMALL.per_world(world), 17, seq_idx=[3, 40, 74], device=device)
     cp_names = ("xBC", "dt", "conv_weight", "conv_bias", "dt_bias", "A", "D", "initial_states")
     paths = [("cp", layout) for layout in mamba_cp.LAYOUTS] if world > 1 else [("cp", "none")]
     paths.append(("a2a", "none"))
@@ -1499,7 +1612,8 @@ def compile_cases(device, world=1, group=None, rank=0):
                          initial_states=init, return_final_states=True)
 
         cases.append((f"{'mamba_conv1d_ssd_' + path} {layout}", core, [local[k] for k in cp_names]))
-    split, sopts = split_inputs(20, world, **SPLIT_SMALL, norm=True, outproj="bias", seq=[3, 40], device=device)
+    split, sopts = split_inputs(SPLIT_SMALL.per_world(world), 20, norm=True, outproj="bias", seq_idx=[3, 40],
+                                device=device)
     for layout in ("none", "virtual") if world > 1 else ("none",):
         local = {k: mamba_cp.shard(v, rank, world, layout) if k in ("zxbcdt", "seq_idx") else v
                  for k, v in split.items()}
@@ -1519,36 +1633,23 @@ def compile_errors(device, world=1, group=None, rank=0):
     errs = {}
     for name, fn, leaves in compile_cases(device, world, group, rank):
         for fullgraph in (False, True):
-            try:
-                errs[f"{name}, fullgraph={fullgraph}"] = compiled_vs_eager(fn, leaves, fullgraph)
-            except Exception as e:  # noqa: BLE001 - a failure on one rank must still reach the verdict
-                errs[f"{name}, fullgraph={fullgraph}"] = {"exception: " + repr(e)[:300]: float("inf")}
+            errs[f"{name}, fullgraph={fullgraph}"] = guarded(compiled_vs_eager, fn, leaves, fullgraph)
     return errs
-
-
-def compile_bound(case):
-    """0: bitwise. Everything the entry points compute runs inside their custom ops."""
-    return 0.0
 
 
 def test_torch_compile_single_process():
     """Every entry point in one process (the fused core and the baseline without a group)."""
-    errs = compile_errors(DEVICE)
-    bad = {case: e for case, e in errs.items() if any(not v <= compile_bound(case) for v in e.values())}
-    assert not bad, f"compiled differs from eager: {bad}"
+    expect(compile_errors(DEVICE), compile_world_check.check.bound, "compiled against eager")
 
 
 @gpu
 def test_torch_compile_fused_core_bf16():
     """The call that crashed under inductor (an illegal memory access): the fused core in a world
     of one, bf16 (1, 2048, 768), a loss computed inside the compiled function."""
-    g = torch.Generator().manual_seed(18)
-    h, p, ng, n, L = 8, 64, 2, 64, 2048
-    conv_dim = h * p + 2 * ng * n
-    leaves = [torch.randn(1, L, conv_dim, generator=g).bfloat16(), (torch.randn(1, L, h, generator=g) * 0.5 - 1).bfloat16(),
-              torch.randn(conv_dim, 4, generator=g) * 0.3, torch.randn(conv_dim, generator=g) * 0.1,
-              torch.rand(h, generator=g) * 0.5, -torch.rand(h, generator=g) - 0.5, torch.ones(h)]
-    leaves = [t.cuda() for t in leaves]
+    p, ng = 64, 2
+    full, _ = fused_inputs(Shape(batch=1, seqlen=2048, nheads=8, headdim=p, ngroups=ng, dstate=64, chunk=128), 18,
+                           D="h", initial_states=False, dtype=torch.bfloat16, device="cuda")
+    leaves = [full["xBC"], full["dt"].bfloat16()] + [full[k] for k in ("conv_weight", "conv_bias", "dt_bias", "A", "D")]
 
     def step(xBC, dt, w, b, dt_bias, A, D):
         y = mamba_cp.mamba_conv1d_ssd_cp(xBC, dt, w, b, dt_bias, A, D, 128, headdim=p, ngroups=ng)
@@ -1557,27 +1658,20 @@ def test_torch_compile_fused_core_bf16():
     for fullgraph in (False, True):
         errs = compiled_vs_eager(step, leaves, fullgraph)
         print(f"fullgraph={fullgraph}: {errs}")
-        assert errs[0] == 0.0 and all(e <= BF16_BOUND for e in errs.values()), errs
+        assert errs["output 0"] == 0.0 and all(e <= BF16_BOUND for e in errs.values()), errs
 
 
-def compile_world_check(rank, world, group, device):
+# bound 0: bitwise. Everything the entry points compute runs inside their custom ops. Torchrun
+# runs it in worlds of two and more (a world of one is test_torch_compile_single_process's).
+@check("torch.compile", 0.0, under_torchrun=lambda world: world > 1)
+def compile_world_check(rank, world, group, device, gpu=False):
     """The compile cases of a world of ranks, the errors reduced (MAX) over the group."""
-    errs = compile_errors(device, world, group, rank)
-    names = sorted((c, str(i)) for c, e in errs.items() for i in e)
-    flat = {(c, str(i)): v for c, e in errs.items() for i, v in e.items()}
-    count = torch.tensor([len(names)], device=device)
-    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
-    vec = torch.tensor([flat[k] for k in names], dtype=torch.float64, device=device)
-    if count.item() == len(names):
-        dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
-    return {f"{c} [{i}]": v for (c, i), v in zip(names, vec.tolist())}
+    return errors_everywhere(compile_errors(device, world, group, rank), world, group, device)
 
 
 def test_torch_compile_two_ranks():
     """Every layout of the fused core and the baseline, compiled on two gloo ranks."""
-    verdict = world_results(2, "compile_world_check", timeout=900)[0]
-    bad = {k: v for k, v in verdict.items() if not v <= compile_bound(k)}
-    assert not bad, f"compiled differs from eager: {bad}"
+    world_check(2, compile_world_check, timeout=900)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1622,8 +1716,8 @@ def train_losses(rank, world, group, layout, L=48, device="cpu", steps=3):
     torch.manual_seed(0)
     model = TinyMamba2Mixer().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    g = torch.Generator().manual_seed(1)
-    u, target = torch.randn(2, L, 16, generator=g).to(device), torch.randn(2, L, 16, generator=g).to(device)
+    data = draw(Shape(batch=2, seqlen=L), 1, device=device, features=16)
+    u, target = data["u"], data["target"]
     if group is not None:
         u, target = (mamba_cp.shard(t, rank, world, layout) for t in (u, target))
     losses = []
@@ -1645,171 +1739,30 @@ MIXER_LAYOUTS = ("none", "virtual")
 MIXER_BOUND = 1e-5  # relative, per step
 
 
-def mixer_parity_losses(rank, world, group, device, L=48):
-    """Per layout, the losses of W ranks and of one process on the whole sequence."""
+def mixer_parity_errors(rank, world, group, device, layout, single, L):
+    """One layout's losses on W ranks against those of one process on the whole sequence: the
+    relative difference at each step, and whether training lowers the loss."""
+    cp = train_losses(rank, world, group, layout, L, device)
+    errs = {f"loss step {i}": abs(a - b) / abs(b) for i, (a, b) in enumerate(zip(cp, single))}
+    errs["as many steps as one process"] = 0.0 if len(cp) == len(single) else float("inf")
+    errs["the loss falls"] = 0.0 if cp[-1] < cp[0] else float("inf")
+    return errs
+
+
+@check("mixer loss parity", MIXER_BOUND)
+def mixer_parity_check(rank, world, group, device, gpu=False):
+    """Per layout, the losses of W ranks (24 W tokens) against one process's, step by step."""
+    L = 24 * world
     single = train_losses(0, 1, None, "none", L, device)
-    return {layout: (train_losses(rank, world, group, layout, L, device), single) for layout in MIXER_LAYOUTS}
-
-
-def _mixer_parity_failures(losses):
-    """{layout: why} for every layout whose CP losses do not track the single-process ones."""
-    bad = {}
-    for layout, (cp, single) in losses.items():
-        if len(cp) != len(single) or not cp[-1] < cp[0]:
-            bad[layout] = f"the loss must fall while training ({cp})"
-        elif any(abs(a - b) > MIXER_BOUND * abs(b) for a, b in zip(cp, single)):
-            bad[layout] = f"CP losses {cp} against one process {single}"
-    return bad
+    results = {layout: guarded(mixer_parity_errors, rank, world, group, device, layout, single, L)
+               for layout in MIXER_LAYOUTS}
+    return errors_everywhere(results, world, group, device)
 
 
 def test_mixer_loss_parity():
-    for losses in world_results(2, "mixer_parity_losses", timeout=600):
-        assert set(losses) == set(MIXER_LAYOUTS) and all(len(cp) == 3 for cp, _ in losses.values())
-        bad = _mixer_parity_failures(losses)
-        assert not bad, bad
-
-
-# ---------------------------------------------------------------------------------------------
-# GPU only: bf16 at the record shape, and 2^20 tokens in one call
-# ---------------------------------------------------------------------------------------------
-
-RECORD = dict(nheads=64, headdim=64, ngroups=8, dstate=128, chunk=128)
-
-
-@gpu
-@pytest.mark.parametrize("opts", [dict(), OPTIONS["all"], dict(OPTIONS["all"], state_dtype=torch.float32),
-                                  dict(growth=0.02, D="hp", z=True, initial_states=True, seq_idx=[16, 40, 41])],
-                         ids=["plain", "all", "all_fp32_states", "growth"])
-def test_bf16_record_shape(opts):
-    """bf16 kernels against the oracle fed the same bf16-rounded values (chunked float64 form)."""
-    opts = dict(opts)
-    state_dtype = opts.pop("state_dtype", None)
-    inputs = dict(make_inputs(9, batch=2, seqlen=1000, **RECORD, dtype=torch.bfloat16, **opts), state_dtype=state_dtype)
-    oracle_inputs = {k: (v.float() if isinstance(v, torch.Tensor) and v.dtype == torch.bfloat16 else v)
-                     for k, v in inputs.items()}
-    assert_close(run_both(inputs, oracle_inputs, chunked=True), BF16_BOUND)
-
-
-@gpu
-def test_varlen_states_bf16_record_shape():
-    """Documents of 1, 127, 129 and 743 tokens (one ending at a kernel-chunk boundary, 128)."""
-    cu = torch.tensor([0, 1, 128, 257, 1000], dtype=torch.int32)
-    inputs = make_inputs(19, batch=1, seqlen=1000, **RECORD, dtype=torch.bfloat16, seq_idx=cu[1:-1].tolist(),
-                         initial_states=True, dt_bias=True, dt_softplus=True)
-    _, states = mamba_cp.mamba_chunk_scan_combined(**inputs, cu_seqlens=cu.cuda(), return_varlen_states=True)
-    oracle = {k: (v.float() if isinstance(v, torch.Tensor) and v.dtype == torch.bfloat16 else v)
-              for k, v in inputs.items()}
-    assert_close({"varlen_states": (states, document_end_oracle(oracle, cu))}, BF16_BOUND)
-
-
-@gpu
-def test_split_conv1d_scan_bf16_record_shape():
-    """The fused entry in a world of one, bf16 at the shape of record, every option."""
-    case = dict(SPLIT_RECORD, layout="none", seed=4, norm=True, outproj="bias", seq=[3, 700], dt_limit=(0.05, 2.0))
-    errs = split_case_errors(case, 0, 1, None, "cuda")
-    print(errs)
-    assert all(e <= BF16_BOUND for e in errs.values()), errs
-
-
-def _peer_split():
-    """mamba_ssm's own mamba_split_conv1d_scan_combined where it can be imported (../shared/peer
-    lays it out in .peer/, with causal_conv1d's CUDA conv built into .peer/lib), else None."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    for path in (os.path.join(here, ".peer"), os.path.join(here, ".peer", "lib")):
-        if os.path.isdir(path) and path not in sys.path:
-            sys.path.append(path)
-    try:
-        from mamba_ssm.ops.triton.ssd_combined import mamba_split_conv1d_scan_combined as peer
-        import causal_conv1d_cuda  # noqa: F401 - the peer's conv; without it the peer cannot run
-    except ImportError:
-        return None
-    return peer
-
-
-@gpu
-@pytest.mark.parametrize("norm", [False, True], ids=["gate", "rmsnorm"])
-def test_split_conv1d_scan_matches_mamba_ssm(norm):
-    """Differential: the same inputs through mamba_ssm's function, output and every gradient
-    within the bf16 criterion (a check beside the oracle's, for users switching over)."""
-    peer = _peer_split()
-    if peer is None:
-        pytest.skip("mamba_ssm's mamba_split_conv1d_scan_combined (with causal_conv1d's CUDA conv) is not importable")
-    # SwiGLU channels only with the norm: mamba_ssm 2.3.2.post1's own backward fails with SwiGLU
-    # channels, the z gate (no norm) and an out projection together (an out-projection gradient
-    # d_nonssm columns short: "got [5, 4096] but expected shape compatible with [5, 4099]")
-    full, opts = split_inputs(21, 1, **dict(SPLIT_RECORD, piece=2048), norm=norm, outproj="bias", D="h",
-                              d_nonssm=3 if norm else 0, device="cuda")
-    for k in ("outproj_weight", "outproj_bias"):       # a bf16 model's projection (mamba_ssm needs one dtype)
-        full[k] = full[k].bfloat16()
-    leaves = [k for k in SPLIT_LEAVES if full[k] is not None]
-    results = []
-    for fn in (mamba_cp.mamba_split_conv1d_scan_combined, peer):
-        mine = {k: full[k].detach().clone().requires_grad_(True) for k in leaves}
-        out, f = fn(**{**full, **mine}, **opts, return_final_states=True)
-        g = torch.Generator(device="cuda").manual_seed(5)
-        w = torch.randn(out.shape, generator=g, device="cuda", dtype=out.dtype)
-        results.append([out.detach(), f.detach(), *torch.autograd.grad([out, f], list(mine.values()),
-                                                                        [w, torch.ones_like(f)])])
-    names = ["out", "final_states"] + ["d" + k for k in leaves]
-    errs = {n: rel_rms(a, b) for n, a, b in zip(names, *results)}
-    print(errs)
-    assert all(e <= BF16_BOUND for e in errs.values()), errs
-
-
-@gpu
-def test_two_to_the_twenty_tokens():
-    """x holds 2^32 elements: every offset must be int64. Checked against the same sequence
-    run as two halves joined through initial_states. Memory: one set of inputs, shared by both
-    runs (the gradients come from torch.autograd.grad, nothing accumulates)."""
-    L = 1 << 20
-    inputs = make_inputs(10, batch=1, seqlen=L, **RECORD, dtype=torch.bfloat16, D="h", dt_bias=True,
-                         dt_softplus=True)
-    assert inputs["x"].numel() == 1 << 32
-    leaves = {k: v.requires_grad_(True) for k, v in inputs.items() if k in DIFFERENTIABLE}
-    g = torch.Generator(device="cuda").manual_seed(11)
-    wy = torch.randn(inputs["x"].shape, generator=g, device="cuda", dtype=torch.bfloat16)
-    wf = torch.randn(1, 64, 64, 128, generator=g, device="cuda")
-
-    y, f = mamba_cp.mamba_chunk_scan_combined(**inputs, return_final_states=True)
-    g_full = torch.autograd.grad([y, f], list(leaves.values()), [wy, wf])  # no (y * wy) products in memory
-    y_full, f_full = y.detach(), f.detach()
-    del y, f
-
-    h = L // 2
-    per_token = ("x", "dt", "B", "C")
-    first = {**inputs, **{k: inputs[k][:, :h] for k in per_token}}
-    second = {**inputs, **{k: inputs[k][:, h:] for k in per_token}}
-    y1, f1 = mamba_cp.mamba_chunk_scan_combined(**first, return_final_states=True)
-    y2, f2 = mamba_cp.mamba_chunk_scan_combined(**second, initial_states=f1, return_final_states=True)
-    g_half = torch.autograd.grad([y1, y2, f2], list(leaves.values()), [wy[:, :h], wy[:, h:], wf])
-    pairs = {"y": (torch.cat([y1.detach(), y2.detach()], 1), y_full), "final_states": (f2.detach(), f_full)}
-    pairs.update({"d" + k: (b, a) for k, a, b in zip(leaves, g_full, g_half)})
-    for k, (a, b) in pairs.items():
-        assert torch.isfinite(a).all() and torch.isfinite(b).all(), f"{k} has NaN or inf"
-    print({k: f"{rel_rms(a, b):.1e}" for k, (a, b) in pairs.items()},
-          f"peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
-    assert_close(pairs, BF16_BOUND)
-
-
-# ---------------------------------------------------------------------------------------------
-# The module reads in the order the method runs
-# ---------------------------------------------------------------------------------------------
-
-
-def _reading_order():
-    """(module docstring map, section headers) of mamba_cp.py, as [(number, title)] each."""
-    import re
-    doc = [(int(n), t.strip()) for n, t in re.findall(r"^ {2,3}(\d+)\. (.+)$", mamba_cp.__doc__, flags=re.M)]
-    with open(mamba_cp.__file__) as f:
-        headers = [(int(n), t.strip()) for n, t in re.findall(r"^# -{20,}\n# (\d+)\. (.+)$", f.read(), flags=re.M)]
-    return doc, headers
-
-
-def test_module_map_is_the_section_list():
-    """The module docstring's reading order is the list of section headers, in order."""
-    doc, headers = _reading_order()
-    assert len(headers) >= 10 and [n for n, _ in headers] == list(range(1, len(headers) + 1)), headers
-    assert doc == headers, f"docstring map {doc} differs from the section headers {headers}"
+    verdict = world_check(2, mixer_parity_check, timeout=600)
+    assert set(verdict) == set(MIXER_LAYOUTS), verdict
+    assert all(sum(q.startswith("loss step") for q in errs) == 3 for errs in verdict.values()), verdict
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1846,7 +1799,7 @@ def hf_train(rank, world, group, layout, steps=3, L=44, dtype=torch.float32):
         sys.path.insert(0, EXAMPLES)
     import transformers_cp
     model = tiny_mamba2().to(dtype)
-    ids = torch.randint(0, model.config.vocab_size, (2, L), generator=torch.Generator().manual_seed(5))
+    ids = draw(Shape(batch=2, seqlen=L), 5, device="cpu", vocab=model.config.vocab_size)["input_ids"]
     if group is not None:
         model = transformers_cp.enable_mamba_cp(model, group, layout)
         batch = transformers_cp.shard_batch(ids, ids, rank, world, layout)
@@ -1960,25 +1913,141 @@ def test_transformers_group_of_one_leaves_the_model_alone():
 
 
 # ---------------------------------------------------------------------------------------------
-# torchrun --nproc_per_node=N test_mamba_cp.py: the CP checks in place, NCCL on GPUs (bf16 at the
-# record shape, against the chunked oracle fed the same bf16 values), gloo on CPUs; then the
-# same checks in a world of one on each rank's device. One line per rank and check, and a
-# closing "N passed, N failed" line.
+# GPU only: bf16 at the record shape, 2^20 tokens in one call, and the CP path captured in one
+# CUDA graph (graph_capture_check also runs under torchrun)
 # ---------------------------------------------------------------------------------------------
 
+RECORD = dict(nheads=64, headdim=64, ngroups=8, dstate=128, chunk=128)
 
-def graph_capture_check(rank, world, group, device, layout="virtual"):
+
+@gpu
+@pytest.mark.parametrize("opts", [dict(), OPTIONS["all"], dict(OPTIONS["all"], state_dtype=torch.float32),
+                                  dict(growth=0.02, D="hp", z=True, initial_states=True, seq_idx=[16, 40, 41])],
+                         ids=["plain", "all", "all_fp32_states", "growth"])
+def test_bf16_record_shape(opts):
+    """bf16 kernels against the oracle fed the same bf16-rounded values (chunked float64 form)."""
+    opts = dict(opts)
+    state_dtype = opts.pop("state_dtype", None)
+    inputs = dict(ssd_inputs(Shape(batch=2, seqlen=1000, **RECORD), 9, dtype=torch.bfloat16, **opts),
+                  state_dtype=state_dtype)
+    oracle_inputs = {k: (v.float() if isinstance(v, torch.Tensor) and v.dtype == torch.bfloat16 else v)
+                     for k, v in inputs.items()}
+    assert_close(run_both(inputs, oracle_inputs, chunked=True), BF16_BOUND)
+
+
+@gpu
+def test_varlen_states_bf16_record_shape():
+    """Documents of 1, 127, 129 and 743 tokens (one ending at a kernel-chunk boundary, 128)."""
+    cu = torch.tensor([0, 1, 128, 257, 1000], dtype=torch.int32)
+    inputs = ssd_inputs(Shape(batch=1, seqlen=1000, **RECORD), 19, dtype=torch.bfloat16, seq_idx=cu[1:-1].tolist(),
+                        initial_states=True, dt_bias=True, dt_softplus=True)
+    _, states = mamba_cp.mamba_chunk_scan_combined(**inputs, cu_seqlens=cu.cuda(), return_varlen_states=True)
+    oracle = {k: (v.float() if isinstance(v, torch.Tensor) and v.dtype == torch.bfloat16 else v)
+              for k, v in inputs.items()}
+    assert_close({"varlen_states": (states, document_end_oracle(oracle, cu))}, BF16_BOUND)
+
+
+@gpu
+def test_split_conv1d_scan_bf16_record_shape():
+    """The fused entry in a world of one, bf16 at the shape of record, every option."""
+    case = dict(shape=SPLIT_RECORD, dtype=torch.bfloat16, layout="none", seed=4, norm=True, outproj="bias",
+                seq_idx=[3, 700], dt_limit=(0.05, 2.0))
+    errs = split_case_errors(case, 0, 1, None, "cuda")
+    print(errs)
+    expect({"record shape, every option": errs}, BF16_BOUND)
+
+
+def _peer_split():
+    """mamba_ssm's own mamba_split_conv1d_scan_combined where it can be imported (../shared/peer
+    lays it out in .peer/, with causal_conv1d's CUDA conv built into .peer/lib), else None."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for path in (os.path.join(here, ".peer"), os.path.join(here, ".peer", "lib")):
+        if os.path.isdir(path) and path not in sys.path:
+            sys.path.append(path)
+    try:
+        from mamba_ssm.ops.triton.ssd_combined import mamba_split_conv1d_scan_combined as peer
+        import causal_conv1d_cuda  # noqa: F401 - the peer's conv; without it the peer cannot run
+    except ImportError:
+        return None
+    return peer
+
+
+@gpu
+@pytest.mark.parametrize("norm", [False, True], ids=["gate", "rmsnorm"])
+def test_split_conv1d_scan_matches_mamba_ssm(norm):
+    """Differential: the same inputs through mamba_ssm's function, output and every gradient
+    within the bf16 criterion (a check beside the oracle's, for users switching over)."""
+    peer = _peer_split()
+    if peer is None:
+        pytest.skip("mamba_ssm's mamba_split_conv1d_scan_combined (with causal_conv1d's CUDA conv) is not importable")
+    # SwiGLU channels only with the norm: mamba_ssm 2.3.2.post1's own backward fails with SwiGLU
+    # channels, the z gate (no norm) and an out projection together (an out-projection gradient
+    # d_nonssm columns short: "got [5, 4096] but expected shape compatible with [5, 4099]")
+    full, opts = split_inputs(SPLIT_RECORD._replace(seqlen=4096, d_nonssm=3 if norm else 0), 21, norm=norm,
+                              outproj="bias", D="h", dtype=torch.bfloat16, device="cuda")
+    for k in ("outproj_weight", "outproj_bias"):       # a bf16 model's projection (mamba_ssm needs one dtype)
+        full[k] = full[k].bfloat16()
+    leaves = [k for k in SPLIT_LEAVES if full[k] is not None]
+    results = []
+    for fn in (mamba_cp.mamba_split_conv1d_scan_combined, peer):
+        mine = {k: full[k].detach().clone().requires_grad_(True) for k in leaves}
+        out, f = fn(**{**full, **mine}, **opts, return_final_states=True)
+        w = draw(None, 5, dtype=out.dtype, device="cuda", weights=dict(out=out.shape))["out"]   # the same for both
+        results.append([out.detach(), f.detach(), *torch.autograd.grad([out, f], list(mine.values()),
+                                                                        [w, torch.ones_like(f)])])
+    names = ["out", "final_states"] + ["d" + k for k in leaves]
+    errs = {n: rel_rms(a, b) for n, a, b in zip(names, *results)}
+    print(errs)
+    assert all(e <= BF16_BOUND for e in errs.values()), errs
+
+
+@gpu
+def test_two_to_the_twenty_tokens():
+    """x holds 2^32 elements: every offset must be int64. Checked against the same sequence
+    run as two halves joined through initial_states. Memory: one set of inputs, shared by both
+    runs (the gradients come from torch.autograd.grad, nothing accumulates)."""
+    L = 1 << 20
+    inputs = ssd_inputs(Shape(batch=1, seqlen=L, **RECORD), 10, dtype=torch.bfloat16, D="h", dt_bias=True,
+                        dt_softplus=True)
+    assert inputs["x"].numel() == 1 << 32
+    leaves = {k: v.requires_grad_(True) for k, v in inputs.items() if k in DIFFERENTIABLE}
+    wy = draw(None, 11, dtype=torch.bfloat16, device="cuda", weights=dict(y=inputs["x"].shape))["y"]
+    wf = draw(None, 12, device="cuda", weights=dict(final_states=(1, 64, 64, 128)))["final_states"]
+
+    y, f = mamba_cp.mamba_chunk_scan_combined(**inputs, return_final_states=True)
+    g_full = torch.autograd.grad([y, f], list(leaves.values()), [wy, wf])  # no (y * wy) products in memory
+    y_full, f_full = y.detach(), f.detach()
+    del y, f
+
+    h = L // 2
+    per_token = ("x", "dt", "B", "C")
+    first = {**inputs, **{k: inputs[k][:, :h] for k in per_token}}
+    second = {**inputs, **{k: inputs[k][:, h:] for k in per_token}}
+    y1, f1 = mamba_cp.mamba_chunk_scan_combined(**first, return_final_states=True)
+    y2, f2 = mamba_cp.mamba_chunk_scan_combined(**second, initial_states=f1, return_final_states=True)
+    g_half = torch.autograd.grad([y1, y2, f2], list(leaves.values()), [wy[:, :h], wy[:, h:], wf])
+    pairs = {"y": (torch.cat([y1.detach(), y2.detach()], 1), y_full), "final_states": (f2.detach(), f_full)}
+    pairs.update({"d" + k: (b, a) for k, a, b in zip(leaves, g_full, g_half)})
+    for k, (a, b) in pairs.items():
+        assert torch.isfinite(a).all() and torch.isfinite(b).all(), f"{k} has NaN or inf"
+    print({k: f"{rel_rms(a, b):.1e}" for k, (a, b) in pairs.items()},
+          f"peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+    assert_close(pairs, BF16_BOUND)
+
+
+@check("CUDA graph", 0.0, under_torchrun=lambda world: CUDA)
+def graph_capture_check(rank, world, group, device, gpu=False, layout="virtual"):
     """Forward and backward of the CP path, collectives included, captured in one CUDA graph:
     the replay must equal eager bit for bit, and new inputs copied into the captured buffers
-    must change the output and again equal eager. Returns {check: passed}."""
-    full, opts = cp_inputs(7, world, **dict(CP_SMALL, piece=300, nheads=8, headdim=32, dstate=32, chunk=64),
-                           dtype=torch.bfloat16, device=device)
+    must change the output and again equal eager (0 where so, inf where not)."""
+    shape = CP_SMALL._replace(seqlen=600, nheads=8, headdim=32, dstate=32, chunk=64)
+    full, opts = fused_inputs(shape.per_world(world), 7, dtype=torch.bfloat16, device=device)
     local = {k: (mamba_cp.shard(v, rank, world, layout) if k in CP_ACTIVATIONS and v is not None else v)
              for k, v in full.items()}
     static = {k: v.detach().clone().requires_grad_(v.is_floating_point()) if v is not None else None
               for k, v in local.items()}
     grad_of = [k for k in ("xBC", "dt", "conv_weight", "dt_bias", "A", "D") if static[k] is not None]
-    dy = torch.randn(*local["xBC"].shape[:2], 8, 32, device=device, dtype=torch.bfloat16)
+    dy = draw(None, 8, dtype=torch.bfloat16, device=device, weights=dict(dy=(*local["xBC"].shape[:2], 8, 32)))["dy"]
 
     def step():
         y = mamba_cp.mamba_conv1d_ssd_cp(
@@ -2007,28 +2076,60 @@ def graph_capture_check(rank, world, group, device, layout="virtual"):
     checks["new inputs change the output"] = not torch.equal(captured[0], before)
     checks["replay equals eager on new inputs"] = all(torch.equal(a, b) for a, b in zip(captured, eager))
     torch.cuda.synchronize()
-    return checks
+    results = {f"{layout} forward and backward": {k: 0.0 if ok else float("inf") for k, ok in checks.items()}}
+    return errors_everywhere(results, world, group, device)
 
 
 @gpu
 def test_cuda_graph_capture_single_device():
     """The fused function in a world of one (no group) is captured and replayed."""
-    checks = graph_capture_check(0, 1, None, "cuda")
-    assert all(checks.values()), checks
+    expect(graph_capture_check(0, 1, None, "cuda"), graph_capture_check.check.bound, "CUDA graph")
+
+
+# ---------------------------------------------------------------------------------------------
+# The module reads in the order the method runs
+# ---------------------------------------------------------------------------------------------
+
+
+def _reading_order():
+    """(module docstring map, section headers) of mamba_cp.py, as [(number, title)] each."""
+    import re
+    doc = [(int(n), t.strip()) for n, t in re.findall(r"^ {2,3}(\d+)\. (.+)$", mamba_cp.__doc__, flags=re.M)]
+    with open(mamba_cp.__file__) as f:
+        headers = [(int(n), t.strip()) for n, t in re.findall(r"^# -{20,}\n# (\d+)\. (.+)$", f.read(), flags=re.M)]
+    return doc, headers
+
+
+def test_module_map_is_the_section_list():
+    """The module docstring's reading order is the list of section headers, in order."""
+    doc, headers = _reading_order()
+    assert len(headers) >= 10 and [n for n, _ in headers] == list(range(1, len(headers) + 1)), headers
+    assert doc == headers, f"docstring map {doc} differs from the section headers {headers}"
+
+
+# ---------------------------------------------------------------------------------------------
+# torchrun --nproc_per_node=N test_mamba_cp.py: the CP checks in place, NCCL on GPUs (bf16 at the
+# record shape, against the chunked oracle fed the same bf16 values), gloo on CPUs; then the
+# same checks in a world of one on each rank's device. One line per rank and check, and a
+# closing "N passed, N failed" line.
+# ---------------------------------------------------------------------------------------------
 
 
 def _report(rank, label, results, bound):
-    passed = failed = 0
+    """One line per case of a check's results, PASS or FAIL by the verdict the pytest tests
+    assert (failures); returns (passed, failed)."""
+    bad = failures(results, bound)
     for case, errs in results.items():
-        worst_tensor = max(errs, key=errs.get)
-        ok = all(e <= bound for e in errs.values())
-        passed, failed = passed + ok, failed + (not ok)
-        print(f"[rank {rank}] {'PASS' if ok else 'FAIL'} {label} {case}: largest relative RMS "
-              f"{errs[worst_tensor]:.2e} ({worst_tensor})", flush=True)
-    return passed, failed
+        worst = max(errs, key=lambda q: errs[q] if errs[q] == errs[q] else math.inf, default=None)
+        print(f"[rank {rank}] {'FAIL' if case in bad else 'PASS'} {label} {case}: "
+              + (f"largest error {errs[worst]:.2e} ({worst})" if worst is not None else "nothing measured")
+              + (f", above {bound:g}: {bad[case]}" if case in bad else ""), flush=True)
+    return len(results) - len(bad), len(bad)
 
 
 def main():
+    """Every registered check (CHECKS, in this file's order) on the torchrun world, judged as
+    the pytest tests judge them; the CP check again in a world of one on each rank."""
     backend = "nccl" if CUDA else "gloo"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=600))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -2036,54 +2137,24 @@ def main():
     if CUDA:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
         device = f"cuda:{torch.cuda.current_device()}"
-    bound = BF16_BOUND if CUDA else FP32_BOUND
-    results = cp_world_check(rank, world, dist.group.WORLD, device, gpu=CUDA)
-    cp_world_check.last = results
-    passed, failed = _report(rank, f"W={world}", results, bound)
-    if world > 1:
-        singles = [dist.new_group([r]) for r in range(world)]
-        p, f = _report(rank, "W=1", cp_world_check(0, 1, singles[rank], device, gpu=CUDA), bound)
-        passed, failed = passed + p, failed + f
-    # the two summary exchanges: the scan alone on random summaries, and the fused core with each
-    p, f = _report(rank, f"W={world} summary scan alone", scan_helper_errors(rank, world, dist.group.WORLD, device),
-                   1e-6)
-    passed, failed = passed + p, failed + f
-    p, f = _report(rank, f"W={world} summary exchanges",
-                   exchange_world_check(rank, world, dist.group.WORLD, device), FP32_BOUND)
-    passed, failed = passed + p, failed + f
-    if CUDA:  # forward and backward, collectives included, in one CUDA graph
-        for check, ok in graph_capture_check(rank, world, dist.group.WORLD, device).items():
-            passed, failed = passed + ok, failed + (not ok)
-            print(f"[rank {rank}] {'PASS' if ok else 'FAIL'} W={world} CUDA graph: {check}", flush=True)
-    # mamba_split_conv1d_scan_combined on every layout (bf16 at the record shape on GPUs)
-    for check, err in split_world_check(rank, world, dist.group.WORLD, device, gpu=CUDA).items():
-        ok = err <= bound
-        passed, failed = passed + ok, failed + (not ok)
-        print(f"[rank {rank}] {'PASS' if ok else 'FAIL'} W={world} mamba_split_conv1d_scan_combined {check}: "
-              f"{err:.2e}", flush=True)
-    # torch.compile, default and fullgraph, of every CP path (float32, small shapes)
-    for check, err in compile_world_check(rank, world, dist.group.WORLD, device).items() if world > 1 else []:
-        ok = err <= compile_bound(check)
-        passed, failed = passed + ok, failed + (not ok)
-        if not ok or check.endswith("[0]"):
-            print(f"[rank {rank}] {'PASS' if ok else 'FAIL'} W={world} torch.compile {check}: "
-                  f"{'bitwise' if ok else err}", flush=True)
-    # the vendoring example: a tiny mixer trains on W ranks and on one, losses step by step
-    mixer = _mixer_parity_failures(mixer_parity_losses(rank, world, dist.group.WORLD, device, L=24 * world))
-    for layout in MIXER_LAYOUTS:
-        ok = layout not in mixer
-        passed, failed = passed + ok, failed + (not ok)
-        print(f"[rank {rank}] {'PASS' if ok else 'FAIL'} W={world} mixer loss parity ({layout})"
-              + ("" if ok else f": {mixer[layout]}"), flush=True)
-    if rank == 0:
-        worst = {}
-        for errs in cp_world_check.last.values():
-            for tensor, err in errs.items():
-                worst[tensor] = max(worst.get(tensor, 0.0), err)
-        print(f"[rank 0] largest relative RMS per tensor, W={world}: "
-              + ", ".join(f"{t} {e:.2e}" for t, e in sorted(worst.items())), flush=True)
+    group = dist.group.WORLD
+    singles = [dist.new_group([r]) for r in range(world)] if world > 1 else None   # collective: every rank makes each
+    passed = failed = 0
+    for chk in CHECKS:
+        if not chk.under_torchrun(world):
+            continue
+        runs = [(f"W={world}", rank, world, group)]
+        if chk.alone and world > 1:
+            runs.append(("W=1", 0, 1, singles[rank]))
+        for label, r, w, g in runs:
+            results = chk.run(r, w, g, device, gpu=CUDA)
+            p, f = _report(rank, f"{label} {chk.label}", results, chk.gpu_bound if CUDA else chk.bound)
+            passed, failed = passed + p, failed + f
+            if chk.run is cp_world_check and w == world and rank == 0:
+                print(f"[rank 0] largest relative RMS per tensor, W={world}: "
+                      + ", ".join(f"{t} {e:.2e}" for t, e in sorted(largest(results).items())), flush=True)
     totals = torch.tensor([passed, failed], device=device)
-    dist.all_reduce(totals, group=dist.group.WORLD)
+    dist.all_reduce(totals, group=group)
     dist.barrier()
     if rank == 0:
         print(f"{totals[0].item()} passed, {totals[1].item()} failed", flush=True)

@@ -45,10 +45,29 @@ def _mamba2_mixers(model):
     return [m for m in model.modules() if all(hasattr(m, part) for part in MIXER_PARTS)]
 
 
+def _mixer_sizes(mixer):
+    """(headdim, ngroups) of a transformers Mamba2 mixer. mamba_cp's gated RMSNorm, like
+    mamba_ssm's, normalises groups of dim / ngroups channels, the width of one B/C group.
+    transformers 5.24 does the same (its norm's `group_size`); 5.17 normalises all dim channels
+    at once, which agrees only when the mixer has one group: other mixers are refused."""
+    dim, nheads = mixer.out_proj.in_features, mixer.dt_bias.shape[0]
+    ngroups = getattr(mixer, "n_groups", None)
+    if ngroups is None:
+        raise ValueError(f"enable_mamba_cp: {type(mixer).__name__} has no n_groups (the number of B/C groups)")
+    norm_width = getattr(mixer.norm, "group_size", dim)
+    if norm_width * ngroups != dim:
+        raise ValueError(f"enable_mamba_cp: {type(mixer).__name__}'s gated RMSNorm normalises groups of {norm_width} "
+                         f"of its {dim} channels, but mamba_cp normalises groups of dim / n_groups = "
+                         f"{dim // ngroups} (its n_groups is {ngroups}); this transformers version's norm "
+                         f"is not supported with more than one group")
+    return dim // nheads, ngroups
+
+
 def _cp_forward(mixer, cp_group, load_balancing):
     """The mixer's forward on this rank's shard: in_proj, then conv, SSD, gated RMSNorm and out
     projection in one mamba_cp call, from the mixer's own parameters."""
     original = mixer.forward
+    headdim, ngroups = _mixer_sizes(mixer)         # checked here, when enable_mamba_cp patches the mixer
 
     def forward(hidden_states, cache=None, attention_mask=None, **kwargs):
         if cache is not None:            # generation: transformers' own path, unsharded
@@ -57,15 +76,13 @@ def _cp_forward(mixer, cp_group, load_balancing):
             raise ValueError("enable_mamba_cp: a padding mask (attention_mask with zeros) is not supported under "
                              "context parallelism; pack the documents into full sequences instead")
         zxbcdt = mixer.in_proj(hidden_states)                                       # (b, l_local, width)
-        nheads = mixer.dt_bias.shape[0]
-        dim = mixer.out_proj.in_features
         return mamba_cp.mamba_split_conv1d_scan_combined(
             zxbcdt, mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias, mixer.dt_bias,
             -torch.exp(mixer.A_log.float()), mixer.D, mixer.chunk_size,
             dt_limit=tuple(mixer.time_step_limit), activation=mixer.activation,
             rmsnorm_weight=mixer.norm.weight, rmsnorm_eps=mixer.norm.variance_epsilon,
             outproj_weight=mixer.out_proj.weight, outproj_bias=mixer.out_proj.bias,
-            headdim=dim // nheads, ngroups=dim // mixer.norm.group_size,
+            headdim=headdim, ngroups=ngroups,
             norm_before_gate=False,      # transformers' gated norm: norm(y * silu(z))
             cp_group=cp_group, load_balancing=load_balancing)
 

@@ -2,8 +2,8 @@
 
 The SSD recurrence, per batch row and head (README walkthrough a):
 
-    dt'_t = clamp(softplus(dt_t + dt_bias))          a_t = exp(dt'_t * A)
-    S_t   = a_t * S_{t-1} + dt'_t * x_t B_t^T         y_t = S_t C_t + D * x_t   (then * silu(z_t))
+    dt'_t = clamp(softplus(dt_t + dt_bias), *dt_limit)   a_t = exp(dt'_t * A)
+    S_t   = a_t * S_{t-1} + dt'_t * x_t B_t^T            y_t = S_t C_t + D * x_t   (then * silu(z_t))
 
 Chunked form (README walkthrough b). Cut the sequence into chunks of Q tokens; cs_i is the cumulative
 sum of dt'*A inside a chunk. A chunk entered with state S_in produces
@@ -37,7 +37,8 @@ Numerics. Decays are exponentials of sums of dt'*A. A difference of two large cu
 loses the small difference between them in float32 (exp(cs_i - cs_j) where both are near
 -1000), so cumulative sums are formed in float64 and split into a float32 (hi, lo) pair: the
 difference of the hi parts is exact wherever it matters (Sterbenz), and the lo parts carry what
-float32 rounded away. Exponents may have either sign (growth when dt' < 0 or A > 0): masked
+float32 rounded away. Exponents may have either sign (growth when A > 0; the clamp, always
+applied as in mamba_ssm's kernels, keeps dt' >= 0 even at the default dt_limit): masked
 ones are removed by selection before exp, never multiplied by 0, so no inf * 0 appears.
 
 On a machine without a GPU the same kernels run in the Triton interpreter
@@ -167,7 +168,7 @@ def _softplus(v):
 
 @triton.jit
 def _chunk_dt(dt_ptr, dt_bias_ptr, A_ptr, b, h, start, seqlen, stride_dt, Q: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-              DT_SOFTPLUS: tl.constexpr, HAS_DT_LIMIT: tl.constexpr, dt_min, dt_max):
+              DT_SOFTPLUS: tl.constexpr, dt_min, dt_max):
     """dt', dt'*A and d dt'/d dt_raw (the softplus slope, zero where dt_limit clamps) of one
     chunk of one head, (Q,) float32 each; zero past the sequence end. Kernels that do not use
     the slope do not pay for it (dead code is removed)."""
@@ -181,9 +182,9 @@ def _chunk_dt(dt_ptr, dt_bias_ptr, A_ptr, b, h, start, seqlen, stride_dt, Q: tl.
     if DT_SOFTPLUS:
         slope = tl.where(dt > 20.0, 1.0, 1.0 / (1.0 + tl.exp(-dt)))
         dt = _softplus(dt)
-    if HAS_DT_LIMIT:
-        slope = tl.where((dt >= dt_min) & (dt <= dt_max), slope, 0.0)
-        dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
+    # always clamped, as mamba_ssm's kernels do: the default (0, inf) turns a negative dt' into 0
+    slope = tl.where((dt >= dt_min) & (dt <= dt_max), slope, 0.0)
+    dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
     dt = tl.where(valid, dt, 0.0)
     return dt, dt * tl.load(A_ptr + h).to(tl.float32), tl.where(valid, slope, 0.0)
 
@@ -406,7 +407,7 @@ class _LaunchPlan:
         self.n_n_tiles = _cdiv(self.dstate, self.BN_state)
         self.dt_min, self.dt_max = float(dt_limit[0]), float(dt_limit[1])
         self.flags = dict(HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus),
-                          HAS_DT_LIMIT=tuple(dt_limit) != (0.0, float("inf")), HAS_SEQ=seq_idx is not None)
+                          HAS_SEQ=seq_idx is not None)
         self.precision = "ieee" if x.dtype == torch.float32 else "tf32"
         # the chunk entry states (and, in backward, exit gradients) as stored between kernels;
         # the kernels carry them in float32 and read them back to float32
@@ -432,7 +433,7 @@ def _state_pass_kernel(
     seqlen, nheads, headdim, dstate, nchunks, chunks_per_seg, n_p_tiles, n_n_tiles, heads_per_group,
     dt_min, dt_max, stride_u, stride_v, stride_dt, stride_seq,
     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-    HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_DT_LIMIT: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
     HAS_SEQ: tl.constexpr, REVERSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One segment (chunks_per_seg chunks) of one (batch, head, state tile), from zero: walk its
@@ -469,7 +470,7 @@ def _state_pass_kernel(
         tl.store(decay_ptr + _row_head(b64 * nchunks + c, h, nheads), _selected_exp(alive, log_decay),
                  mask=first_tile)
         dt, dA, slope = _chunk_dt(dt_ptr, dt_bias_ptr, A_ptr, b, h, start, seqlen, stride_dt,
-                                  Q, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT, dt_min, dt_max)
+                                  Q, HAS_DT_BIAS, DT_SOFTPLUS, dt_min, dt_max)
         total = tl.sum(dA.to(tl.float64), axis=0)
         if REVERSE:
             hi, lo = _cumsum_hi_lo(dA)
@@ -598,7 +599,7 @@ def _output_fwd_kernel(
     seqlen, headdim, dstate, heads_per_group, heads_per_program, nheads, batch, chunks_per_seg, dt_min, dt_max,
     stride_x, stride_B, stride_C, stride_dt, stride_D, stride_seq, stride_y,
     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-    HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_DT_LIMIT: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
     HAS_D: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_ENTRY: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -644,7 +645,7 @@ def _output_fwd_kernel(
     for hh in range(heads_per_program):
         h = h0 + hh
         dt, dA, slope = _chunk_dt(dt_ptr, dt_bias_ptr, A_ptr, b, h, start, seqlen, stride_dt,
-                                  Q, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT, dt_min, dt_max)
+                                  Q, HAS_DT_BIAS, DT_SOFTPLUS, dt_min, dt_max)
         hi, lo = _cumsum_hi_lo(dA)
         M = CB * _pair_decay(hi, lo, causal) * dt[None, :]                          # (Q, Q)
         x = tl.load(x_ptr + b64 * stride_x.b + t64[:, None] * stride_x.l + h * stride_x.h
@@ -698,7 +699,7 @@ def _document_end_state_kernel(
     seqlen, nheads, headdim, dstate, heads_per_group, chunks_per_seg, n_n_tiles, dt_min, dt_max,
     stride_x, stride_B, stride_dt,
     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-    HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_DT_LIMIT: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
     HAS_ENTRY: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """The state after the last token e of one packed document (batch row 0), for one (head,
@@ -723,7 +724,7 @@ def _document_end_state_kernel(
     mask_pn = (offs_p[:, None] < headdim) & (offs_n[None, :] < dstate)
 
     dt, dA, slope = _chunk_dt(dt_ptr, dt_bias_ptr, A_ptr, zero, h, start, seqlen, stride_dt,
-                              Q, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT, dt_min, dt_max)
+                              Q, HAS_DT_BIAS, DT_SOFTPLUS, dt_min, dt_max)
     cs = tl.cumsum(dA.to(tl.float64), axis=0)                                    # (Q,) float64
     cs_e = tl.sum(tl.where(offs_q == last - start, cs, 0.0), axis=0)
     t = start + offs_q
@@ -836,7 +837,7 @@ class GradPass:
 @triton.jit
 def _chunk_decays(dt_ptr, dt_bias_ptr, A_ptr, seq_ptr, b, h, start, seqlen, stride_dt, stride_seq,
                   Q: tl.constexpr, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
-                  HAS_DT_LIMIT: tl.constexpr, HAS_SEQ: tl.constexpr, dt_min, dt_max):
+                  HAS_SEQ: tl.constexpr, dt_min, dt_max):
     """Everything the backward needs about one chunk's decays, for one head:
       dt', slope     (Q,) the processed dt and d dt'/d dt_raw
       L              (Q, Q) exp(cs_i - cs_j) over causal pairs of one document, else 0
@@ -846,7 +847,7 @@ def _chunk_decays(dt_ptr, dt_bias_ptr, A_ptr, seq_ptr, b, h, start, seqlen, stri
     and the causal mask (Q, Q) L was cut with (pairs i >= j of one document)."""
     offs_q = tl.arange(0, Q)
     dt, dA, slope = _chunk_dt(dt_ptr, dt_bias_ptr, A_ptr, b, h, start, seqlen, stride_dt,
-                              Q, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT, dt_min, dt_max)
+                              Q, HAS_DT_BIAS, DT_SOFTPLUS, dt_min, dt_max)
     hi, lo = _cumsum_hi_lo(dA)
     cs64 = tl.cumsum(dA.to(tl.float64), axis=0)
     total = tl.sum(dA.to(tl.float64), axis=0)
@@ -877,7 +878,7 @@ def _chunk_bwd_x_kernel(
     seqlen, headdim, dstate, heads_per_group, nheads, batch, chunks_per_seg, dt_min, dt_max,
     stride_x, stride_B, stride_C, stride_dt, stride_D, stride_seq, stride_do, stride_dx,
     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-    HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_DT_LIMIT: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
     HAS_D: tl.constexpr, HAS_SEQ: tl.constexpr,
     HAS_ENTRY: tl.constexpr, HAS_EXIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -932,7 +933,7 @@ def _chunk_bwd_x_kernel(
 
     dt, slope, L, e, w_dec, decay, causal = _chunk_decays(
         dt_ptr, dt_bias_ptr, A_ptr, seq_ptr, b, h, start, seqlen, stride_dt, stride_seq,
-        Q, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT, HAS_SEQ, dt_min, dt_max)
+        Q, HAS_DT_BIAS, DT_SOFTPLUS, HAS_SEQ, dt_min, dt_max)
     w = w_dec * dt                                                                 # (Q,)
     M = CB * L
     Mdt = M * dt[None, :]                                                          # (Q, Q)
@@ -982,7 +983,7 @@ def _chunk_bwd_BC_kernel(
     seqlen, headdim, dstate, heads_per_group, ngroups, batch, n_n_tiles, chunks_per_seg, dt_min, dt_max,
     stride_x, stride_B, stride_C, stride_dt, stride_seq, stride_do, stride_dB, stride_dC,
     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-    HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_DT_LIMIT: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
     HAS_SEQ: tl.constexpr,
     HAS_ENTRY: tl.constexpr, HAS_EXIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -1017,7 +1018,7 @@ def _chunk_bwd_BC_kernel(
         h = g * heads_per_group + hh
         dt, slope, L, e, w_dec, decay, causal = _chunk_decays(
             dt_ptr, dt_bias_ptr, A_ptr, seq_ptr, b, h, start, seqlen, stride_dt, stride_seq,
-            Q, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT, HAS_SEQ, dt_min, dt_max)
+            Q, HAS_DT_BIAS, DT_SOFTPLUS, HAS_SEQ, dt_min, dt_max)
         x = tl.load(x_ptr + b64 * stride_x.b + t64[:, None] * stride_x.l + h * stride_x.h
                     + offs_p[None, :] * stride_x.p, mask=mask_qp, other=0.0)        # (Q, BP)
         dy = _dy_tile(dout_ptr, b64, t64, h, offs_p, mask_qp, stride_do)

@@ -15,15 +15,18 @@ _NO_LIMIT = (0.0, float("inf"))
 
 
 def process_dt(dt, dt_bias=None, dt_softplus=False, dt_limit=_NO_LIMIT):
-    """dt' = clamp(softplus(dt + dt_bias)); float64 (b, l, h)."""
+    """dt' = clamp(softplus(dt + dt_bias), *dt_limit); float64 (b, l, h).
+
+    The clamp always applies, as in mamba_ssm's Triton kernels and transformers' torch path: the
+    default limit (0, inf) turns a negative dt' (dt_softplus=False) into 0. torch.clamp's gradient
+    is zero strictly outside the limit and passes at its ends, as mamba_ssm's clamp mask does.
+    (mamba_ssm's slow torch reference alone skips the clamp for the default limit.)"""
     v = dt.double()  # (b, l, h)
     if dt_bias is not None:
         v = v + dt_bias.double()  # (h,) broadcasts over (b, l)
     if dt_softplus:
         v = F.softplus(v)  # torch default threshold 20 (linear above), like the kernels
-    if tuple(dt_limit) != _NO_LIMIT:  # mamba_ssm: the default limit means no clamp at all
-        v = torch.clamp(v, dt_limit[0], dt_limit[1])
-    return v
+    return torch.clamp(v, dt_limit[0], dt_limit[1])
 
 
 def _heads(B, nheads):

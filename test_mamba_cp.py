@@ -88,11 +88,25 @@ def rel_rms(got, want):
     return (err / scale) ** 0.5 if scale > 0 else err ** 0.5
 
 
+class Skipped(NamedTuple):
+    """A check's entry for a case it does not run here (this world size, this machine), with the
+    reason: neither a pass nor a failure, and counted apart."""
+    reason: str
+
+
+def measured(results):
+    """The cases of a check's results that ran: {case: {quantity: error}}, without the Skipped."""
+    return {case: errs for case, errs in results.items() if not isinstance(errs, Skipped)}
+
+
 def failures(results, bound):
-    """The verdict on a check's results {case: {quantity: error}}: the errors above bound (NaN
-    included), {case: {quantity: error}}; empty where the check passed."""
+    """The verdict on a check's results {case: {quantity: error} or Skipped}: the errors above
+    bound (NaN included), {case: {quantity: error}}; empty where every case that ran passed. A
+    case that measured nothing fails."""
     bad = {}
-    for case, errs in results.items():
+    for case, errs in measured(results).items():
+        if not errs:
+            bad[case] = {"nothing measured": float("inf")}
         for quantity, err in errs.items():
             if not err <= bound:
                 bad.setdefault(case, {})[quantity] = err
@@ -100,9 +114,9 @@ def failures(results, bound):
 
 
 def largest(results):
-    """{quantity: its largest error over the cases} of a check's results."""
+    """{quantity: its largest error over the cases that ran} of a check's results."""
     worst = {}
-    for errs in results.values():
+    for errs in measured(results).values():
         for quantity, err in errs.items():
             worst[quantity] = max(worst.get(quantity, 0.0), err)
     return worst
@@ -150,8 +164,9 @@ class Shape(NamedTuple):
 
 
 def draw(shape, seed=0, *, dtype=torch.float32, device=DEVICE, D=None, z=False, dt_bias=False, dt_softplus=False,
-         initial_states=False, seq_idx=None, extreme=False, growth=None, conv_weight=False, conv_bias=False,
-         halo=False, rmsnorm_weight=False, outproj=None, summaries=False, features=None, vocab=None, weights=None):
+         initial_states=False, seq_idx=None, extreme=False, growth=None, negative_dt=False, conv_weight=False,
+         conv_bias=False, halo=False, rmsnorm_weight=False, outproj=None, summaries=False, features=None, vocab=None,
+         weights=None):
     """Every random input of these tests, drawn in this order from one generator seeded with
     `seed`: {name: tensor} on `device`. Options named as in mamba_chunk_scan_combined.
 
@@ -163,9 +178,12 @@ def draw(shape, seed=0, *, dtype=torch.float32, device=DEVICE, D=None, z=False, 
         in (0.02, 0.32).
       extreme: True (5% of entries at random) or a list of token positions (every row and head):
         dt'*A = -1000 there, among decays ten times smaller.
-      growth: None (decay: dt'*A < 0), "neg_dt" (dt' < 0 without softplus, A < 0), "pos_A"
-        (A > 0), "pos_A_e8" (A > 0 scaled to the length: the state grows by about e^8 over the
-        whole sequence, however long), or a number: dt'*A equal to it at every token (dt' < 0).
+      growth: None (decay: dt'*A < 0), "pos_A" (A > 0), "pos_A_e8" (A > 0 scaled to the length:
+        the state grows by about e^8 over the whole sequence, however long), or a number: A > 0
+        and dt'*A equal to it at every token. (dt' itself is never negative: the clamp.)
+      negative_dt: raw dt in (-0.2, 0.3), 40% of it below zero and a tenth exactly 0, for
+        dt_softplus=False: the default dt_limit (0, inf) clamps the negative ones to 0 (and their
+        gradient), as mamba_ssm's kernels do, and lets a gradient through at 0 itself.
       seq_idx: document starts (int32 ids (b, l)), one list for every row (row 1 then starts one
         more document at l // 2, so that rows differ) or a list per row. With a halo, positions
         count in the shard, negative ones inside the halo (a start at its first token changes
@@ -209,13 +227,15 @@ def draw(shape, seed=0, *, dtype=torch.float32, device=DEVICE, D=None, z=False, 
             big[:, list(extreme)] = True
         if extreme is not False:
             dt = torch.where(big, 1000.0 / -A, dt * 0.1)
-        if growth == "neg_dt":  # what a caller's raw dt can do with dt_softplus=False
-            dt = -uniform(b, l, h, high=0.2)
-        elif growth == "pos_A":
+        if negative_dt:  # what a caller's raw dt can hold with dt_softplus=False
+            dt = uniform(b, l, h, low=-0.2, high=0.3)
+            dt = torch.where(uniform(b, l, h) < 0.1, 0.0, dt)
+        if growth == "pos_A":
             A = -0.5 * A
         elif growth == "pos_A_e8":
             A = uniform(h, low=0.75, high=1.25) * (20.0 / l)
         elif growth is not None:
+            A = -A
             dt = (growth / A).expand(b, l, h).contiguous()
         out.update(x=normal(b, l, h, p, to=dtype), dt=dt, A=A, B=normal(b, l, ng, n, to=dtype),
                    C=normal(b, l, ng, n, to=dtype))
@@ -346,15 +366,17 @@ DIFFERENTIABLE = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states
 
 
 def run_both(inputs, oracle_inputs=None, chunked=False):
-    """Output, final state and every gradient from the kernels and from the oracle, under the
-    same random output weights. Returns {name: (got, want)}."""
+    """Output, final state and every gradient from the kernels (inputs["fn"], by default
+    mamba_cp's mamba_chunk_scan_combined) and from the oracle, under the same random output
+    weights. Returns {name: (got, want)}."""
+    fn = inputs.get("fn", mamba_cp.mamba_chunk_scan_combined)
     inputs = {k: (v.detach().clone().requires_grad_(True) if k in DIFFERENTIABLE else v)
-              for k, v in inputs.items()}
+              for k, v in inputs.items() if k != "fn"}
     oracle_inputs = inputs if oracle_inputs is None else {
         k: (v.detach().clone().requires_grad_(True) if k in DIFFERENTIABLE else v) for k, v in oracle_inputs.items()}
     leaves = [k for k in DIFFERENTIABLE if k in inputs]
 
-    y, final = mamba_cp.mamba_chunk_scan_combined(**inputs, return_final_states=True)
+    y, final = fn(**inputs, return_final_states=True)
     w = draw(None, 1234, device=y.device, weights=dict(y=y.shape, final_states=final.shape))
     wy, wf = w["y"], w["final_states"]
     grads = torch.autograd.grad((y.float() * wy).sum() + (final * wf).sum(), [inputs[k] for k in leaves])
@@ -487,25 +509,25 @@ def split_case_errors(case, rank, world, group, device):
 
 class Check(NamedTuple):
     """A distributed check: run(rank, world, group, device, gpu=False) returns {case: {quantity:
-    error}}, every error already reduced (MAX) over the group; it passes where no error exceeds
-    bound (gpu_bound under torchrun on GPUs, where some checks run bf16 at the record shape).
-    alone: torchrun runs it again in a world of one on each rank; under_torchrun(world): whether
-    torchrun runs it at all."""
+    error}, or Skipped for a case it cannot run there}, every error already reduced (MAX) over
+    the group; it passes where no error exceeds bound (gpu_bound under torchrun on GPUs, where
+    some checks run bf16 at the record shape). alone: torchrun runs it again in a world of one on
+    each rank; skipped(): why it cannot run on this machine at all, or ''."""
     label: str
     run: Callable
     bound: float
     gpu_bound: float
     alone: bool
-    under_torchrun: Callable
+    skipped: Callable
 
 
 CHECKS = []   # in the order of this file, which is the order torchrun runs them
 
 
-def check(label, bound, gpu_bound=None, alone=False, under_torchrun=lambda world: True):
+def check(label, bound, gpu_bound=None, alone=False, skipped=lambda: ""):
     """Register a distributed check (the decorated function) with its bound."""
     def register(run):
-        run.check = Check(label, run, bound, bound if gpu_bound is None else gpu_bound, alone, under_torchrun)
+        run.check = Check(label, run, bound, bound if gpu_bound is None else gpu_bound, alone, skipped)
         CHECKS.append(run.check)
         return run
     return register
@@ -522,14 +544,16 @@ def guarded(run, *args, **kwargs):
 
 def errors_everywhere(results, world, group, device):
     """{case: {tensor: error}} with every error replaced by its MAX over the group, so every
-    rank reaches the same verdict (a rank whose entries differ, an exception's, keeps its own)."""
-    names = sorted((c, t) for c, errs in results.items() for t in errs)
+    rank reaches the same verdict (a rank whose entries differ, an exception's, keeps its own).
+    Skipped cases stay as they are: every rank skips them for the same reason."""
+    names = sorted((c, t) for c, errs in measured(results).items() for t in errs)
     vec = torch.tensor([results[c][t] for c, t in names], dtype=torch.float64, device=device)
     if world > 1:
-        # exceptions differ across ranks: agree on the number of entries first
-        count = torch.tensor([len(names)], device=device)
+        # exceptions differ across ranks: reduce only if every rank holds as many entries (the
+        # largest count and the smallest agree), a decision every rank takes alike
+        count = torch.tensor([len(names), -len(names)], device=device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
-        if count.item() == len(names):
+        if count[0].item() == -count[1].item():
             dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
     for (c, t), v in zip(names, vec.tolist()):
         results[c][t] = v
@@ -637,16 +661,22 @@ def world_verdict(world, fn_name, *args, timeout=600):
     """world_results of a check whose errors the ranks reduced together: the one verdict, which
     every rank must have reached."""
     results = world_results(world, fn_name, *args, timeout=timeout)
-    same = lambda errs: None if errs is None else sorted((q, repr(e)) for q, e in errs.items())   # noqa: E731 (NaN too)
+    same = lambda errs: errs if errs is None or isinstance(errs, Skipped) else sorted(   # noqa: E731 (NaN too)
+        (q, repr(e)) for q, e in errs.items())
     differ = sorted({c for r in results for c in r if same(r.get(c)) != same(results[0].get(c))})
     assert not differ, f"ranks reached different verdicts: {[{c: r.get(c) for c in differ} for r in results]}"
     return results[0]
 
 
 def world_check(world, run, timeout=600):
-    """A registered check on W gloo ranks: its one verdict, asserted to pass the check's bound."""
+    """A registered check on W gloo ranks: its one verdict, asserted to pass the check's bound
+    (the cases it skipped are printed, not passed)."""
     verdict = world_verdict(world, run.__name__, timeout=timeout)
+    assert measured(verdict), f"W={world} {run.check.label}: no case ran: {verdict}"
     expect(verdict, run.check.bound, f"W={world} {run.check.label}")
+    for case, errs in verdict.items():
+        if isinstance(errs, Skipped):
+            print(f"W={world} {run.check.label}: skipped {case}: {errs.reason}")
     return verdict
 
 
@@ -695,7 +725,7 @@ def test_oracle_hand_computed():
 
 def test_oracle_process_dt():
     dt = torch.tensor([[[-1.0, 0.3, 30.0]]])
-    assert torch.equal(process_dt(dt), dt.double())  # default limit: no clamp, stays negative
+    assert torch.equal(process_dt(dt), torch.tensor([[[0.0, 0.3, 30.0]]]).double())  # the default (0, inf) clamps
     sp = process_dt(dt, dt_softplus=True)
     torch.testing.assert_close(sp, F.softplus(dt.double()))
     assert sp[0, 0, 2].item() == 30.0  # linear above threshold 20
@@ -722,7 +752,6 @@ def check_chunked(inp, chunk_size, seed, **kw):
     g1 = torch.autograd.grad((y1 * wy).sum() + (s1 * ws).sum(), list(leaves.values()))
     g2 = torch.autograd.grad((y2 * wy).sum() + (s2 * ws).sum(), list(leaves.values()))
     for name, a, b in zip(leaves, g1, g2):
-        assert torch.isfinite(b).all(), name
         assert rel_rms(b, a) < 1e-10, (name, rel_rms(b, a))
 
 
@@ -807,24 +836,45 @@ def test_oracle_conv_seq_idx():
 # ---------------------------------------------------------------- fused conv + SSD
 
 def test_oracle_conv1d_ssd():
-    b, l, h, p, g, n = 2, 21, 4, 3, 2, 5
-    full, _ = fused_inputs(Shape(batch=b, seqlen=l, nheads=h, headdim=p, ngroups=g, dstate=n), 6, D="h",
-                           initial_states=False, seq_idx=[[8], [3, 16]], dtype=torch.float64)
-    xBC, dt, w, cb, dtb, A, D, seq = (full[k] for k in ("xBC", "dt", "conv_weight", "conv_bias", "dt_bias", "A", "D",
-                                                        "seq_idx"))
+    """The fused core's oracle on convs whose output is known without a conv: the tap of the
+    token itself (no bias, no activation) hands the x, B and C drawn to the SSD unchanged; the tap
+    of the token before, with a bias and SiLU, hands silu(bias + that token), silu(bias) at a
+    document's first token. Each against ssd_reference on what the conv hands over; the chunked
+    form against the loop; a channel count that fits no split refused."""
+    shape = Shape(batch=2, seqlen=21, nheads=4, headdim=3, ngroups=2, dstate=5)
+    b, l, h, p, g, n, d = shape.batch, shape.seqlen, shape.nheads, shape.headdim, shape.ngroups, shape.dstate, 4
+    drawn = draw(shape, 6, dtype=torch.float64, device="cpu", D="h", dt_bias=True, dt_softplus=True,
+                 seq_idx=[[8], [3, 16]], conv_bias=True)
+    xBC, seq, bias = xbc(drawn), drawn["seq_idx"], drawn["conv_bias"]
+    args = (drawn["dt"], None, None, drawn["dt_bias"], drawn["A"], drawn["D"])   # conv weight and bias: below
     kw = dict(headdim=p, ngroups=g, seq_idx=seq, dt_limit=(0.0, 2.0))
-    y, S = conv1d_ssd_reference(xBC, dt, w, cb, dtb, A, D, **kw)
-    u = causal_conv1d_reference(xBC, w, cb, seq)
-    x_, B_, C_ = u[..., :h * p], u[..., h * p:h * p + g * n], u[..., h * p + g * n:]
-    y2, S2 = ssd_reference(x_.reshape(b, l, h, p), dt, A, B_.reshape(b, l, g, n),
-                           C_.reshape(b, l, g, n), D=D, dt_bias=dtb, seq_idx=seq,
-                           dt_softplus=True, dt_limit=(0.0, 2.0))
-    torch.testing.assert_close(y, y2, rtol=0, atol=0)
-    torch.testing.assert_close(S, S2, rtol=0, atol=0)
-    y3, S3 = conv1d_ssd_reference(xBC, dt, w, cb, dtb, A, D, chunked=True, chunk_size=8, **kw)
+
+    def ssd(x, B, C):
+        return ssd_reference(x, drawn["dt"], drawn["A"], B, C, D=drawn["D"], dt_bias=drawn["dt_bias"], seq_idx=seq,
+                             dt_softplus=True, dt_limit=(0.0, 2.0))
+
+    def taps(k):
+        w = torch.zeros(shape.conv_dim, d, dtype=torch.float64)
+        w[:, d - 1 - k] = 1.0                                        # the token k before
+        return w
+
+    y, S = conv1d_ssd_reference(xBC, args[0], taps(0), None, *args[3:], activation=None, **kw)
+    y_want, S_want = ssd(drawn["x"], drawn["B"], drawn["C"])
+    assert rel_rms(y, y_want) < 1e-14 and rel_rms(S, S_want) < 1e-14
+
+    first = torch.ones(b, l, 1, dtype=torch.bool)
+    first[:, 1:, 0] = seq[:, 1:] != seq[:, :-1]                      # a document's first token
+    before = F.pad(xBC, (0, 0, 1, 0))[:, :l].masked_fill(first, 0.0)
+    u = F.silu(bias + before)                                        # (b, l, conv_dim) = [x | B | C]
+    x_, B_, C_ = torch.split(u, [h * p, g * n, g * n], dim=-1)
+    y, S = conv1d_ssd_reference(xBC, args[0], taps(1), bias, *args[3:], **kw)
+    y_want, S_want = ssd(x_.reshape(b, l, h, p), B_.reshape(b, l, g, n), C_.reshape(b, l, g, n))
+    assert rel_rms(y, y_want) < 1e-14 and rel_rms(S, S_want) < 1e-14
+
+    y3, S3 = conv1d_ssd_reference(xBC, args[0], taps(1), bias, *args[3:], chunked=True, chunk_size=8, **kw)
     assert rel_rms(y3, y) < 1e-10 and rel_rms(S3, S) < 1e-10
-    with pytest.raises(ValueError):
-        conv1d_ssd_reference(xBC[..., :-1], dt, w[:-1], cb[:-1], dtb, A, D, **kw)
+    with pytest.raises(ValueError, match="xBC has 31 channels"):
+        conv1d_ssd_reference(xBC[..., :-1], args[0], taps(0)[:-1], None, *args[3:], **kw)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -870,8 +920,9 @@ def test_set_tuning_refuses_unknown_names():
 
 
 def test_gpu_program_shapes(tuned):
-    """The GPU's tuning in the interpreter: one head per output program, the whole state as one
-    tile in both chunk-backward kernels, the GPU's segments and conv and gate tiles."""
+    """The GPU's tuning of the SSD kernels in the interpreter: one head per output program, the
+    whole state as one tile in both chunk-backward kernels, the GPU's segments. (The conv's and
+    the gate's GPU tiles: test_conv_gpu_tiles, test_split_gpu_tiles.)"""
     tuned("gpu")
     assert_close(run_both(ssd_inputs(SMALL, 1, **OPTIONS["all"])), FP32_BOUND)
 
@@ -898,16 +949,36 @@ def test_extreme_decay(chunk):
                         extreme=True, D="hp", initial_states=True, seq_idx=[150])
     frac = (inputs["dt"] * inputs["A"] <= -999).float().mean().item()
     assert 0.02 < frac < 0.1
-    errs = assert_close(run_both(inputs), FP32_BOUND)
-    assert all(e == e for e in errs.values())
+    assert_close(run_both(inputs), FP32_BOUND)
 
 
-# Growth: dt'*A > 0, where the per-token factors exceed 1. The lengths keep the true values
+# The default dt_limit (0, inf) clamps, as mamba_ssm's Triton kernels do: a negative raw dt
+# (dt_softplus=False) becomes dt' = 0 (the token neither decays nor writes the state) and gets no
+# gradient; dt = 0 itself is inside the limit and keeps its gradient (mamba_ssm's clamp mask).
+CLAMPED = {
+    "negative_dt": dict(negative_dt=True),
+    "negative_dt_all": dict(negative_dt=True, D="hp", z=True, initial_states=True, seq_idx=[16, 40, 41]),
+}
+
+
+@pytest.mark.parametrize("name", list(CLAMPED))
+def test_default_dt_limit_clamps_negative_dt(name):
+    inputs = ssd_inputs(SMALL, 11, **CLAMPED[name])
+    dt = inputs["dt"]
+    assert 0.2 < (dt < 0).float().mean() < 0.6 and 0.05 < (dt == 0).float().mean() < 0.2
+    pairs = run_both(inputs)
+    assert_close(pairs, FP32_BOUND)
+    ddt = pairs["ddt"][0]
+    assert torch.all(ddt[dt < 0] == 0), "no gradient where clamped"
+    assert (ddt[dt == 0] != 0).float().mean() > 0.9, "dt = 0 is inside the limit: its gradient passes"
+
+
+# Growth: dt'*A > 0 (A > 0), where the per-token factors exceed 1. The lengths keep the true values
 # finite in float32; "strong" grows by e^3 a token, with a document every 10 tokens, so that
 # exponents spanning documents overflow (they must be selected away, never multiplied by 0).
 GROWTH = {
-    "neg_dt": dict(growth="neg_dt"),
-    "neg_dt_all": dict(growth="neg_dt", D="hp", z=True, initial_states=True, seq_idx=[16, 40, 41]),
+    "pos_A": dict(growth="pos_A"),
+    "pos_A_all": dict(growth="pos_A", D="hp", z=True, initial_states=True, seq_idx=[16, 40, 41]),
     "pos_A_softplus": dict(growth="pos_A", D="h", dt_bias=True, dt_softplus=True, initial_states=True),
     "strong_documents": dict(growth=3.0, seq_idx=list(range(5, 77, 10)), initial_states=True, D="h"),
 }
@@ -972,7 +1043,7 @@ def document_end_oracle(inputs, cu):
 
 
 @pytest.mark.parametrize("opts", [dict(initial_states=True, D="hp", z=True, dt_bias=True, dt_softplus=True),
-                                  dict(growth="neg_dt")], ids=["decay", "growth"])
+                                  dict(growth="pos_A", negative_dt=True)], ids=["decay", "growth_clamped"])
 def test_varlen_states(opts):
     """Documents of 1, 31 and 33 tokens (the second ends at a kernel-chunk boundary, 32), one of
     15 inside a chunk and one of 40 across three chunks; both return orders."""
@@ -1045,6 +1116,16 @@ def _bad_cases():
     }, ok
 
 
+def test_bad_input_control():
+    """The arguments the bad cases change, unchanged, run (so each case fails for its own change)."""
+    cases, ok = _bad_cases()
+    ok = {k: v.to(DEVICE) if torch.is_tensor(v) else v for k, v in ok.items()}
+    seq = torch.tensor([[0] * 8 + [1] * 12], dtype=torch.int32, device=DEVICE)
+    mamba_cp.mamba_chunk_scan_combined(**ok)
+    mamba_cp.mamba_chunk_scan_combined(**ok, seq_idx=seq, cu_seqlens=torch.tensor([0, 8, 20], device=DEVICE),
+                                       return_varlen_states=True)
+
+
 @pytest.mark.parametrize("case", list(_bad_cases()[0]))
 def test_bad_input_raises(case):
     cases, ok = _bad_cases()
@@ -1054,27 +1135,44 @@ def test_bad_input_raises(case):
 
 
 # ---------------------------------------------------------------------------------------------
-# mamba_cp sections 7 and 8: layouts and communication. The zigzag permutation's round trip
-# (a case of the fused core's check); the prefix scan over ranks (summary_exchange="scan")
+# mamba_cp sections 7 and 8: layouts and communication. The layouts by hand; the zigzag
+# permutation each way (a case of the fused core's check); the prefix scan over ranks (summary_exchange="scan")
 # alone, on random summaries of every global segment: against the float64 recurrence
 # (forward) and its autograd (backward), and bitwise against the same compositions in the
 # same order in one process. Then the whole fused core with both exchanges, every layout,
 # against the oracle and against each other; and bad calls refused on every rank.
 # ---------------------------------------------------------------------------------------------
 
-def cp_round_trip_errors(rank, world, group, device):
-    """zigzag -> contiguous -> zigzag must be bitwise exact, forward and backward, both backends."""
+def test_layouts_by_hand():
+    """shard and unshard against token positions written out (W = 3, 12 tokens): contiguous
+    quarters for "none", and for the zigzag layouts pieces r and 2W - 1 - r of 2W."""
+    full = torch.arange(12)[None]                                                       # (1, 12)
+    want = {"none": [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]],
+            "zigzag": [[0, 1, 10, 11], [2, 3, 8, 9], [4, 5, 6, 7]]}
+    for layout in mamba_cp.LAYOUTS:
+        shards = [mamba_cp.shard(full, r, 3, layout) for r in range(3)]
+        assert [t[0].tolist() for t in shards] == want["none" if layout == "none" else "zigzag"], layout
+        assert torch.equal(mamba_cp.unshard(shards, layout), full), layout
+
+
+def cp_permutation_errors(rank, world, group, device):
+    """Zigzag -> contiguous and contiguous -> zigzag, each direction on its own, both backends:
+    bitwise the other layout's shard, and the gradient reaching the input bitwise the input
+    layout's shard of the gradient sent in (the inverse permutation). Skipped in a world of one."""
+    if world == 1:
+        return Skipped("a world of one holds the whole sequence: nothing to permute")
+    L = 12 * world
+    drawn = draw(Shape(batch=2, seqlen=L, nheads=1, headdim=3), 5, device=device, weights=dict(w=(2, L, 3)))
+    full, w = drawn["x"].flatten(2), drawn["w"]
+    exact = lambda got, want: 0.0 if torch.equal(got, want) else float("inf")       # noqa: E731
     errs = {}
     for backend in ("permute_p2p", "permute_a2a"):
-        full = draw(Shape(batch=2, seqlen=12 * world, nheads=1, headdim=3), 5, device=device)["x"].flatten(2)
-        x = mamba_cp.shard(full, rank, world, "virtual").requires_grad_(True)
-        contiguous = mamba_cp._PermuteFn.apply(x, group, backend, True)
-        want = mamba_cp.shard(full, rank, world, "none")
-        back = mamba_cp._PermuteFn.apply(contiguous, group, backend, False)
-        g = torch.autograd.grad((back * full[:1, :x.shape[1]]).sum(), x)[0]
-        errs[f"{backend} to contiguous"] = 0.0 if torch.equal(contiguous, want) else float("inf")
-        errs[f"{backend} round trip"] = 0.0 if torch.equal(back, x) else float("inf")
-        errs[f"{backend} backward"] = 0.0 if torch.equal(g, full[:1, :x.shape[1]].expand_as(g)) else float("inf")
+        for to_contiguous, src, dst in ((True, "virtual", "none"), (False, "none", "virtual")):
+            x = mamba_cp.shard(full, rank, world, src).requires_grad_(True)
+            moved = mamba_cp._PermuteFn.apply(x, group, backend, to_contiguous)
+            (g,) = torch.autograd.grad((moved * mamba_cp.shard(w, rank, world, dst)).sum(), x)
+            errs[f"{backend} {src} to {dst}"] = exact(moved, mamba_cp.shard(full, rank, world, dst))
+            errs[f"{backend} {src} to {dst}, backward"] = exact(g, mamba_cp.shard(w, rank, world, src))
     return errs
 
 
@@ -1243,42 +1341,54 @@ def cp_bad_input_messages(rank, world, group, device):
                   cp_group=kw.get("cp_group", group), load_balancing=layout, seq_idx=kw["seq_idx"],
                   initial_states=kw["initial_states"], **({} if exchange is None else dict(summary_exchange=exchange)))
 
-    xBC = local["xBC"]
-    cases = {
+    xBC, dt = local["xBC"], local["dt"]
+    cases = {   # case: (the argument the message must name, the call)
         # rank 0 holds one token more than the others
-        "shapes differ across ranks": lambda: call(xBC=xBC if rank else torch.cat([xBC, xBC[:, :1]], 1),
-                                                   dt=local["dt"] if rank else torch.cat([local["dt"],
-                                                                                          local["dt"][:, :1]], 1)),
-        "segment shorter than d_conv - 1": lambda: call(xBC=xBC[:, :2], dt=local["dt"][:, :2]),
-        "virtual segment shorter than d_conv - 1": lambda: call(layout="virtual", xBC=xBC[:, :4],
-                                                                dt=local["dt"][:, :4]),
-        "unknown load_balancing": lambda: call(layout="zigzag"),
-        "unknown summary_exchange": lambda: call(exchange="ring"),
-        "summary_exchange differs across ranks": lambda: call(exchange="scan" if rank else "all_gather"),
-        "cp_group is not a process group": lambda: call(cp_group="world"),
-        "a2a: nheads not divisible by W": lambda: call(fn=mamba_cp.mamba_conv1d_ssd_a2a),
-        "seq_idx decreasing on one rank": lambda: call(seq_idx=torch.zeros_like(xBC[..., 0], dtype=torch.int32)
-                                                       if rank else -torch.arange(xBC.shape[1]).expand(2, -1)),
+        "shapes differ across ranks": ("xBC.shape[1]", lambda: call(xBC=xBC if rank else torch.cat([xBC, xBC[:, :1]], 1),
+                                                           dt=dt if rank else torch.cat([dt, dt[:, :1]], 1))),
+        "segment shorter than d_conv - 1": ("xBC", lambda: call(xBC=xBC[:, :2], dt=dt[:, :2])),
+        "virtual segment shorter than d_conv - 1": ("xBC", lambda: call(layout="virtual", xBC=xBC[:, :4],
+                                                                        dt=dt[:, :4])),
+        "unknown load_balancing": ("load_balancing", lambda: call(layout="zigzag")),
+        "unknown summary_exchange": ("summary_exchange", lambda: call(exchange="ring")),
+        "summary_exchange differs across ranks": ("summary_exchange",
+                                                  lambda: call(exchange="scan" if rank else "all_gather")),
+        "cp_group is not a process group": ("cp_group", lambda: call(cp_group="world")),
+        "a2a: nheads not divisible by W": ("dt", lambda: call(fn=mamba_cp.mamba_conv1d_ssd_a2a)),
+        # the other ranks learn of rank 0's error in the agreement step, and name the inputs
+        "seq_idx decreasing on one rank": ("seq_idx" if rank == 0 else "inputs", lambda: call(
+            seq_idx=torch.zeros_like(xBC[..., 0], dtype=torch.int32) if rank
+            else -torch.arange(xBC.shape[1], dtype=torch.int32).expand(2, -1))),
     }
     out = {}
-    for name, fn in cases.items():
+    for name, (argument, fn) in cases.items():
         try:
             fn()
-            out[name] = "no error"
+            out[name] = (argument, "no error")
         except ValueError as e:
-            out[name] = "ValueError: " + str(e)
+            out[name] = (argument, "ValueError: " + str(e))
         except Exception as e:  # noqa: BLE001
-            out[name] = f"{type(e).__name__}: {e}"[:300]
+            out[name] = (argument, f"{type(e).__name__}: {e}"[:300])
+    try:                                                   # the control: these arguments unchanged run
+        call()
+        out["a good call"] = ("", "no error")
+    except Exception as e:  # noqa: BLE001
+        out["a good call"] = ("", f"{type(e).__name__}: {e}"[:300])
     return out
 
 
 def test_cp_bad_input_raises_on_every_rank():
     """W = 3 (nheads 4 is not divisible by 3 for the baseline): every bad call raises the same
-    ValueError on every rank, and promptly (a hang would trip the spawn's timeout)."""
+    ValueError, naming the argument at fault, on every rank, and promptly (a hang would trip the
+    spawn's timeout); the same call with good arguments runs."""
     messages = world_results(3, "cp_bad_input_messages", timeout=240)
     for case in messages[0]:
-        seen = [m[case] for m in messages]
-        assert all(m.startswith("ValueError: ") for m in seen), f"{case}: {seen}"
+        seen = [m[case][1] for m in messages]
+        if case == "a good call":
+            assert all(m == "no error" for m in seen), seen
+            continue
+        assert all(m.startswith(f"ValueError: {argument}: got ") for argument, m in (r[case] for r in messages)), \
+            f"{case}: {seen}"
         if case != "seq_idx decreasing on one rank":  # a local property: the other ranks pass it
             assert len(set(seen)) == 1, f"{case}: ranks disagree: {seen}"
 
@@ -1385,8 +1495,21 @@ def test_conv_small_tiles_many_programs(tuned):
     conv_check(inp, dout)
 
 
+def test_conv_gpu_tiles(tuned):
+    """The GPU's conv tiles in the interpreter: 32 x 128 forward and 16 x 64 backward, several
+    token blocks a row (77 tokens and a halo)."""
+    tuned("gpu")
+    assert mamba_cp._conv_blocks(80, 40, mamba_cp.tuning().conv_bwd_blocks)[0] < 80
+    inp, dout = conv_inputs(CONV_SMALL, 3, halo=True, bias=True, starts=CONV_STARTS["mixed"])
+    conv_check(inp, dout)
+
+
 def test_conv_deterministic(tuned):
-    tuned(dataclasses.replace(mamba_cp.tuning(), conv_bwd_programs=1))   # a row's token blocks in one program
+    """Two calls, bitwise alike, with a row's five token blocks in one backward program. On a GPU
+    programs run at once; in the interpreter, one at a time, this catches reads of memory that
+    no program wrote (the scratch slots and partial sums are torch.empty)."""
+    tuned(dataclasses.replace(mamba_cp.tuning(), conv_fwd_blocks=(16, 16), conv_bwd_blocks=(16, 16),
+                              conv_bwd_programs=1))
     inp, dout = conv_inputs(CONV_SMALL, 11, halo=True, bias=True, starts=CONV_STARTS["mixed"])
     a, b = mamba_cp.conv1d_bwd(dout, **inp), mamba_cp.conv1d_bwd(dout, **inp)
     for x, y in zip(a, b):
@@ -1403,21 +1526,23 @@ def test_conv_need_dhalo_false():
 
 
 def test_conv_bad_inputs():
+    """Each bad argument is refused with a ValueError that names it; the call unchanged runs."""
     inp, dout = conv_inputs(CONV_SMALL._replace(seqlen=10), halo=True, bias=True, starts=CONV_STARTS["mixed"])
+    mamba_cp.conv1d_bwd(dout, **inp)                                  # the control
     bad = [
-        dict(weight=inp["weight"][:, :1]),                        # d_conv 1
-        dict(weight=inp["weight"][:30]),                          # wrong dim
-        dict(halo=inp["halo"][:, :2]),                            # halo not d-1 rows
-        dict(halo_seq=None),                                      # halo + seq_idx need halo_seq
-        dict(seq_idx=inp["seq_idx"].float()),                     # ids must be integers
-        dict(seq_idx=None),                                       # halo_seq without seq_idx
-        dict(xBC=inp["xBC"][0]),                                  # 2 dims
-        dict(bias=inp["bias"][:5]),
+        ("weight", dict(weight=inp["weight"][:, :1])),                # d_conv 1
+        ("weight", dict(weight=inp["weight"][:30])),                  # wrong dim
+        ("halo", dict(halo=inp["halo"][:, :2])),                      # halo not d-1 rows
+        ("halo_seq", dict(halo_seq=None)),                            # halo + seq_idx need halo_seq
+        ("seq_idx", dict(seq_idx=inp["seq_idx"].float())),            # ids must be integers
+        ("halo_seq", dict(seq_idx=None)),                             # halo_seq without seq_idx
+        ("xBC", dict(xBC=inp["xBC"][0])),                             # 2 dims
+        ("bias", dict(bias=inp["bias"][:5])),
     ]
-    for change in bad:
-        with pytest.raises(ValueError, match=r"^\w+: got .*, expected "):
+    for name, change in bad:
+        with pytest.raises(ValueError, match=rf"^{name}: got .*, expected "):
             mamba_cp.conv1d_fwd(**{**inp, **change})
-    with pytest.raises(ValueError, match="dout: got"):
+    with pytest.raises(ValueError, match="^dout: got"):
         mamba_cp.conv1d_bwd(dout[:, :5], **inp)
 
 
@@ -1429,10 +1554,29 @@ def test_conv_bad_inputs():
 # the group.
 # ---------------------------------------------------------------------------------------------
 
+def a2a_shape(shape, world):
+    """shape with its heads rounded up to a multiple of W (the baseline splits the heads over the
+    ranks) and as many groups as both head counts share."""
+    nheads = -(-shape.nheads // world) * world
+    return shape._replace(nheads=nheads, ngroups=math.gcd(nheads, shape.ngroups))
+
+
+def straddling_shape(shape, world):
+    """shape with the fewest heads, and a number of groups, for which the baseline hands some rank
+    heads of more than one group but not whole groups, so each local head gets its own copy of its
+    group (the last branch of mamba_cp._a2a_heads); None in a world of one, where none can."""
+    for nheads in range(world, 8 * world + 1, world):
+        for ngroups in range(1, nheads + 1):
+            if nheads % ngroups == 0 and ngroups % world and (nheads // ngroups) % (nheads // world):
+                return shape._replace(nheads=nheads, ngroups=ngroups)
+    return None
+
+
 def cp_cases(world, gpu=False):
     """The CP checks for a world of W ranks: every layout with every option (documents that
     cross rank boundaries, initial and final states, dt_limit, ragged lengths), plain runs, and
-    the all-to-all baseline."""
+    the all-to-all baseline (its heads a multiple of W: a2a_shape). A case that cannot be built
+    at this W is Skipped."""
     base = dict(shape=CP_RECORD, dtype=torch.bfloat16) if gpu else dict(shape=CP_SMALL)
     piece = base["shape"].seqlen // 2
     # document starts: exactly at a segment boundary (piece), many short documents inside the
@@ -1444,16 +1588,18 @@ def cp_cases(world, gpu=False):
             cases.append(dict(base, name=f"{layout} plain", layout=layout, D="h", initial_states=False))
         cases.append(dict(base, name=f"{layout} all options", layout=layout, seq_idx=docs,
                           dt_limit=(0.05, 2.0), seed=1))
-        if base["shape"].nheads % world == 0:
-            cases.append(dict(base, name=f"a2a {layout}", layout=layout, path="a2a", seq_idx=docs, seed=2))
+        if layout in ("none", "virtual"):   # the baseline reads every zigzag layout alike
+            cases.append(dict(base, name=f"a2a {layout}", layout=layout, path="a2a", seq_idx=docs, seed=2,
+                              shape=a2a_shape(base["shape"], world), dt_limit=(0.05, 2.0)))
     # growth (A > 0): exponents of positive sign through the summaries and the scan
     cases.append(dict(base, name="virtual growth", layout="virtual", seq_idx=docs, growth="pos_A_e8", seed=4))
     if not gpu:  # the conv without its SiLU (activation=None)
         cases.append(dict(base, name="none, conv without activation", layout="none", seq_idx=docs, activation=None,
                           seed=5))
-    if world == 3 and not gpu:  # 2 heads per rank straddle the 3-head groups: per-head group copies
-        cases.append(dict(base, name="a2a none, heads straddle groups", layout="none", path="a2a",
-                          shape=CP_SMALL._replace(nheads=6, ngroups=2), seed=3))
+    straddling = straddling_shape(base["shape"], world)
+    cases.append(dict(base, name="a2a none, heads straddle groups", layout="none", path="a2a", shape=straddling,
+                      seed=3) if straddling else
+                 dict(name="a2a none, heads straddle groups", skipped="a world of one holds every head"))
     return cases
 
 
@@ -1461,15 +1607,16 @@ def cp_cases(world, gpu=False):
 def cp_world_check(rank, world, group, device, gpu=False):
     """Run every CP case on this rank; returns {case: {tensor: error}} with errors already
     reduced (MAX) over the group, so every rank reaches the same verdict."""
-    results = {case["name"]: guarded(cp_case_errors, case, rank, world, group, device) for case in cp_cases(world, gpu)}
-    results["zigzag round trip"] = guarded(cp_round_trip_errors, rank, world, group, device)
+    results = {case["name"]: Skipped(case["skipped"]) if "skipped" in case else
+               guarded(cp_case_errors, case, rank, world, group, device) for case in cp_cases(world, gpu)}
+    results["zigzag permutation"] = guarded(cp_permutation_errors, rank, world, group, device)
     return errors_everywhere(results, world, group, device)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_cp_against_oracle(world):
     """Every layout, the baseline, documents across rank boundaries, initial and final states,
-    ragged lengths, and the zigzag round trip, for W ranks on gloo."""
+    ragged lengths, and the zigzag permutation each way, for W ranks on gloo."""
     verdict = world_check(world, cp_world_check)
     print(f"W={world}: largest relative RMS per tensor: {largest(verdict)}")
 
@@ -1485,7 +1632,7 @@ SPLIT_OPTIONS = {
     "norm": dict(norm=True),
     "norm_after_gate": dict(norm=True, norm_before_gate=False),
     "no_swiglu_no_activation_D_h": dict(shape=SPLIT_SMALL._replace(d_nonssm=0), activation=None, D="h"),
-    "outproj_bias_documents": dict(norm=True, outproj="bias", seq_idx=[5, 40]),
+    "outproj_bias_documents": dict(norm=True, outproj="bias", seq_idx=[5, 30]),
     "outproj_dt_limit_no_init": dict(outproj="weight", dt_limit=(0.05, 2.0), initial_states=False),
 }
 
@@ -1504,10 +1651,19 @@ def test_split_gate_norm_programs_loop(tuned):
     expect({"norm, 2 programs": errs}, FP32_BOUND)
 
 
+def test_split_gpu_tiles(tuned):
+    """The GPU's tuning in the interpreter for the whole mixer entry: its conv, SSD and gated
+    RMSNorm tiles (4096 elements a tile: rows of several tokens)."""
+    tuned("gpu")
+    errs = split_case_errors(dict(shape=SPLIT_SMALL, layout="none", seed=7, norm=True), 0, 1, None, DEVICE)
+    expect({"GPU tuning, norm": errs}, FP32_BOUND)
+
+
 @check("mamba_split_conv1d_scan_combined", FP32_BOUND, BF16_BOUND)
 def split_world_check(rank, world, group, device, gpu=False):
-    """Every layout with every option combined (documents across rank boundaries), and the plain
-    gate (CPU); errors reduced (MAX) over the group. gpu: bf16 at the shape of record."""
+    """Every layout with every option combined (documents across rank boundaries), and the z gate
+    without the conv's activation (CPU); errors reduced (MAX) over the group. gpu: bf16 at the
+    shape of record."""
     base = dict(shape=SPLIT_RECORD, dtype=torch.bfloat16) if gpu else dict(shape=SPLIT_SMALL)
     piece = base["shape"].seqlen // 2
     everything = dict(norm=True, norm_before_gate=False, outproj="bias", D="h",
@@ -1528,8 +1684,10 @@ def test_split_conv1d_scan_cp(world):
 
 
 def test_split_conv1d_scan_bad_inputs():
-    full, opts = split_inputs(SPLIT_SMALL, 0, norm=True, outproj="bias")
+    """Each bad argument is refused with a ValueError that names it; the call unchanged runs."""
+    full, opts = split_inputs(SPLIT_SMALL, 0, norm=True, outproj="bias", device=DEVICE)
     call = dict(full, **opts)
+    mamba_cp.mamba_split_conv1d_scan_combined(**call)                  # the control
     cases = {
         "zxbcdt": dict(zxbcdt=full["zxbcdt"][..., 1:]),                         # no d_nonssm fits
         "rmsnorm_weight": dict(rmsnorm_weight=full["rmsnorm_weight"][:-1]),
@@ -1548,7 +1706,8 @@ def test_split_conv1d_scan_bad_inputs():
 # ---------------------------------------------------------------------------------------------
 # torch.compile: every public entry point, default and fullgraph=True, forward and backward,
 # against the same call eager. The kernels run inside opaque custom ops, so on CPUs the
-# compiler runs them in the interpreter too; results must be bitwise those of eager.
+# compiler runs them in the interpreter too; results must be bitwise those of eager (but for
+# the gradients of the bf16 GPU case, whose loss is compiled too).
 # ---------------------------------------------------------------------------------------------
 
 def compiled_vs_eager(fn, leaves, fullgraph, seed=0):
@@ -1597,22 +1756,25 @@ def compile_cases(device, world=1, group=None, rank=0):
             return y, states.detach()
 
         cases.append(("mamba_chunk_scan_combined varlen", varlen, [v[k] for k in ("x", "dt", "B", "C")]))
-    full, opts = fused_inputs(CP_SMALL.per_world(world), 17, seq_idx=[3, 40, 74], device=device)
+    starts = [3, 40, 74] if world > 1 else [3, 40, 73]          # 74: the first rank boundary (of 74 W tokens)
     cp_names = ("xBC", "dt", "conv_weight", "conv_bias", "dt_bias", "A", "D", "initial_states")
     paths = [("cp", layout) for layout in mamba_cp.LAYOUTS] if world > 1 else [("cp", "none")]
     paths.append(("a2a", "none"))
     for path, layout in paths:
+        shape = a2a_shape(CP_SMALL, world) if path == "a2a" else CP_SMALL
+        full, opts = fused_inputs(shape.per_world(world), 17, seq_idx=starts, device=device)
         local = {k: mamba_cp.shard(v, rank, world, layout) if k in CP_ACTIVATIONS + ("seq_idx",) else v
                  for k, v in full.items()}
         entry = mamba_cp.mamba_conv1d_ssd_cp if path == "cp" else mamba_cp.mamba_conv1d_ssd_a2a
 
-        def core(xBC, dt, w, b, dt_bias, A, D, init, entry=entry, layout=layout, seq=local["seq_idx"]):
+        def core(xBC, dt, w, b, dt_bias, A, D, init, entry=entry, layout=layout, seq=local["seq_idx"], opts=opts):
             return entry(xBC, dt, w, b, dt_bias, A, D, opts["chunk_size"], headdim=opts["headdim"],
                          ngroups=opts["ngroups"], cp_group=group, load_balancing=layout, seq_idx=seq,
                          initial_states=init, return_final_states=True)
 
         cases.append((f"{'mamba_conv1d_ssd_' + path} {layout}", core, [local[k] for k in cp_names]))
-    split, sopts = split_inputs(SPLIT_SMALL.per_world(world), 20, norm=True, outproj="bias", seq_idx=[3, 40],
+    split, sopts = split_inputs(SPLIT_SMALL.per_world(world), 20, norm=True, outproj="bias",
+                                seq_idx=[3, 40] if world > 1 else [3, 30],
                                 device=device)
     for layout in ("none", "virtual") if world > 1 else ("none",):
         local = {k: mamba_cp.shard(v, rank, world, layout) if k in ("zxbcdt", "seq_idx") else v
@@ -1645,7 +1807,9 @@ def test_torch_compile_single_process():
 @gpu
 def test_torch_compile_fused_core_bf16():
     """The call that crashed under inductor (an illegal memory access): the fused core in a world
-    of one, bf16 (1, 2048, 768), a loss computed inside the compiled function."""
+    of one, bf16 (1, 2048, 768), a loss computed inside the compiled function. The output must be
+    bitwise eager's; the gradients pass through that loss, which inductor computes in an order of
+    its own, so they are held to the bf16 bound instead."""
     p, ng = 64, 2
     full, _ = fused_inputs(Shape(batch=1, seqlen=2048, nheads=8, headdim=p, ngroups=ng, dstate=64, chunk=128), 18,
                            D="h", initial_states=False, dtype=torch.bfloat16, device="cuda")
@@ -1661,9 +1825,8 @@ def test_torch_compile_fused_core_bf16():
         assert errs["output 0"] == 0.0 and all(e <= BF16_BOUND for e in errs.values()), errs
 
 
-# bound 0: bitwise. Everything the entry points compute runs inside their custom ops. Torchrun
-# runs it in worlds of two and more (a world of one is test_torch_compile_single_process's).
-@check("torch.compile", 0.0, under_torchrun=lambda world: world > 1)
+# bound 0: bitwise. Everything the entry points compute runs inside their custom ops.
+@check("torch.compile", 0.0)
 def compile_world_check(rank, world, group, device, gpu=False):
     """The compile cases of a world of ranks, the errors reduced (MAX) over the group."""
     return errors_everywhere(compile_errors(device, world, group, rank), world, group, device)
@@ -1744,7 +1907,6 @@ def mixer_parity_errors(rank, world, group, device, layout, single, L):
     relative difference at each step, and whether training lowers the loss."""
     cp = train_losses(rank, world, group, layout, L, device)
     errs = {f"loss step {i}": abs(a - b) / abs(b) for i, (a, b) in enumerate(zip(cp, single))}
-    errs["as many steps as one process"] = 0.0 if len(cp) == len(single) else float("inf")
     errs["the loss falls"] = 0.0 if cp[-1] < cp[0] else float("inf")
     return errs
 
@@ -1908,8 +2070,7 @@ def test_transformers_group_of_one_leaves_the_model_alone():
         sys.path.insert(0, EXAMPLES)
     import transformers_cp
     model = tiny_mamba2()
-    forwards = [m.forward for m in transformers_cp._mamba2_mixers(model)]
-    assert len(forwards) == 2
+    assert len(transformers_cp._mamba2_mixers(model)) == 2
     assert transformers_cp.enable_mamba_cp(model, None) is model
     assert all("forward" not in vars(m) for m in transformers_cp._mamba2_mixers(model))
     with pytest.raises(ValueError, match="load_balancing"):
@@ -1953,27 +2114,55 @@ def test_varlen_states_bf16_record_shape():
 
 @gpu
 def test_split_conv1d_scan_bf16_record_shape():
-    """The fused entry in a world of one, bf16 at the shape of record, every option."""
+    """The fused entry in a world of one, bf16 at the shape of record: the gated RMSNorm, SwiGLU
+    channels, an out projection with bias, documents and a dt_limit."""
     case = dict(shape=SPLIT_RECORD, dtype=torch.bfloat16, layout="none", seed=4, norm=True, outproj="bias",
                 seq_idx=[3, 700], dt_limit=(0.05, 2.0))
     errs = split_case_errors(case, 0, 1, None, "cuda")
     print(errs)
-    expect({"record shape, every option": errs}, BF16_BOUND)
+    expect({"record shape, norm, out projection, documents, dt_limit": errs}, BF16_BOUND)
 
 
-def _peer_split():
-    """mamba_ssm's own mamba_split_conv1d_scan_combined where it can be imported (../shared/peer
-    lays it out in .peer/, with causal_conv1d's CUDA conv built into .peer/lib), else None."""
+def _peer(name, conv=False):
+    """mamba_ssm's own function `name` (of ops/triton/ssd_combined) where it can be imported
+    (../shared/peer lays it out in .peer/; conv: causal_conv1d's CUDA conv, built into .peer/lib,
+    is needed too), else None."""
     here = os.path.dirname(os.path.abspath(__file__))
     for path in (os.path.join(here, ".peer"), os.path.join(here, ".peer", "lib")):
         if os.path.isdir(path) and path not in sys.path:
             sys.path.append(path)
     try:
-        from mamba_ssm.ops.triton.ssd_combined import mamba_split_conv1d_scan_combined as peer
-        import causal_conv1d_cuda  # noqa: F401 - the peer's conv; without it the peer cannot run
+        from mamba_ssm.ops.triton import ssd_combined
+        if conv:
+            import causal_conv1d_cuda  # noqa: F401 - the peer's conv; without it the peer cannot run
     except ImportError:
         return None
-    return peer
+    return getattr(ssd_combined, name)
+
+
+@gpu
+@pytest.mark.parametrize("every_option", [False, True], ids=["plain", "every_option"])
+def test_chunk_scan_matches_mamba_ssm_default_clamp(every_option, monkeypatch):
+    """A raw dt largely below zero with the default dt_limit and no softplus (batch 1, 50 tokens, 4
+    heads of 8, one group, state 16, chunk 32), float32: mamba_ssm's kernels clamp dt' to 0 and so
+    must ours. Output, final state and every gradient of each within 1e-5 of the float64 oracle
+    and of each other. mamba_ssm's dots run in IEEE float32 here (by default Triton rounds their
+    float32 inputs to tf32, 1e-3 off; ours choose IEEE for float32 themselves)."""
+    peer = _peer("mamba_chunk_scan_combined")
+    if peer is None:
+        pytest.skip("mamba_ssm's mamba_chunk_scan_combined is not importable")
+    monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")
+    shape = Shape(batch=1, seqlen=50, nheads=4, headdim=8, ngroups=1, dstate=16, chunk=32)
+    opts = dict(D="h", z=True, dt_bias=True, initial_states=True, seq_idx=[20]) if every_option else {}
+    inputs = ssd_inputs(shape, 23, negative_dt=True, **opts)
+    inputs["dt"] = inputs["dt"] - 0.1                                # a third and more below zero
+    assert (inputs["dt"] + inputs.get("dt_bias", 0) < 0).float().mean() > 0.3
+    ours = run_both(inputs)
+    theirs = run_both({**inputs, "fn": peer})
+    pairs = {k: ours[k] for k in ours}
+    pairs.update({f"mamba_ssm {k}": theirs[k] for k in theirs})
+    pairs.update({f"ours vs mamba_ssm {k}": (ours[k][0], theirs[k][0]) for k in ours})
+    print({k: f"{e:.1e}" for k, e in assert_close(pairs, FP32_BOUND).items()})
 
 
 @gpu
@@ -1981,7 +2170,7 @@ def _peer_split():
 def test_split_conv1d_scan_matches_mamba_ssm(norm):
     """Differential: the same inputs through mamba_ssm's function, output and every gradient
     within the bf16 criterion (a check beside the oracle's, for users switching over)."""
-    peer = _peer_split()
+    peer = _peer("mamba_split_conv1d_scan_combined", conv=True)
     if peer is None:
         pytest.skip("mamba_ssm's mamba_split_conv1d_scan_combined (with causal_conv1d's CUDA conv) is not importable")
     # SwiGLU channels only with the norm: mamba_ssm 2.3.2.post1's own backward fails with SwiGLU
@@ -2032,17 +2221,16 @@ def test_two_to_the_twenty_tokens():
     g_half = torch.autograd.grad([y1, y2, f2], list(leaves.values()), [wy[:, :h], wy[:, h:], wf])
     pairs = {"y": (torch.cat([y1.detach(), y2.detach()], 1), y_full), "final_states": (f2.detach(), f_full)}
     pairs.update({"d" + k: (b, a) for k, a, b in zip(leaves, g_full, g_half)})
-    for k, (a, b) in pairs.items():
-        assert torch.isfinite(a).all() and torch.isfinite(b).all(), f"{k} has NaN or inf"
     print({k: f"{rel_rms(a, b):.1e}" for k, (a, b) in pairs.items()},
           f"peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
     assert_close(pairs, BF16_BOUND)
 
 
-@check("CUDA graph", 0.0, under_torchrun=lambda world: CUDA)
+@check("CUDA graph", 0.0, skipped=lambda: "" if CUDA else "needs CUDA (graph capture)")
 def graph_capture_check(rank, world, group, device, gpu=False, layout="virtual"):
-    """Forward and backward of the CP path, collectives included, captured in one CUDA graph:
-    the replay must equal eager bit for bit, and new inputs copied into the captured buffers
+    """Forward and backward of the CP path, collectives included, captured in one CUDA graph (the
+    gradients of xBC, dt, the conv weight, dt_bias, A and D): the replay must equal eager bit for
+    bit, and new inputs copied into the captured buffers
     must change the output and again equal eager (0 where so, inf where not)."""
     shape = CP_SMALL._replace(seqlen=600, nheads=8, headdim=32, dstate=32, chunk=64)
     full, opts = fused_inputs(shape.per_world(world), 7, dtype=torch.bfloat16, device=device)
@@ -2114,21 +2302,25 @@ def test_module_map_is_the_section_list():
 # ---------------------------------------------------------------------------------------------
 # torchrun --nproc_per_node=N test_mamba_cp.py: the CP checks in place, NCCL on GPUs (bf16 at the
 # record shape, against the chunked oracle fed the same bf16 values), gloo on CPUs; then the
-# same checks in a world of one on each rank's device. One line per rank and check, and a
-# closing "N passed, N failed" line.
+# same checks in a world of one on each rank's device. One line per rank and case, and a
+# closing "N passed, N failed, N skipped" line (lines summed over the ranks).
 # ---------------------------------------------------------------------------------------------
 
 
 def _report(rank, label, results, bound):
     """One line per case of a check's results, PASS or FAIL by the verdict the pytest tests
-    assert (failures); returns (passed, failed)."""
+    assert (failures), SKIP with its reason; returns (passed, failed, skipped)."""
     bad = failures(results, bound)
     for case, errs in results.items():
+        if isinstance(errs, Skipped):
+            print(f"[rank {rank}] SKIP {label} {case}: {errs.reason}", flush=True)
+            continue
         worst = max(errs, key=lambda q: errs[q] if errs[q] == errs[q] else math.inf, default=None)
         print(f"[rank {rank}] {'FAIL' if case in bad else 'PASS'} {label} {case}: "
               + (f"largest error {errs[worst]:.2e} ({worst})" if worst is not None else "nothing measured")
               + (f", above {bound:g}: {bad[case]}" if case in bad else ""), flush=True)
-    return len(results) - len(bad), len(bad)
+    ran = measured(results)
+    return len(ran) - len(bad), len(bad), len(results) - len(ran)
 
 
 def main():
@@ -2143,27 +2335,31 @@ def main():
         device = f"cuda:{torch.cuda.current_device()}"
     group = dist.group.WORLD
     singles = [dist.new_group([r]) for r in range(world)] if world > 1 else None   # collective: every rank makes each
-    passed = failed = 0
+    counts = [0, 0, 0]                                                              # passed, failed, skipped
     for chk in CHECKS:
-        if not chk.under_torchrun(world):
+        why = chk.skipped()
+        if why:
+            print(f"[rank {rank}] SKIP W={world} {chk.label}: {why}", flush=True)
+            counts[2] += 1
             continue
         runs = [(f"W={world}", rank, world, group)]
         if chk.alone and world > 1:
             runs.append(("W=1", 0, 1, singles[rank]))
         for label, r, w, g in runs:
             results = chk.run(r, w, g, device, gpu=CUDA)
-            p, f = _report(rank, f"{label} {chk.label}", results, chk.gpu_bound if CUDA else chk.bound)
-            passed, failed = passed + p, failed + f
+            counts = [c + n for c, n in zip(counts, _report(rank, f"{label} {chk.label}", results,
+                                                            chk.gpu_bound if CUDA else chk.bound))]
             if chk.run is cp_world_check and w == world and rank == 0:
                 print(f"[rank 0] largest relative RMS per tensor, W={world}: "
                       + ", ".join(f"{t} {e:.2e}" for t, e in sorted(largest(results).items())), flush=True)
-    totals = torch.tensor([passed, failed], device=device)
+    totals = torch.tensor(counts, device=device)
     dist.all_reduce(totals, group=group)
     dist.barrier()
+    passed, failed, skipped = totals.tolist()
     if rank == 0:
-        print(f"{totals[0].item()} passed, {totals[1].item()} failed", flush=True)
+        print(f"{passed} passed, {failed} failed, {skipped} skipped", flush=True)
     dist.destroy_process_group()
-    sys.exit(1 if totals[1].item() else 0)
+    sys.exit(1 if failed or not passed else 0)
 
 
 if __name__ == "__main__":

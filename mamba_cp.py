@@ -2011,11 +2011,15 @@ def _permute(t, group, load_balancing, to_contiguous):
 # compiler never traces. A group travels to an op by its registered name.
 
 def _group_name(group):
-    return "" if group is None else group.group_name
+    """The handle the custom ops take for a process group: its name and its size ("" for none).
+    The size is part of it because some fake outputs depend on it (an all-gather's, the CP ops'
+    per-segment buffers), and inductor caches a compiled graph on disk under its arguments: by
+    name alone (the world is "0" at every size) a graph traced at W = 2 would be reused at W = 3."""
+    return "" if group is None else f"{group.group_name}:{dist.get_world_size(group)}"
 
 
-def _resolve_group(name):
-    return None if name == "" else dist.distributed_c10d._resolve_process_group(name)
+def _resolve_group(handle):
+    return None if handle == "" else dist.distributed_c10d._resolve_process_group(handle.rsplit(":", 1)[0])
 
 
 @torch.library.custom_op("mamba_cp::permute", mutates_args=())

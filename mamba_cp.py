@@ -308,18 +308,19 @@ class Tuning:
     # The state passes walk chunks sequentially: their (p, n) tile is split across programs at
     # this width (None: the whole state in one program).
     state_tile: Optional[int]
-    # The n tile of the two chunk-backward kernels. On an H200 a whole 128-wide state is fastest
-    # in both (the dB/dC kernel otherwise recomputes dy.x^T per tile); wider states are tiled.
-    bwd_state_tile: int
+    # The n tile of the three chunk-backward kernels (group, BC, x): the group kernel's C.B
+    # contraction, the BC kernel's programs (one per tile), the x kernel's dS_out B_j
+    # contraction. On an H200 at the record shape: 64, 64 and the whole 128-wide state.
+    bwd_state_tiles: tuple
     # Heads per output program (None: a whole group). They share the group's C.B, computed
     # once per program, but one head per program runs heads_per_group times as many programs,
     # which hides latency better: 16% faster on an H200 at the record shape (8 heads a group).
     heads_per_output: Optional[int]
     # Launch options per kernel, the fastest of a sweep on an H200 (forward+backward at the
     # record shape). These kernels are latency-bound chains of small products that fill the
-    # register file; one pipelining stage frees shared memory, while capping registers below
-    # what ptxas wants (maxnreg) spilled more than it gained, except in the state pass. They
-    # apply on a GPU only.
+    # register file: the backward's three run 4 warps, two programs per SM (8 warps left them
+    # one, and were slower in each); capping registers below what ptxas wants (maxnreg) spilled
+    # more than it gained, except in the state pass. They apply on a GPU only.
     launch: dict
     # The segment scan's slice of the p*n state per program (None: the whole state).
     scan_block: Optional[int]
@@ -341,16 +342,17 @@ class Tuning:
     gate_programs: int
 
 
-_KERNELS = ("state", "output", "bwd_x", "bwd_bc")     # the chunk kernels that take launch options
+_KERNELS = ("state", "output", "bwd_group", "bwd_bc", "bwd_x")     # the chunk kernels that take launch options
 TUNINGS = {
-    "gpu": Tuning("gpu", chunk_fwd=64, chunk_bwd=64, chunks_per_segment=16, state_tile=64, bwd_state_tile=128,
-                  heads_per_output=1,
+    "gpu": Tuning("gpu", chunk_fwd=64, chunk_bwd=64, chunks_per_segment=16, state_tile=64,
+                  bwd_state_tiles=(64, 64, 128), heads_per_output=1,
                   launch=dict(state=dict(num_warps=4, maxnreg=168), output=dict(num_warps=4, num_stages=1),
-                              bwd_x=dict(num_warps=8, num_stages=1), bwd_bc=dict(num_warps=8, num_stages=1)),
+                              bwd_group=dict(num_warps=4, num_stages=2), bwd_bc=dict(num_warps=4, num_stages=2),
+                              bwd_x=dict(num_warps=4, num_stages=1)),
                   scan_block=1024, conv_fwd_blocks=(32, 128), conv_fwd_warps=4, conv_bwd_blocks=(16, 64),
                   conv_bwd_warps=1, conv_bwd_programs=4096, gate_tile=4096, gate_programs=4096),
     "interpreter": Tuning("interpreter", chunk_fwd=64, chunk_bwd=64, chunks_per_segment=2, state_tile=None,
-                          bwd_state_tile=16, heads_per_output=None, launch={}, scan_block=None,
+                          bwd_state_tiles=(16, 16, 16), heads_per_output=None, launch={}, scan_block=None,
                           conv_fwd_blocks=(128, 64), conv_fwd_warps=4, conv_bwd_blocks=(128, 64), conv_bwd_warps=1,
                           conv_bwd_programs=4096, gate_tile=64, gate_programs=4096),
 }
@@ -412,7 +414,7 @@ class _LaunchPlan:
         # the chunk entry states (and, in backward, exit gradients) as stored between kernels;
         # the kernels carry them in float32 and read them back to float32
         self.state_dtype = state_dtype or (torch.float32 if x.dtype == torch.float32 else x.dtype)
-        self.BN_bc = self.BN_x = min(self.BN, t.bwd_state_tile)
+        self.BN_group, self.BN_bc, self.BN_x = (min(self.BN, n) for n in t.bwd_state_tiles)
         self.heads_per_output = t.heads_per_output or self.heads_per_group    # a divisor of heads_per_group
         # launch options exist on a GPU only: the interpreter takes none
         self.launch = {name: ({} if INTERPRET else t.launch.get(name, {})) for name in _KERNELS}
@@ -835,162 +837,156 @@ class GradPass:
 
 
 @triton.jit
-def _chunk_decays(dt_ptr, dt_bias_ptr, A_ptr, seq_ptr, b, h, start, seqlen, stride_dt, stride_seq,
-                  Q: tl.constexpr, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
-                  HAS_SEQ: tl.constexpr, dt_min, dt_max):
-    """Everything the backward needs about one chunk's decays, for one head:
+def _chunk_vector_decays(dt_ptr, dt_bias_ptr, A_ptr, seq_ptr, b, h, start, seqlen, stride_dt, stride_seq,
+                         Q: tl.constexpr, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
+                         HAS_SEQ: tl.constexpr, dt_min, dt_max):
+    """The per-token decays of one chunk of one head, for the backward:
       dt', slope     (Q,) the processed dt and d dt'/d dt_raw
-      L              (Q, Q) exp(cs_i - cs_j) over causal pairs of one document, else 0
       e              (Q,) exp(cs_i), the entry state's decay to token i (0 for a new document)
       w_dec          (Q,) exp(cs_last - cs_j), token j's decay to the exit (0 if it never gets there)
       decay          ()   exp(cs_last), the entry's decay to the exit (0 across a document start)
-    and the causal mask (Q, Q) L was cut with (pairs i >= j of one document)."""
-    offs_q = tl.arange(0, Q)
+    and the cumulative sums (hi, lo) and document ids that the pair decays are cut from."""
     dt, dA, slope = _chunk_dt(dt_ptr, dt_bias_ptr, A_ptr, b, h, start, seqlen, stride_dt,
                               Q, HAS_DT_BIAS, DT_SOFTPLUS, dt_min, dt_max)
     hi, lo = _cumsum_hi_lo(dA)
     cs64 = tl.cumsum(dA.to(tl.float64), axis=0)
     total = tl.sum(dA.to(tl.float64), axis=0)
-    causal = offs_q[:, None] >= offs_q[None, :]
     e = tl.exp(hi + lo)
     w_dec = tl.exp((total - cs64).to(tl.float32))
     decay = tl.exp(total.to(tl.float32))
+    seq = tl.zeros((Q,), dtype=tl.int32)
     if HAS_SEQ:
         seq, last, prev = _seq_ids(seq_ptr, b, start, seqlen, stride_seq, Q)
-        causal = causal & (seq[:, None] == seq[None, :])
         e = tl.where(seq == prev, e, 0.0)
         w_dec = tl.where(seq == last, w_dec, 0.0)
         decay = tl.where(last == prev, decay, 0.0)
-    return dt, slope, _pair_decay(hi, lo, causal), e, w_dec, decay, causal
+    return dt, slope, e, w_dec, decay, hi, lo, seq
 
 
 @triton.jit
-def _dy_tile(dout_ptr, b64, t64, h, offs_p, mask_qp, stride_do):
-    """The output gradient of one chunk and head, (Q, BP) fp32."""
-    return tl.load(dout_ptr + b64 * stride_do.b + t64[:, None] * stride_do.l + h * stride_do.h
-                   + offs_p[None, :] * stride_do.p, mask=mask_qp, other=0.0).to(tl.float32)
+def _document_pair_decay(hi, lo, seq, Q: tl.constexpr, HAS_SEQ: tl.constexpr):
+    """L (Q, Q) of one chunk: exp(cs_i - cs_j) over its causal pairs i >= j of one document, else 0."""
+    offs_q = tl.arange(0, Q)
+    causal = offs_q[:, None] >= offs_q[None, :]
+    if HAS_SEQ:
+        causal = causal & (seq[:, None] == seq[None, :])
+    return _pair_decay(hi, lo, causal)
 
 
 @triton.jit
-def _chunk_bwd_x_kernel(
-    x_ptr, B_ptr, C_ptr, dt_ptr, dt_bias_ptr, A_ptr, D_ptr, seq_ptr, entries, exits,
-    dout_ptr, dx_ptr, ddt_ptr, dA_part_ptr, dD_part_ptr,
-    seqlen, headdim, dstate, heads_per_group, nheads, batch, chunks_per_seg, dt_min, dt_max,
-    stride_x, stride_B, stride_C, stride_dt, stride_D, stride_seq, stride_do, stride_dx,
+def _head_tile(ptr, b64, t64, h, offs_p, mask_qp, stride):
+    """One chunk of one head of a (batch, token, head, headdim) tensor (x, dy), (Q, BP)."""
+    return tl.load(ptr + b64 * stride.b + t64[:, None] * stride.l + h * stride.h + offs_p[None, :] * stride.p,
+                   mask=mask_qp, other=0.0)
+
+
+@triton.jit
+def _group_tile(ptr, b64, t64, g, offs_n, mask_qn, stride):
+    """One chunk of one group of a (batch, token, group, dstate) tensor (B, C), (Q, BN)."""
+    return tl.load(ptr + b64 * stride.b + t64[:, None] * stride.l + g * stride.g + offs_n[None, :] * stride.n,
+                   mask=mask_qn, other=0.0)
+
+
+@triton.jit
+def _pair_tile(chunk_row, g, ngroups, Q: tl.constexpr):
+    """int64 offsets of group g's (Q, Q) tile in a contiguous (b * nchunks, ngroups, Q, Q) buffer."""
+    offs_q = tl.arange(0, Q)
+    return (chunk_row * ngroups + g) * (Q * Q) + offs_q[:, None] * Q + offs_q[None, :]
+
+
+# The chunk backward in three kernels, each one job: what a group's heads share (C.B and the
+# pull dCB of all its heads on it, computed once per chunk and group), the group's dB and dC, and
+# each head's dx and dt. Per chunk, with M_ij = (C_i . B_j) exp(cs_i - cs_j) over the causal
+# pairs of one document, w_j = exp(cs_last - cs_j) dt'_j, e_i = exp(cs_i), S_in and dS_out the
+# chunk's true entry state and exit gradient:
+#     dx_j  = dt'_j sum_i M_ij dy_i + w_j dS_out B_j + D dy_j
+#     dC_i  = sum_j dCB_ij B_j + sum_h e_i S_in^T dy_i      dCB_ij = sum_h (dy_i . x_j) exp(cs_i - cs_j) dt'_j
+#     dB_j  = sum_i dCB_ij C_i + sum_h w_j dS_out^T x_j
+#     dt'_j = sum_i (dy_i . x_j) M_ij + exp(cs_last - cs_j) x_j . (dS_out B_j)
+#     d(dt'_k A) collects every decay exponent whose span holds token k: the pairs i >= k > j,
+#            the entry decays e_i with i >= k, the exit decays with j < k, and exp(cs_last).
+# The first kernel sums the pairs' share directly over the pairs that span k, never as a
+# difference of running sums (README walkthrough b, rule 3); the entry's and exit's shares are
+# dot products that the other two kernels form anyway, the state's share a by-product of dB, dC.
+
+@triton.jit
+def _chunk_bwd_group_kernel(
+    x_ptr, B_ptr, C_ptr, dt_ptr, dt_bias_ptr, A_ptr, seq_ptr, dout_ptr,
+    CB_ptr, dCB_ptr, ddt_pairs_ptr, ddA_pairs_ptr, dD_part_ptr,
+    seqlen, headdim, dstate, heads_per_group, ngroups, batch, dt_min, dt_max,
+    stride_x, stride_B, stride_C, stride_dt, stride_seq, stride_do,
     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-    HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
-    HAS_D: tl.constexpr, HAS_SEQ: tl.constexpr,
-    HAS_ENTRY: tl.constexpr, HAS_EXIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_D: tl.constexpr, HAS_SEQ: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
-    """The per-head gradients of one (chunk, batch, head): dx, dt, and the chunk's partial
-    dA and dD, given the chunk's entry state S_in and the gradient dS_out at its exit.
-    With M_ij = (C_i.B_j) exp(cs_i - cs_j) masked and w_j = exp(cs_last - cs_j) dt'_j:
-      dx_j  = dt'_j sum_i M_ij dy_i + w_j dS_out B_j + D dy_j
-      d(dt'_k A) collects every decay exponent whose span contains token k: the pairs
-              i >= k > j, the entry decays exp(cs_i) with i >= k, the exit decays
-              exp(cs_last - cs_j) with j < k, and the chunk's own decay exp(cs_last).
-    C.B is recomputed per head (Q*Q*n flops): cheaper than keeping a group's heads in one program.
-    The state dimension is contracted a tile of BN at a time, to keep the program in registers.
-    entries and exits are _ChunkEdges (chunk entry states, chunk exit gradients); ddt (b, l, h)
-    and the partials (b, nchunks, h) and (b, nchunks, h, p) are contiguous fp32."""
-    # heads vary fastest: the programs running at once share a chunk, so its B and C stay in L2
+    """One (chunk, batch, group): C.B and dCB for the buffers the other two kernels read, and
+    for each of the group's heads its pairs' share of dt' and of d(dt'A) (Q,) and its dD partial.
+    CB (b * nchunks, g, Q, Q) fp32, dCB the same in the input dtype, the head vectors
+    (b * nchunks, h, Q) fp32, dD (b * nchunks, h, p) fp32."""
+    # groups vary fastest: the programs running at once share a chunk's x and dy in L2
     pid = tl.program_id(0)
-    h = pid % nheads
-    b = (pid // nheads) % batch
-    c = pid // (nheads * batch)
-    g = h // heads_per_group
+    g = pid % ngroups
+    b = (pid // ngroups) % batch
+    c = pid // (ngroups * batch)
     start = c * Q
     offs_q = tl.arange(0, Q)
     offs_p = tl.arange(0, BP)
-    t = start + offs_q
-    t64 = t.to(tl.int64)
-    valid = t < seqlen
+    t64 = (start + offs_q).to(tl.int64)
+    valid = start + offs_q < seqlen
     mask_qp = valid[:, None] & (offs_p[None, :] < headdim)
     b64 = b.to(tl.int64)
-    chunk_row, seg_row = _chunk_rows(b, c, seqlen, chunks_per_seg, Q)
+    nheads = heads_per_group * ngroups
+    chunk_row = b64 * tl.cdiv(seqlen, Q) + c
 
-    # everything that contracts over the state dimension, a tile of BN at a time (registers)
     CB = tl.zeros((Q, Q), dtype=tl.float32)                                        # C_i . B_j
-    CS = tl.zeros((Q, BP), dtype=tl.float32)                                       # C_i . S_in
-    BdS = tl.zeros((Q, BP), dtype=tl.float32)                                      # B_j . dS_out
-    d_carry = tl.zeros((), dtype=tl.float32)                                       # <dS_out, S_in>
     for n0 in range(0, dstate, BN):
         offs_n = n0 + tl.arange(0, BN)
         mask_qn = valid[:, None] & (offs_n[None, :] < dstate)
-        mask_pn = (offs_p[:, None] < headdim) & (offs_n[None, :] < dstate)
-        Bm = tl.load(B_ptr + b64 * stride_B.b + t64[:, None] * stride_B.l + g * stride_B.g
-                     + offs_n[None, :] * stride_B.n, mask=mask_qn, other=0.0)      # (Q, BN)
-        Cm = tl.load(C_ptr + b64 * stride_C.b + t64[:, None] * stride_C.l + g * stride_C.g
-                     + offs_n[None, :] * stride_C.n, mask=mask_qn, other=0.0)      # (Q, BN)
-        S_in = _true_chunk_edge(entries, chunk_row, seg_row, h, offs_p, offs_n, mask_pn, nheads, headdim, dstate,
-                                HAS_ENTRY)                                         # (BP, BN)
-        dS_out = _true_chunk_edge(exits, chunk_row, seg_row, h, offs_p, offs_n, mask_pn, nheads, headdim, dstate,
-                                  HAS_EXIT)                                        # (BP, BN)
+        Cm = _group_tile(C_ptr, b64, t64, g, offs_n, mask_qn, stride_C)
+        Bm = _group_tile(B_ptr, b64, t64, g, offs_n, mask_qn, stride_B)
         CB += tl.dot(Cm, tl.trans(Bm), input_precision=DOT_PRECISION)
-        CS += tl.dot(Cm, tl.trans(S_in.to(Cm.dtype)), input_precision=DOT_PRECISION)
-        BdS += tl.dot(Bm, tl.trans(dS_out.to(Bm.dtype)), input_precision=DOT_PRECISION)
-        d_carry += tl.sum(tl.sum(dS_out * S_in, axis=1), axis=0)
+    tl.store(CB_ptr + _pair_tile(chunk_row, g, ngroups, Q), CB)
 
-    dt, slope, L, e, w_dec, decay, causal = _chunk_decays(
-        dt_ptr, dt_bias_ptr, A_ptr, seq_ptr, b, h, start, seqlen, stride_dt, stride_seq,
-        Q, HAS_DT_BIAS, DT_SOFTPLUS, HAS_SEQ, dt_min, dt_max)
-    w = w_dec * dt                                                                 # (Q,)
-    M = CB * L
-    Mdt = M * dt[None, :]                                                          # (Q, Q)
-
-    x = tl.load(x_ptr + b64 * stride_x.b + t64[:, None] * stride_x.l + h * stride_x.h
-                + offs_p[None, :] * stride_x.p, mask=mask_qp, other=0.0)            # (Q, BP)
-    dy = _dy_tile(dout_ptr, b64, t64, h, offs_p, mask_qp, stride_do)
-    y_entry = e[:, None] * CS                                                      # (Q, BP)
-    Dv = tl.zeros((BP,), dtype=tl.float32)
-    if HAS_D:
-        Dv = tl.load(D_ptr + h * stride_D.h + offs_p * stride_D.p, mask=offs_p < headdim, other=0.0).to(tl.float32)
-
-    # dx: through the intra-chunk products, the chunk state, and D
-    dy_c = dy.to(x.dtype)
-    dx = tl.dot(tl.trans(Mdt.to(x.dtype)), dy_c, input_precision=DOT_PRECISION) + w[:, None] * BdS
-    dx += Dv[None, :] * dy
-    tl.store(dx_ptr + b64 * stride_dx.b + t64[:, None] * stride_dx.l + h * stride_dx.h
-             + offs_p[None, :] * stride_dx.p, dx.to(dx_ptr.dtype.element_ty), mask=mask_qp)
-    if HAS_D:
-        tl.store(dD_part_ptr + _row_head(chunk_row, h, nheads) * headdim + offs_p,
-                 tl.sum(dy * x.to(tl.float32), axis=0), mask=offs_p < headdim)
-
-    # dt' and d(dt'*A)
-    dxy = tl.dot(dy_c, tl.trans(x), input_precision=DOT_PRECISION)                 # (Q, Q) dy_i . x_j
-    dw = tl.sum(x.to(tl.float32) * BdS, axis=1)                                    # (Q,) d w_j
-    ddt = tl.sum(dxy * M, axis=0) + dw * w_dec
-    # d(dt'_k A): every decay that spans token k. Each is summed directly over the pairs that
-    # span k (i >= k > j), never as a difference of running sums: at a token of huge dt', dA
-    # multiplies that difference by dt' and its rounding error with it.
-    strict = causal & (offs_q[:, None] > offs_q[None, :])
-    V = tl.where(strict, dxy * Mdt, 0.0)                                           # (Q, Q) pair (i, j)
-    spans = tl.cumsum(V, axis=1) - V                                  # (Q, Q) [i, k]: sum_{j<k} V_ij
-    d_intra = tl.sum(tl.where(offs_q[:, None] >= offs_q[None, :], spans, 0.0), axis=0)  # sum_{i>=k}
-    d_entry = tl.cumsum(tl.sum(dy * y_entry, axis=1), axis=0, reverse=True)         # exp(cs_i), i >= k
-    sw = (dw * w).to(tl.float64)
-    d_exit = (tl.cumsum(sw, axis=0) - sw).to(tl.float32)                           # exp(cs_last-cs_j), j < k
-    d_carry = decay * d_carry
-    ddA = d_intra + d_entry + d_exit + d_carry
-    ddt += ddA * tl.load(A_ptr + h).to(tl.float32)
-    tl.store(dA_part_ptr + _row_head(chunk_row, h, nheads), tl.sum(ddA * dt, axis=0))
-    tl.store(ddt_ptr + _row_head(b64 * seqlen + t64, h, nheads), ddt * slope, mask=valid)
+    strict = offs_q[:, None] > offs_q[None, :]
+    dCB = tl.zeros((Q, Q), dtype=tl.float32)
+    for hh in range(heads_per_group):
+        h = g * heads_per_group + hh
+        dt, slope, e, w_dec, decay, hi, lo, seq = _chunk_vector_decays(
+            dt_ptr, dt_bias_ptr, A_ptr, seq_ptr, b, h, start, seqlen, stride_dt, stride_seq,
+            Q, HAS_DT_BIAS, DT_SOFTPLUS, HAS_SEQ, dt_min, dt_max)
+        L = _document_pair_decay(hi, lo, seq, Q, HAS_SEQ)
+        x = _head_tile(x_ptr, b64, t64, h, offs_p, mask_qp, stride_x)              # (Q, BP)
+        dy = _head_tile(dout_ptr, b64, t64, h, offs_p, mask_qp, stride_do).to(x.dtype)
+        dxyL = tl.dot(dy, tl.trans(x), input_precision=DOT_PRECISION) * L          # (Q, Q) (dy_i . x_j) L_ij
+        dCB += dxyL * dt[None, :]                                                  # this head's pull on C.B
+        dxyM = dxyL * CB
+        row = _row_head(chunk_row, h, nheads) * Q + offs_q
+        tl.store(ddt_pairs_ptr + row, tl.sum(dxyM, axis=0))
+        # d(dt'_k A) from the pairs i >= k > j that span k: an exclusive cumulative sum along j,
+        # then a sum over i >= k (L is 0 off the causal pairs of one document)
+        V = tl.where(strict, dxyM * dt[None, :], 0.0)                             # (Q, Q) pair (i, j)
+        spans = tl.cumsum(V, axis=1) - V                                  # [i, k]: sum_{j<k} V_ij
+        tl.store(ddA_pairs_ptr + row, tl.sum(tl.where(offs_q[:, None] >= offs_q[None, :], spans, 0.0), axis=0))
+        if HAS_D:
+            tl.store(dD_part_ptr + _row_head(chunk_row, h, nheads) * headdim + offs_p,
+                     tl.sum(dy.to(tl.float32) * x.to(tl.float32), axis=0), mask=offs_p < headdim)
+    tl.store(dCB_ptr + _pair_tile(chunk_row, g, ngroups, Q), dCB.to(dCB_ptr.dtype.element_ty))
 
 
 @triton.jit
 def _chunk_bwd_BC_kernel(
-    x_ptr, B_ptr, C_ptr, dt_ptr, dt_bias_ptr, A_ptr, seq_ptr, entries, exits, dout_ptr, dB_ptr, dC_ptr,
+    x_ptr, B_ptr, C_ptr, dt_ptr, dt_bias_ptr, A_ptr, seq_ptr, entries, exits, dout_ptr, dCB_ptr,
+    dB_ptr, dC_ptr, ddA_entry_part_ptr, carry_part_ptr,
     seqlen, headdim, dstate, heads_per_group, ngroups, batch, n_n_tiles, chunks_per_seg, dt_min, dt_max,
     stride_x, stride_B, stride_C, stride_dt, stride_seq, stride_do, stride_dB, stride_dC,
     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-    HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
-    HAS_SEQ: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_SEQ: tl.constexpr,
     HAS_ENTRY: tl.constexpr, HAS_EXIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """dB and dC of one (chunk, batch, group, state tile): the group's heads are summed in
-    registers, so each is written once, without atomics (deterministic).
-      dC_i = sum_h [ e_i dy_i S_in^T + sum_j dCB_ij B_j ],  dB_j = sum_h [ w_j x_j dS_out + sum_i dCB_ij C_i ]
-    with dCB_ij = (dy_i . x_j) exp(cs_i - cs_j) dt'_j, the pull of every head on C_i.B_j."""
+    """dB and dC of one (chunk, batch, group, state tile), the group's heads summed in registers
+    (each written once: no atomics), and per head the two shares of d(dt'A) that contract a
+    state, over this tile: the entry's, C_i . (e_i S_in^T dy_i) (Q,), and <dS_out, S_in> ().
+    The partials are (b * nchunks, h, n_n_tiles, Q) and (b * nchunks, h, n_n_tiles) fp32."""
     # state tiles vary fastest, then groups: the programs running at once share x and dy
     pid = tl.program_id(0)
     pid_n = pid % n_n_tiles
@@ -1001,9 +997,8 @@ def _chunk_bwd_BC_kernel(
     offs_q = tl.arange(0, Q)
     offs_p = tl.arange(0, BP)
     offs_n = pid_n * BN + tl.arange(0, BN)
-    t = start + offs_q
-    t64 = t.to(tl.int64)
-    valid = t < seqlen
+    t64 = (start + offs_q).to(tl.int64)
+    valid = start + offs_q < seqlen
     mask_qp = valid[:, None] & (offs_p[None, :] < headdim)
     mask_qn = valid[:, None] & (offs_n[None, :] < dstate)
     mask_pn = (offs_p[:, None] < headdim) & (offs_n[None, :] < dstate)
@@ -1011,38 +1006,103 @@ def _chunk_bwd_BC_kernel(
     nheads = heads_per_group * ngroups
     chunk_row, seg_row = _chunk_rows(b, c, seqlen, chunks_per_seg, Q)
 
-    dCB = tl.zeros((Q, Q), dtype=tl.float32)
-    dB = tl.zeros((Q, BN), dtype=tl.float32)
-    dC = tl.zeros((Q, BN), dtype=tl.float32)
+    Bm = _group_tile(B_ptr, b64, t64, g, offs_n, mask_qn, stride_B)                # (Q, BN)
+    Cm = _group_tile(C_ptr, b64, t64, g, offs_n, mask_qn, stride_C)                # (Q, BN)
+    dCB = tl.load(dCB_ptr + _pair_tile(chunk_row, g, ngroups, Q)).to(Cm.dtype)     # (Q, Q)
+    dC = tl.dot(dCB, Bm, input_precision=DOT_PRECISION)                            # (Q, BN)
+    dB = tl.dot(tl.trans(dCB), Cm, input_precision=DOT_PRECISION)
     for hh in range(heads_per_group):
         h = g * heads_per_group + hh
-        dt, slope, L, e, w_dec, decay, causal = _chunk_decays(
+        dt, slope, e, w_dec, decay, hi, lo, seq = _chunk_vector_decays(
             dt_ptr, dt_bias_ptr, A_ptr, seq_ptr, b, h, start, seqlen, stride_dt, stride_seq,
             Q, HAS_DT_BIAS, DT_SOFTPLUS, HAS_SEQ, dt_min, dt_max)
-        x = tl.load(x_ptr + b64 * stride_x.b + t64[:, None] * stride_x.l + h * stride_x.h
-                    + offs_p[None, :] * stride_x.p, mask=mask_qp, other=0.0)        # (Q, BP)
-        dy = _dy_tile(dout_ptr, b64, t64, h, offs_p, mask_qp, stride_do)
+        x = _head_tile(x_ptr, b64, t64, h, offs_p, mask_qp, stride_x)              # (Q, BP)
+        dy = _head_tile(dout_ptr, b64, t64, h, offs_p, mask_qp, stride_do).to(tl.float32)
         S_in = _true_chunk_edge(entries, chunk_row, seg_row, h, offs_p, offs_n, mask_pn, nheads, headdim, dstate,
                                 HAS_ENTRY)                                         # (BP, BN)
         dS_out = _true_chunk_edge(exits, chunk_row, seg_row, h, offs_p, offs_n, mask_pn, nheads, headdim, dstate,
                                   HAS_EXIT)                                        # (BP, BN)
-        dy_c = dy.to(x.dtype)
-        dxy = tl.dot(dy_c, tl.trans(x), input_precision=DOT_PRECISION)             # (Q, Q) dy_i . x_j
-        dCB += dxy * L * dt[None, :]
+        from_entry = tl.dot((dy * e[:, None]).to(x.dtype), S_in.to(x.dtype), input_precision=DOT_PRECISION)
+        dC += from_entry                                                           # (Q, BN)
         dB += (w_dec * dt)[:, None] * tl.dot(x, dS_out.to(x.dtype), input_precision=DOT_PRECISION)
-        dC += tl.dot((dy * e[:, None]).to(x.dtype), S_in.to(x.dtype), input_precision=DOT_PRECISION)
-
-    Bm = tl.load(B_ptr + b64 * stride_B.b + t64[:, None] * stride_B.l + g * stride_B.g
-                 + offs_n[None, :] * stride_B.n, mask=mask_qn, other=0.0)          # (Q, BN)
-    Cm = tl.load(C_ptr + b64 * stride_C.b + t64[:, None] * stride_C.l + g * stride_C.g
-                 + offs_n[None, :] * stride_C.n, mask=mask_qn, other=0.0)          # (Q, BN)
-    dCB_c = dCB.to(Cm.dtype)
-    dC += tl.dot(dCB_c, Bm, input_precision=DOT_PRECISION)
-    dB += tl.dot(tl.trans(dCB_c), Cm, input_precision=DOT_PRECISION)
+        part = _row_head(chunk_row, h, nheads) * n_n_tiles + pid_n
+        tl.store(ddA_entry_part_ptr + part * Q + offs_q, tl.sum(Cm.to(tl.float32) * from_entry, axis=1))
+        tl.store(carry_part_ptr + part, tl.sum(tl.sum(dS_out * S_in, axis=1), axis=0))
     tl.store(dB_ptr + b64 * stride_dB.b + t64[:, None] * stride_dB.l + g * stride_dB.g
              + offs_n[None, :] * stride_dB.n, dB.to(dB_ptr.dtype.element_ty), mask=mask_qn)
     tl.store(dC_ptr + b64 * stride_dC.b + t64[:, None] * stride_dC.l + g * stride_dC.g
              + offs_n[None, :] * stride_dC.n, dC.to(dC_ptr.dtype.element_ty), mask=mask_qn)
+
+
+@triton.jit
+def _chunk_bwd_x_kernel(
+    x_ptr, B_ptr, dt_ptr, dt_bias_ptr, A_ptr, D_ptr, seq_ptr, exits, dout_ptr, CB_ptr,
+    ddt_pairs_ptr, ddA_pairs_ptr, ddA_entry_part_ptr, carry_part_ptr, dx_ptr, ddt_ptr, dA_part_ptr,
+    seqlen, headdim, dstate, heads_per_group, nheads, batch, chunks_per_seg, n_bc_tiles, dt_min, dt_max,
+    stride_x, stride_B, stride_dt, stride_D, stride_seq, stride_do, stride_dx,
+    Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_D: tl.constexpr, HAS_SEQ: tl.constexpr,
+    HAS_EXIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """dx and dt of one (chunk, batch, head), and the chunk's partial dA: the group kernel's C.B
+    and pair shares, the BC kernel's entry and state shares, and the exit's, x_j . (dS_out B_j),
+    formed here with dx's own dS_out B_j. ddt (b, l, h) and the partials (b * nchunks, h) fp32."""
+    # heads vary fastest: the programs running at once share a chunk, so its B stays in L2
+    pid = tl.program_id(0)
+    h = pid % nheads
+    b = (pid // nheads) % batch
+    c = pid // (nheads * batch)
+    g = h // heads_per_group
+    start = c * Q
+    offs_q = tl.arange(0, Q)
+    offs_p = tl.arange(0, BP)
+    t64 = (start + offs_q).to(tl.int64)
+    valid = start + offs_q < seqlen
+    mask_qp = valid[:, None] & (offs_p[None, :] < headdim)
+    b64 = b.to(tl.int64)
+    chunk_row, seg_row = _chunk_rows(b, c, seqlen, chunks_per_seg, Q)
+
+    dt, slope, e, w_dec, decay, hi, lo, seq = _chunk_vector_decays(
+        dt_ptr, dt_bias_ptr, A_ptr, seq_ptr, b, h, start, seqlen, stride_dt, stride_seq,
+        Q, HAS_DT_BIAS, DT_SOFTPLUS, HAS_SEQ, dt_min, dt_max)
+    L = _document_pair_decay(hi, lo, seq, Q, HAS_SEQ)
+    CB = tl.load(CB_ptr + _pair_tile(chunk_row, g, nheads // heads_per_group, Q))
+    x = _head_tile(x_ptr, b64, t64, h, offs_p, mask_qp, stride_x)                  # (Q, BP)
+    dy = _head_tile(dout_ptr, b64, t64, h, offs_p, mask_qp, stride_do)
+    Mdt = (CB * L * dt[None, :]).to(x.dtype)                                       # (Q, Q)
+    dx = tl.dot(tl.trans(Mdt), dy.to(x.dtype), input_precision=DOT_PRECISION)      # (Q, BP)
+    if HAS_D:
+        Dv = tl.load(D_ptr + h * stride_D.h + offs_p * stride_D.p, mask=offs_p < headdim, other=0.0)
+        dx += Dv.to(tl.float32)[None, :] * dy.to(tl.float32)
+    # the exit's share, a state tile at a time: dx_j += w_j dS_out B_j, and d w_j = x_j . dS_out B_j
+    w = w_dec * dt                                                                 # (Q,)
+    dw = tl.zeros((Q,), dtype=tl.float32)
+    for n0 in range(0, dstate, BN):
+        offs_n = n0 + tl.arange(0, BN)
+        mask_qn = valid[:, None] & (offs_n[None, :] < dstate)
+        mask_pn = (offs_p[:, None] < headdim) & (offs_n[None, :] < dstate)
+        Bm = _group_tile(B_ptr, b64, t64, g, offs_n, mask_qn, stride_B)            # (Q, BN)
+        dS_out = _true_chunk_edge(exits, chunk_row, seg_row, h, offs_p, offs_n, mask_pn, nheads, headdim, dstate,
+                                  HAS_EXIT)                                        # (BP, BN)
+        BdS = tl.dot(Bm, tl.trans(dS_out.to(Bm.dtype)), input_precision=DOT_PRECISION)   # (Q, BP)
+        dx += w[:, None] * BdS
+        dw += tl.sum(x.to(tl.float32) * BdS, axis=1)
+    tl.store(dx_ptr + b64 * stride_dx.b + t64[:, None] * stride_dx.l + h * stride_dx.h
+             + offs_p[None, :] * stride_dx.p, dx.to(dx_ptr.dtype.element_ty), mask=mask_qp)
+
+    row = _row_head(chunk_row, h, nheads)
+    entry_share = tl.zeros((Q,), dtype=tl.float32)
+    carry = tl.zeros((), dtype=tl.float32)
+    for i in range(n_bc_tiles):
+        entry_share += tl.load(ddA_entry_part_ptr + (row * n_bc_tiles + i) * Q + offs_q)
+        carry += tl.load(carry_part_ptr + row * n_bc_tiles + i)
+    d_entry = tl.cumsum(entry_share, axis=0, reverse=True)                         # exp(cs_i), i >= k
+    sw = (dw * w).to(tl.float64)
+    d_exit = (tl.cumsum(sw, axis=0) - sw).to(tl.float32)                           # exp(cs_last-cs_j), j < k
+    ddA = tl.load(ddA_pairs_ptr + row * Q + offs_q) + d_entry + d_exit + decay * carry
+    ddt = tl.load(ddt_pairs_ptr + row * Q + offs_q) + dw * w_dec + ddA * tl.load(A_ptr + h).to(tl.float32)
+    tl.store(dA_part_ptr + row, tl.sum(ddA * dt, axis=0))
+    tl.store(ddt_ptr + _row_head(b64 * seqlen + t64, h, nheads), ddt * slope, mask=valid)
 
 
 def _chunk_bwd(inp, states, gamma, entry, dstates, rho, dexit, dout, plan, dx=None, dB=None, dC=None):
@@ -1050,38 +1110,47 @@ def _chunk_bwd(inp, states, gamma, entry, dstates, rho, dexit, dout, plan, dx=No
     the gradient at its exit (b, nseg, h, p, n) fp32 (either may be None for zero). dx, dB, dC
     may be views into one buffer (the conv backward's input)."""
     x, dt, A, B, C, D, dt_bias, seq_idx = inp
+    dev, rows, Q = x.device, plan.batch * plan.nchunks, plan.Q
     dx = torch.empty_like(x, memory_format=torch.contiguous_format) if dx is None else dx
     dB = torch.empty_like(B, memory_format=torch.contiguous_format) if dB is None else dB
     dC = torch.empty_like(C, memory_format=torch.contiguous_format) if dC is None else dC
-    ddt = torch.empty(dt.shape, device=dt.device, dtype=torch.float32)
-    dA_part = torch.empty(plan.batch, plan.nchunks, plan.nheads, device=x.device, dtype=torch.float32)
-    dD_part = torch.empty(plan.batch, plan.nchunks, plan.nheads, plan.headdim, device=x.device, dtype=torch.float32) \
-        if D is not None else None
+    ddt = torch.empty(dt.shape, device=dev, dtype=torch.float32)
+    CB = torch.empty(rows, plan.ngroups, Q, Q, device=dev, dtype=torch.float32)
+    dCB = torch.empty(rows, plan.ngroups, Q, Q, device=dev, dtype=x.dtype)
+    ddt_pairs, ddA_pairs = (torch.empty(rows, plan.nheads, Q, device=dev, dtype=torch.float32) for _ in range(2))
+    n_bc_tiles = _cdiv(plan.dstate, plan.BN_bc)
+    ddA_entry_part = torch.empty(rows, plan.nheads, n_bc_tiles, Q, device=dev, dtype=torch.float32)
+    carry_part = torch.empty(rows, plan.nheads, n_bc_tiles, device=dev, dtype=torch.float32)
+    dA_part = torch.empty(rows, plan.nheads, device=dev, dtype=torch.float32)
+    dD_part = torch.empty(rows, plan.nheads, plan.headdim, device=dev, dtype=torch.float32) if D is not None else None
     entries = _ChunkEdge(states, gamma, _stand_in(entry, gamma))
     exits = _ChunkEdge(dstates, rho, _stand_in(dexit, rho))
-    strides = dict(x=_BLHP(*x.stride()), B=_BLGN(*B.stride()), C=_BLGN(*C.stride()), dt=_BLH(*dt.stride()),
-                   seq=_strides_of(seq_idx, _BL), do=_BLHP(*dout.stride()))
-    flags = dict(HAS_ENTRY=entry is not None, HAS_EXIT=dexit is not None,
-                 DOT_PRECISION=plan.precision, **plan.flags)
-    _chunk_bwd_x_kernel[(plan.nchunks * plan.batch * plan.nheads,)](
-        x, B, C, dt, dt_bias, A, D, seq_idx, entries, exits, dout, dx, ddt, dA_part, dD_part,
-        plan.seqlen, plan.headdim, plan.dstate, plan.heads_per_group, plan.nheads, plan.batch, plan.chunks_per_seg,
-        plan.dt_min, plan.dt_max,
-        strides["x"], strides["B"], strides["C"], strides["dt"], _D_strides(D), strides["seq"], strides["do"],
-        _BLHP(*dx.stride()),
-        Q=plan.Q, BP=plan.BP, BN=plan.BN_x, HAS_D=D is not None, **plan.launch["bwd_x"], **flags)
-    n_bc_tiles = _cdiv(plan.dstate, plan.BN_bc)
+    s_x, s_B, s_C, s_dt = _BLHP(*x.stride()), _BLGN(*B.stride()), _BLGN(*C.stride()), _BLH(*dt.stride())
+    s_seq, s_do = _strides_of(seq_idx, _BL), _BLHP(*dout.stride())
+    flags = dict(DOT_PRECISION=plan.precision, **plan.flags)
+    _chunk_bwd_group_kernel[(plan.nchunks * plan.batch * plan.ngroups,)](
+        x, B, C, dt, dt_bias, A, seq_idx, dout, CB, dCB, ddt_pairs, ddA_pairs, _stand_in(dD_part, ddt_pairs),
+        plan.seqlen, plan.headdim, plan.dstate, plan.heads_per_group, plan.ngroups, plan.batch,
+        plan.dt_min, plan.dt_max, s_x, s_B, s_C, s_dt, s_seq, s_do,
+        Q=Q, BP=plan.BP, BN=plan.BN_group, HAS_D=D is not None, **plan.launch["bwd_group"], **flags)
     _chunk_bwd_BC_kernel[(plan.nchunks * plan.batch * plan.ngroups * n_bc_tiles,)](
-        x, B, C, dt, dt_bias, A, seq_idx, entries, exits, dout, dB, dC,
+        x, B, C, dt, dt_bias, A, seq_idx, entries, exits, dout, dCB, dB, dC, ddA_entry_part, carry_part,
         plan.seqlen, plan.headdim, plan.dstate, plan.heads_per_group, plan.ngroups, plan.batch, n_bc_tiles,
-        plan.chunks_per_seg, plan.dt_min, plan.dt_max,
-        strides["x"], strides["B"], strides["C"], strides["dt"], strides["seq"], strides["do"],
+        plan.chunks_per_seg, plan.dt_min, plan.dt_max, s_x, s_B, s_C, s_dt, s_seq, s_do,
         _BLGN(*dB.stride()), _BLGN(*dC.stride()),
-        Q=plan.Q, BP=plan.BP, BN=plan.BN_bc, **plan.launch["bwd_bc"], **flags)
-    dA = dA_part.sum(dim=(0, 1))                                                    # (h,)
+        Q=Q, BP=plan.BP, BN=plan.BN_bc, HAS_ENTRY=entry is not None, HAS_EXIT=dexit is not None,
+        **plan.launch["bwd_bc"], **flags)
+    _chunk_bwd_x_kernel[(plan.nchunks * plan.batch * plan.nheads,)](
+        x, B, dt, dt_bias, A, D, seq_idx, exits, dout, CB, ddt_pairs, ddA_pairs, ddA_entry_part, carry_part,
+        dx, ddt, dA_part,
+        plan.seqlen, plan.headdim, plan.dstate, plan.heads_per_group, plan.nheads, plan.batch, plan.chunks_per_seg,
+        n_bc_tiles, plan.dt_min, plan.dt_max, s_x, s_B, s_dt, _D_strides(D), s_seq, s_do, _BLHP(*dx.stride()),
+        Q=Q, BP=plan.BP, BN=plan.BN_x, HAS_D=D is not None, HAS_EXIT=dexit is not None,
+        **plan.launch["bwd_x"], **flags)
+    dA = dA_part.sum(dim=0)                                                         # (h,)
     dD = None
     if D is not None:
-        dD = dD_part.sum(dim=(0, 1))                                                # (h, p)
+        dD = dD_part.sum(dim=0)                                                     # (h, p)
         dD = dD.sum(-1) if D.dim() == 1 else dD
     return dx, dB, dC, ddt, dA, dD
 

@@ -888,6 +888,17 @@ def _group_tile(ptr, b64, t64, g, offs_n, mask_qn, stride):
 
 
 @triton.jit
+def _chunk_tokens(c, seqlen, headdim, Q: tl.constexpr, BP: tl.constexpr):
+    """Chunk c's first token, its token offsets (Q,) and headdim offsets (BP,), the tokens' int64
+    positions, which of them exist, and the (Q, BP) mask of a head tile."""
+    start = c * Q
+    offs_q = tl.arange(0, Q)
+    offs_p = tl.arange(0, BP)
+    valid = start + offs_q < seqlen
+    return start, offs_q, offs_p, (start + offs_q).to(tl.int64), valid, valid[:, None] & (offs_p[None, :] < headdim)
+
+
+@triton.jit
 def _pair_tile(chunk_row, g, ngroups, Q: tl.constexpr):
     """int64 offsets of group g's (Q, Q) tile in a contiguous (b * nchunks, ngroups, Q, Q) buffer."""
     offs_q = tl.arange(0, Q)
@@ -928,12 +939,7 @@ def _chunk_bwd_group_kernel(
     g = pid % ngroups
     b = (pid // ngroups) % batch
     c = pid // (ngroups * batch)
-    start = c * Q
-    offs_q = tl.arange(0, Q)
-    offs_p = tl.arange(0, BP)
-    t64 = (start + offs_q).to(tl.int64)
-    valid = start + offs_q < seqlen
-    mask_qp = valid[:, None] & (offs_p[None, :] < headdim)
+    start, offs_q, offs_p, t64, valid, mask_qp = _chunk_tokens(c, seqlen, headdim, Q, BP)
     b64 = b.to(tl.int64)
     nheads = heads_per_group * ngroups
     chunk_row = b64 * tl.cdiv(seqlen, Q) + c
@@ -993,13 +999,8 @@ def _chunk_bwd_BC_kernel(
     g = (pid // n_n_tiles) % ngroups
     b = (pid // (n_n_tiles * ngroups)) % batch
     c = pid // (n_n_tiles * ngroups * batch)
-    start = c * Q
-    offs_q = tl.arange(0, Q)
-    offs_p = tl.arange(0, BP)
+    start, offs_q, offs_p, t64, valid, mask_qp = _chunk_tokens(c, seqlen, headdim, Q, BP)
     offs_n = pid_n * BN + tl.arange(0, BN)
-    t64 = (start + offs_q).to(tl.int64)
-    valid = start + offs_q < seqlen
-    mask_qp = valid[:, None] & (offs_p[None, :] < headdim)
     mask_qn = valid[:, None] & (offs_n[None, :] < dstate)
     mask_pn = (offs_p[:, None] < headdim) & (offs_n[None, :] < dstate)
     b64 = b.to(tl.int64)
@@ -1053,12 +1054,7 @@ def _chunk_bwd_x_kernel(
     b = (pid // nheads) % batch
     c = pid // (nheads * batch)
     g = h // heads_per_group
-    start = c * Q
-    offs_q = tl.arange(0, Q)
-    offs_p = tl.arange(0, BP)
-    t64 = (start + offs_q).to(tl.int64)
-    valid = start + offs_q < seqlen
-    mask_qp = valid[:, None] & (offs_p[None, :] < headdim)
+    start, offs_q, offs_p, t64, valid, mask_qp = _chunk_tokens(c, seqlen, headdim, Q, BP)
     b64 = b.to(tl.int64)
     chunk_row, seg_row = _chunk_rows(b, c, seqlen, chunks_per_seg, Q)
 

@@ -32,6 +32,7 @@ tests in the order of mamba_cp.py's sections, the torchrun mode last.
 import dataclasses
 import datetime
 import functools
+import importlib.util
 import math
 import os
 import sys
@@ -603,6 +604,7 @@ def _free_port():
 
 
 def _world_entry(rank, world, port, fn_name, args, queue):
+    torch.set_num_threads(1)                      # W ranks share the machine's cores
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=120))
@@ -1779,7 +1781,8 @@ def compiled_vs_eager(fn, leaves, fullgraph, seed=0, eager=None):
 def compile_cases(device, world=1, group=None, rank=0):
     """(name, fn, leaves) for each entry point: the single-device SSD with every option and
     varlen states, and the fused core on every layout and the all-to-all baseline."""
-    inputs = ssd_inputs(SMALL, 15, **OPTIONS["all"], device=device)
+    # a short one (three chunks, two segments): the cases check that compiling changes no bit
+    inputs = ssd_inputs(SMALL._replace(seqlen=45, headdim=8, dstate=8), 15, **OPTIONS["all"], device=device)
     seq, chunk = inputs["seq_idx"], inputs["chunk_size"]
     names = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
 
@@ -1981,11 +1984,9 @@ def test_mixer_loss_parity():
 # trained on W gloo ranks against the unsharded model on transformers' own code path
 # ---------------------------------------------------------------------------------------------
 
-try:
-    import transformers
-except ImportError:  # optional: the vendoring tests skip without it
-    transformers = None
-needs_transformers = pytest.mark.skipif(transformers is None,
+# transformers is optional (these tests skip without it) and imported where used: every gloo
+# rank imports this file, and importing transformers costs each 0.7 s
+needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
                                         reason="transformers is not installed (optional: pip install transformers)")
 EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "examples")
 HF_LAYOUTS = ("virtual", "none")
@@ -1995,6 +1996,7 @@ HF_BOUND = 1e-5  # relative: losses and all parameters against the unsharded mod
 def tiny_mamba2(seed=0):
     """Mamba2ForCausalLM from a tiny config: random init, no download; two layers, 8 heads of 8
     channels in 2 groups, state 8, chunk 16."""
+    import transformers
     config = transformers.Mamba2Config(vocab_size=64, hidden_size=32, num_hidden_layers=2, expand=2, num_heads=8,
                                        head_dim=8, n_groups=2, state_size=8, conv_kernel=4, chunk_size=16,
                                        use_cache=False, tie_word_embeddings=False)
@@ -2093,6 +2095,7 @@ HF_HYBRIDS = {   # tiny configs: one Mamba2 layer, one attention layer
 @pytest.mark.parametrize("name", list(HF_HYBRIDS))
 def test_transformers_hybrid_mixers_found(name):
     """enable_mamba_cp's duck typing finds the Mamba2 mixer of each hybrid, and nothing else."""
+    import transformers
     if not hasattr(transformers, name):
         pytest.skip(f"transformers {transformers.__version__} has no {name}")
     if EXAMPLES not in sys.path:

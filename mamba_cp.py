@@ -310,17 +310,17 @@ class Tuning:
     state_tile: Optional[int]
     # The n tile of the three chunk-backward kernels (group, BC, x): the group kernel's C.B
     # contraction, the BC kernel's programs (one per tile), the x kernel's dS_out B_j
-    # contraction. On an H200 at the record shape: 64, 64 and the whole 128-wide state.
+    # contraction. On an H200 at the record shape: 64 in each.
     bwd_state_tiles: tuple
     # Heads per output program (None: a whole group). They share the group's C.B, computed
     # once per program, but one head per program runs heads_per_group times as many programs,
     # which hides latency better: 16% faster on an H200 at the record shape (8 heads a group).
     heads_per_output: Optional[int]
     # Launch options per kernel, the fastest of a sweep on an H200 (forward+backward at the
-    # record shape). These kernels are latency-bound chains of small products that fill the
-    # register file: the backward's three run 4 warps, two programs per SM (8 warps left them
-    # one, and were slower in each); capping registers below what ptxas wants (maxnreg) spilled
-    # more than it gained, except in the state pass. They apply on a GPU only.
+    # record shape; README "Where the time goes"). These kernels are latency-bound chains of
+    # small products, so what pays is programs per SM: 4 warps each, and a register cap
+    # (maxnreg) where it buys a third or fourth program without costing more in spills (the
+    # state pass, the output and x kernels; not the group and BC kernels). GPU only.
     launch: dict
     # The segment scan's slice of the p*n state per program (None: the whole state).
     scan_block: Optional[int]
@@ -345,10 +345,11 @@ class Tuning:
 _KERNELS = ("state", "output", "bwd_group", "bwd_bc", "bwd_x")     # the chunk kernels that take launch options
 TUNINGS = {
     "gpu": Tuning("gpu", chunk_fwd=64, chunk_bwd=64, chunks_per_segment=16, state_tile=64,
-                  bwd_state_tiles=(64, 64, 128), heads_per_output=1,
-                  launch=dict(state=dict(num_warps=4, maxnreg=168), output=dict(num_warps=4, num_stages=1),
+                  bwd_state_tiles=(64, 64, 64), heads_per_output=1,
+                  launch=dict(state=dict(num_warps=4, num_stages=2, maxnreg=128),
+                              output=dict(num_warps=4, num_stages=1, maxnreg=168),
                               bwd_group=dict(num_warps=4, num_stages=2), bwd_bc=dict(num_warps=4, num_stages=2),
-                              bwd_x=dict(num_warps=4, num_stages=1)),
+                              bwd_x=dict(num_warps=4, num_stages=1, maxnreg=128)),
                   scan_block=1024, conv_fwd_blocks=(32, 128), conv_fwd_warps=4, conv_bwd_blocks=(16, 64),
                   conv_bwd_warps=1, conv_bwd_programs=4096, gate_tile=4096, gate_programs=4096),
     "interpreter": Tuning("interpreter", chunk_fwd=64, chunk_bwd=64, chunks_per_segment=2, state_tile=None,
@@ -411,6 +412,9 @@ class _LaunchPlan:
         self.flags = dict(HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus),
                           HAS_SEQ=seq_idx is not None)
         self.precision = "ieee" if x.dtype == torch.float32 else "tf32"
+        # products of a float32 tile with a 0/1 matrix that must keep float32's accuracy: exact
+        # in float32, else two tf32 products on the tensor cores (_exact_dot)
+        self.fp32_precision = "ieee" if x.dtype == torch.float32 else "tf32"
         # the chunk entry states (and, in backward, exit gradients) as stored between kernels;
         # the kernels carry them in float32 and read them back to float32
         self.state_dtype = state_dtype or (torch.float32 if x.dtype == torch.float32 else x.dtype)
@@ -864,6 +868,26 @@ def _chunk_vector_decays(dt_ptr, dt_bias_ptr, A_ptr, seq_ptr, b, h, start, seqle
 
 
 @triton.jit
+def _tf32_split(a):
+    """a float32 = hi + lo exactly: hi keeps the 11 leading significant bits, all that tf32
+    holds (the low 13 mantissa bits cleared), and |lo| < 2^-10 |a|."""
+    hi = (a.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+    return hi, a - hi
+
+
+@triton.jit
+def _exact_dot(a, b01, PRECISION: tl.constexpr):
+    """a (M, K) float32 times b01 (K, N), a matrix of 0s and 1s, keeping float32's accuracy:
+    exact with "ieee"; with "tf32", two tensor-core products of a's split (b01 is exact in tf32,
+    hi too, and lo loses at most 2^-11 of itself), each term then within 2^-20 of itself. Every
+    term keeps its own relative accuracy: nothing cancels that the exact sum would not cancel."""
+    if PRECISION == "ieee":
+        return tl.dot(a, b01, input_precision="ieee")
+    hi, lo = _tf32_split(a)
+    return tl.dot(hi, b01, input_precision="tf32") + tl.dot(lo, b01, input_precision="tf32")
+
+
+@triton.jit
 def _document_pair_decay(hi, lo, seq, Q: tl.constexpr, HAS_SEQ: tl.constexpr):
     """L (Q, Q) of one chunk: exp(cs_i - cs_j) over its causal pairs i >= j of one document, else 0."""
     offs_q = tl.arange(0, Q)
@@ -917,8 +941,10 @@ def _pair_tile(chunk_row, g, ngroups, Q: tl.constexpr):
 #     d(dt'_k A) collects every decay exponent whose span holds token k: the pairs i >= k > j,
 #            the entry decays e_i with i >= k, the exit decays with j < k, and exp(cs_last).
 # The first kernel sums the pairs' share directly over the pairs that span k, never as a
-# difference of running sums (README walkthrough b, rule 3); the entry's and exit's shares are
-# dot products that the other two kernels form anyway, the state's share a by-product of dB, dC.
+# difference of running sums (README walkthrough b, rule 3). The states' shares come from the
+# products the BC kernel forms for dB and dC: the entry's C_i . (e_i S_in^T dy_i), the exit's
+# B_j . (x_j^T dS_out) (the pull on w_j), the carry <dS_out, S_in>; so the x kernel reads neither x
+# nor the entry states, and sums those shares.
 
 @triton.jit
 def _chunk_bwd_group_kernel(
@@ -927,8 +953,8 @@ def _chunk_bwd_group_kernel(
     seqlen, headdim, dstate, heads_per_group, ngroups, batch, dt_min, dt_max,
     stride_x, stride_B, stride_C, stride_dt, stride_seq, stride_do,
     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-    HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_D: tl.constexpr, HAS_SEQ: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_D: tl.constexpr, D_PER_CHANNEL: tl.constexpr,
+    HAS_SEQ: tl.constexpr, DOT_PRECISION: tl.constexpr, SPAN_PRECISION: tl.constexpr,
 ):
     """One (chunk, batch, group): C.B and dCB for the buffers the other two kernels read, and
     for each of the group's heads its pairs' share of dt' and of d(dt'A) (Q,) and its dD partial.
@@ -953,7 +979,7 @@ def _chunk_bwd_group_kernel(
         CB += tl.dot(Cm, tl.trans(Bm), input_precision=DOT_PRECISION)
     tl.store(CB_ptr + _pair_tile(chunk_row, g, ngroups, Q), CB)
 
-    strict = offs_q[:, None] > offs_q[None, :]
+    before = (offs_q[:, None] < offs_q[None, :]).to(tl.float32)                   # (Q, Q) [j < k]
     dCB = tl.zeros((Q, Q), dtype=tl.float32)
     for hh in range(heads_per_group):
         h = g * heads_per_group + hh
@@ -968,21 +994,26 @@ def _chunk_bwd_group_kernel(
         dxyM = dxyL * CB
         row = _row_head(chunk_row, h, nheads) * Q + offs_q
         tl.store(ddt_pairs_ptr + row, tl.sum(dxyM, axis=0))
-        # d(dt'_k A) from the pairs i >= k > j that span k: an exclusive cumulative sum along j,
-        # then a sum over i >= k (L is 0 off the causal pairs of one document)
-        V = tl.where(strict, dxyM * dt[None, :], 0.0)                             # (Q, Q) pair (i, j)
-        spans = tl.cumsum(V, axis=1) - V                                  # [i, k]: sum_{j<k} V_ij
+        # d(dt'_k A) from the pairs i >= k > j that span k: a sum along j < k, as a product with
+        # the 0/1 matrix `before` on the tensor cores (in place of a scan along j), then a sum
+        # over i >= k. L is 0 off the causal pairs of one document, so V needs no mask, and the
+        # diagonal j = i never meets j < k <= i.
+        V = dxyM * dt[None, :]                                                     # (Q, Q) pair (i, j)
+        spans = _exact_dot(V, before, SPAN_PRECISION)                    # [i, k]: sum_{j<k} V_ij
         tl.store(ddA_pairs_ptr + row, tl.sum(tl.where(offs_q[:, None] >= offs_q[None, :], spans, 0.0), axis=0))
-        if HAS_D:
+        if HAS_D and D_PER_CHANNEL:        # (h, p): sum over tokens of dy x, per channel
             tl.store(dD_part_ptr + _row_head(chunk_row, h, nheads) * headdim + offs_p,
                      tl.sum(dy.to(tl.float32) * x.to(tl.float32), axis=0), mask=offs_p < headdim)
+        elif HAS_D:                        # (h,): the trace of dy x^T, which dxyL holds (L_ii = 1)
+            tl.store(dD_part_ptr + _row_head(chunk_row, h, nheads),
+                     tl.sum(tl.sum(tl.where(offs_q[:, None] == offs_q[None, :], dxyL, 0.0), axis=1), axis=0))
     tl.store(dCB_ptr + _pair_tile(chunk_row, g, ngroups, Q), dCB.to(dCB_ptr.dtype.element_ty))
 
 
 @triton.jit
 def _chunk_bwd_BC_kernel(
     x_ptr, B_ptr, C_ptr, dt_ptr, dt_bias_ptr, A_ptr, seq_ptr, entries, exits, dout_ptr, dCB_ptr,
-    dB_ptr, dC_ptr, ddA_entry_part_ptr, carry_part_ptr,
+    dB_ptr, dC_ptr, ddA_entry_part_ptr, dw_part_ptr, carry_part_ptr,
     seqlen, headdim, dstate, heads_per_group, ngroups, batch, n_n_tiles, chunks_per_seg, dt_min, dt_max,
     stride_x, stride_B, stride_C, stride_dt, stride_seq, stride_do, stride_dB, stride_dC,
     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
@@ -990,9 +1021,10 @@ def _chunk_bwd_BC_kernel(
     HAS_ENTRY: tl.constexpr, HAS_EXIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """dB and dC of one (chunk, batch, group, state tile), the group's heads summed in registers
-    (each written once: no atomics), and per head the two shares of d(dt'A) that contract a
-    state, over this tile: the entry's, C_i . (e_i S_in^T dy_i) (Q,), and <dS_out, S_in> ().
-    The partials are (b * nchunks, h, n_n_tiles, Q) and (b * nchunks, h, n_n_tiles) fp32."""
+    (each written once: no atomics), and per head, over this tile, what the x kernel needs of the
+    states: the entry's share of d(dt'A), C_i . (e_i S_in^T dy_i) (Q,); the exit's pull on token
+    j's weight w_j, B_j . (x_j^T dS_out) (Q,); and <dS_out, S_in> (). The partials are
+    (b * nchunks, h, n_n_tiles, Q), twice, and (b * nchunks, h, n_n_tiles) fp32."""
     # state tiles vary fastest, then groups: the programs running at once share x and dy
     pid = tl.program_id(0)
     pid_n = pid % n_n_tiles
@@ -1018,17 +1050,20 @@ def _chunk_bwd_BC_kernel(
             dt_ptr, dt_bias_ptr, A_ptr, seq_ptr, b, h, start, seqlen, stride_dt, stride_seq,
             Q, HAS_DT_BIAS, DT_SOFTPLUS, HAS_SEQ, dt_min, dt_max)
         x = _head_tile(x_ptr, b64, t64, h, offs_p, mask_qp, stride_x)              # (Q, BP)
-        dy = _head_tile(dout_ptr, b64, t64, h, offs_p, mask_qp, stride_do).to(tl.float32)
+        dy = _head_tile(dout_ptr, b64, t64, h, offs_p, mask_qp, stride_do)
+        # the states in the products' operand dtype, as the forward's products take them
         S_in = _true_chunk_edge(entries, chunk_row, seg_row, h, offs_p, offs_n, mask_pn, nheads, headdim, dstate,
-                                HAS_ENTRY)                                         # (BP, BN)
+                                HAS_ENTRY).to(x.dtype)                             # (BP, BN)
         dS_out = _true_chunk_edge(exits, chunk_row, seg_row, h, offs_p, offs_n, mask_pn, nheads, headdim, dstate,
-                                  HAS_EXIT)                                        # (BP, BN)
-        from_entry = tl.dot((dy * e[:, None]).to(x.dtype), S_in.to(x.dtype), input_precision=DOT_PRECISION)
-        dC += from_entry                                                           # (Q, BN)
-        dB += (w_dec * dt)[:, None] * tl.dot(x, dS_out.to(x.dtype), input_precision=DOT_PRECISION)
+                                  HAS_EXIT).to(x.dtype)                            # (BP, BN)
         part = _row_head(chunk_row, h, nheads) * n_n_tiles + pid_n
+        tl.store(carry_part_ptr + part, tl.sum(tl.sum(dS_out.to(tl.float32) * S_in.to(tl.float32), axis=1), axis=0))
+        xdS = tl.dot(x, dS_out, input_precision=DOT_PRECISION)                     # (Q, BN) x_j^T dS_out
+        dB += (w_dec * dt)[:, None] * xdS
+        tl.store(dw_part_ptr + part * Q + offs_q, tl.sum(Bm.to(tl.float32) * xdS, axis=1))
+        from_entry = tl.dot((dy.to(tl.float32) * e[:, None]).to(x.dtype), S_in, input_precision=DOT_PRECISION)
+        dC += from_entry                                                           # (Q, BN)
         tl.store(ddA_entry_part_ptr + part * Q + offs_q, tl.sum(Cm.to(tl.float32) * from_entry, axis=1))
-        tl.store(carry_part_ptr + part, tl.sum(tl.sum(dS_out * S_in, axis=1), axis=0))
     tl.store(dB_ptr + b64 * stride_dB.b + t64[:, None] * stride_dB.l + g * stride_dB.g
              + offs_n[None, :] * stride_dB.n, dB.to(dB_ptr.dtype.element_ty), mask=mask_qn)
     tl.store(dC_ptr + b64 * stride_dC.b + t64[:, None] * stride_dC.l + g * stride_dC.g
@@ -1037,17 +1072,17 @@ def _chunk_bwd_BC_kernel(
 
 @triton.jit
 def _chunk_bwd_x_kernel(
-    x_ptr, B_ptr, dt_ptr, dt_bias_ptr, A_ptr, D_ptr, seq_ptr, exits, dout_ptr, CB_ptr,
-    ddt_pairs_ptr, ddA_pairs_ptr, ddA_entry_part_ptr, carry_part_ptr, dx_ptr, ddt_ptr, dA_part_ptr,
+    B_ptr, dt_ptr, dt_bias_ptr, A_ptr, D_ptr, seq_ptr, exits, dout_ptr, CB_ptr,
+    ddt_pairs_ptr, ddA_pairs_ptr, ddA_entry_part_ptr, dw_part_ptr, carry_part_ptr, dx_ptr, ddt_ptr, dA_part_ptr,
     seqlen, headdim, dstate, heads_per_group, nheads, batch, chunks_per_seg, n_bc_tiles, dt_min, dt_max,
-    stride_x, stride_B, stride_dt, stride_D, stride_seq, stride_do, stride_dx,
+    stride_B, stride_dt, stride_D, stride_seq, stride_do, stride_dx,
     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_D: tl.constexpr, HAS_SEQ: tl.constexpr,
     HAS_EXIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """dx and dt of one (chunk, batch, head), and the chunk's partial dA: the group kernel's C.B
-    and pair shares, the BC kernel's entry and state shares, and the exit's, x_j . (dS_out B_j),
-    formed here with dx's own dS_out B_j. ddt (b, l, h) and the partials (b * nchunks, h) fp32."""
+    """dx and dt of one (chunk, batch, head), and the chunk's partial dA: dx from the group
+    kernel's C.B and the exit gradient; dt from the group kernel's pair shares and the BC kernel's
+    entry, exit and state shares. ddt (b, l, h) and the partials (b * nchunks, h) fp32."""
     # heads vary fastest: the programs running at once share a chunk, so its B stays in L2
     pid = tl.program_id(0)
     h = pid % nheads
@@ -1063,34 +1098,33 @@ def _chunk_bwd_x_kernel(
         Q, HAS_DT_BIAS, DT_SOFTPLUS, HAS_SEQ, dt_min, dt_max)
     L = _document_pair_decay(hi, lo, seq, Q, HAS_SEQ)
     CB = tl.load(CB_ptr + _pair_tile(chunk_row, g, nheads // heads_per_group, Q))
-    x = _head_tile(x_ptr, b64, t64, h, offs_p, mask_qp, stride_x)                  # (Q, BP)
-    dy = _head_tile(dout_ptr, b64, t64, h, offs_p, mask_qp, stride_do)
-    Mdt = (CB * L * dt[None, :]).to(x.dtype)                                       # (Q, Q)
-    dx = tl.dot(tl.trans(Mdt), dy.to(x.dtype), input_precision=DOT_PRECISION)      # (Q, BP)
+    dy = _head_tile(dout_ptr, b64, t64, h, offs_p, mask_qp, stride_do)              # (Q, BP)
+    Mdt = (CB * L * dt[None, :]).to(dy.dtype)                                      # (Q, Q)
+    dx = tl.dot(tl.trans(Mdt), dy, input_precision=DOT_PRECISION)                  # (Q, BP)
     if HAS_D:
         Dv = tl.load(D_ptr + h * stride_D.h + offs_p * stride_D.p, mask=offs_p < headdim, other=0.0)
         dx += Dv.to(tl.float32)[None, :] * dy.to(tl.float32)
-    # the exit's share, a state tile at a time: dx_j += w_j dS_out B_j, and d w_j = x_j . dS_out B_j
+    # the exit's share, a state tile at a time: dx_j += w_j dS_out B_j
     w = w_dec * dt                                                                 # (Q,)
-    dw = tl.zeros((Q,), dtype=tl.float32)
     for n0 in range(0, dstate, BN):
         offs_n = n0 + tl.arange(0, BN)
         mask_qn = valid[:, None] & (offs_n[None, :] < dstate)
         mask_pn = (offs_p[:, None] < headdim) & (offs_n[None, :] < dstate)
-        Bm = _group_tile(B_ptr, b64, t64, g, offs_n, mask_qn, stride_B)            # (Q, BN)
+        # w folded into B before the product, rounded to the operand dtype as the state pass folds its own
+        Bw = (_group_tile(B_ptr, b64, t64, g, offs_n, mask_qn, stride_B).to(tl.float32) * w[:, None]).to(dy.dtype)
         dS_out = _true_chunk_edge(exits, chunk_row, seg_row, h, offs_p, offs_n, mask_pn, nheads, headdim, dstate,
-                                  HAS_EXIT)                                        # (BP, BN)
-        BdS = tl.dot(Bm, tl.trans(dS_out.to(Bm.dtype)), input_precision=DOT_PRECISION)   # (Q, BP)
-        dx += w[:, None] * BdS
-        dw += tl.sum(x.to(tl.float32) * BdS, axis=1)
+                                  HAS_EXIT).to(dy.dtype)                           # (BP, BN)
+        dx = tl.dot(Bw, tl.trans(dS_out), acc=dx, input_precision=DOT_PRECISION)   # (Q, BP)
     tl.store(dx_ptr + b64 * stride_dx.b + t64[:, None] * stride_dx.l + h * stride_dx.h
              + offs_p[None, :] * stride_dx.p, dx.to(dx_ptr.dtype.element_ty), mask=mask_qp)
 
     row = _row_head(chunk_row, h, nheads)
     entry_share = tl.zeros((Q,), dtype=tl.float32)
+    dw = tl.zeros((Q,), dtype=tl.float32)                                         # d w_j = x_j . dS_out B_j
     carry = tl.zeros((), dtype=tl.float32)
     for i in range(n_bc_tiles):
         entry_share += tl.load(ddA_entry_part_ptr + (row * n_bc_tiles + i) * Q + offs_q)
+        dw += tl.load(dw_part_ptr + (row * n_bc_tiles + i) * Q + offs_q)
         carry += tl.load(carry_part_ptr + row * n_bc_tiles + i)
     d_entry = tl.cumsum(entry_share, axis=0, reverse=True)                         # exp(cs_i), i >= k
     sw = (dw * w).to(tl.float64)
@@ -1115,10 +1149,12 @@ def _chunk_bwd(inp, states, gamma, entry, dstates, rho, dexit, dout, plan, dx=No
     dCB = torch.empty(rows, plan.ngroups, Q, Q, device=dev, dtype=x.dtype)
     ddt_pairs, ddA_pairs = (torch.empty(rows, plan.nheads, Q, device=dev, dtype=torch.float32) for _ in range(2))
     n_bc_tiles = _cdiv(plan.dstate, plan.BN_bc)
-    ddA_entry_part = torch.empty(rows, plan.nheads, n_bc_tiles, Q, device=dev, dtype=torch.float32)
+    ddA_entry_part, dw_part = (torch.empty(rows, plan.nheads, n_bc_tiles, Q, device=dev, dtype=torch.float32)
+                               for _ in range(2))
     carry_part = torch.empty(rows, plan.nheads, n_bc_tiles, device=dev, dtype=torch.float32)
     dA_part = torch.empty(rows, plan.nheads, device=dev, dtype=torch.float32)
-    dD_part = torch.empty(rows, plan.nheads, plan.headdim, device=dev, dtype=torch.float32) if D is not None else None
+    d_width = plan.headdim if D is not None and D.dim() == 2 else 1
+    dD_part = torch.empty(rows, plan.nheads, d_width, device=dev, dtype=torch.float32) if D is not None else None
     entries = _ChunkEdge(states, gamma, _stand_in(entry, gamma))
     exits = _ChunkEdge(dstates, rho, _stand_in(dexit, rho))
     s_x, s_B, s_C, s_dt = _BLHP(*x.stride()), _BLGN(*B.stride()), _BLGN(*C.stride()), _BLH(*dt.stride())
@@ -1128,19 +1164,21 @@ def _chunk_bwd(inp, states, gamma, entry, dstates, rho, dexit, dout, plan, dx=No
         x, B, C, dt, dt_bias, A, seq_idx, dout, CB, dCB, ddt_pairs, ddA_pairs, _stand_in(dD_part, ddt_pairs),
         plan.seqlen, plan.headdim, plan.dstate, plan.heads_per_group, plan.ngroups, plan.batch,
         plan.dt_min, plan.dt_max, s_x, s_B, s_C, s_dt, s_seq, s_do,
-        Q=Q, BP=plan.BP, BN=plan.BN_group, HAS_D=D is not None, **plan.launch["bwd_group"], **flags)
+        Q=Q, BP=plan.BP, BN=plan.BN_group, HAS_D=D is not None, D_PER_CHANNEL=d_width > 1,
+        SPAN_PRECISION=plan.fp32_precision,
+        **plan.launch["bwd_group"], **flags)
     _chunk_bwd_BC_kernel[(plan.nchunks * plan.batch * plan.ngroups * n_bc_tiles,)](
-        x, B, C, dt, dt_bias, A, seq_idx, entries, exits, dout, dCB, dB, dC, ddA_entry_part, carry_part,
+        x, B, C, dt, dt_bias, A, seq_idx, entries, exits, dout, dCB, dB, dC, ddA_entry_part, dw_part, carry_part,
         plan.seqlen, plan.headdim, plan.dstate, plan.heads_per_group, plan.ngroups, plan.batch, n_bc_tiles,
         plan.chunks_per_seg, plan.dt_min, plan.dt_max, s_x, s_B, s_C, s_dt, s_seq, s_do,
         _BLGN(*dB.stride()), _BLGN(*dC.stride()),
         Q=Q, BP=plan.BP, BN=plan.BN_bc, HAS_ENTRY=entry is not None, HAS_EXIT=dexit is not None,
         **plan.launch["bwd_bc"], **flags)
     _chunk_bwd_x_kernel[(plan.nchunks * plan.batch * plan.nheads,)](
-        x, B, dt, dt_bias, A, D, seq_idx, exits, dout, CB, ddt_pairs, ddA_pairs, ddA_entry_part, carry_part,
+        B, dt, dt_bias, A, D, seq_idx, exits, dout, CB, ddt_pairs, ddA_pairs, ddA_entry_part, dw_part, carry_part,
         dx, ddt, dA_part,
         plan.seqlen, plan.headdim, plan.dstate, plan.heads_per_group, plan.nheads, plan.batch, plan.chunks_per_seg,
-        n_bc_tiles, plan.dt_min, plan.dt_max, s_x, s_B, s_dt, _D_strides(D), s_seq, s_do, _BLHP(*dx.stride()),
+        n_bc_tiles, plan.dt_min, plan.dt_max, s_B, s_dt, _D_strides(D), s_seq, s_do, _BLHP(*dx.stride()),
         Q=Q, BP=plan.BP, BN=plan.BN_x, HAS_D=D is not None, HAS_EXIT=dexit is not None,
         **plan.launch["bwd_x"], **flags)
     dA = dA_part.sum(dim=0)                                                         # (h,)

@@ -992,6 +992,34 @@ def test_extreme_decay(chunk):
     assert_close(run_both(inputs), FP32_BOUND)
 
 
+def test_tf32_split():
+    """On a GPU the backward's sums over spanning pairs (README walkthrough b, rule 3) run on the
+    tensor cores as two tf32 products of a float32 tile's split a = hi + lo (_exact_dot); their
+    accuracy rests on the split: exact, hi within tf32's 11 significant bits, |lo| < 2^-10 |a|.
+    Values over 60 binades, both signs, zeros and a subnormal (split exactly, its bound aside)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def split_kernel(a_ptr, hi_ptr, lo_ptr, N: tl.constexpr):
+        offs = tl.arange(0, N)
+        hi, lo = mamba_cp._tf32_split(tl.load(a_ptr + offs))
+        tl.store(hi_ptr + offs, hi)
+        tl.store(lo_ptr + offs, lo)
+
+    g = torch.Generator().manual_seed(13)
+    a = torch.randn(4096, generator=g) * torch.exp2(torch.randint(-30, 30, (4096,), generator=g).float())
+    a[:3] = torch.tensor([0.0, -0.0, 1e-40])
+    a = a.to(DEVICE)
+    hi, lo = torch.empty_like(a), torch.empty_like(a)
+    split_kernel[(1,)](a, hi, lo, N=a.numel())
+    assert torch.equal(hi + lo, a)
+    assert not (hi.view(torch.int32) & 0x1FFF).any()
+    normal = a.abs() >= torch.finfo(torch.float32).tiny   # a subnormal's leading bits are fewer
+    assert (lo.abs() <= a.abs() * 2.0 ** -10)[normal].all()
+    assert (lo != 0).float().mean() > 0.9   # the split did cut: a plain copy would pass the rest
+
+
 # The default dt_limit (0, inf) clamps, as mamba_ssm's Triton kernels do: a negative raw dt
 # (dt_softplus=False) becomes dt' = 0 (the token neither decays nor writes the state) and gets no
 # gradient; dt = 0 itself is inside the limit and keeps its gradient (mamba_ssm's clamp mask).

@@ -41,6 +41,7 @@ import socket
 import subprocess
 import time
 import traceback
+import types
 from typing import Callable, NamedTuple
 
 import pytest
@@ -2110,6 +2111,221 @@ def test_transformers_mamba2_cp_parity():
             assert not bad, f"{layout}: parameters (CP, unsharded float32) against float64: {bad}"
 
 
+# Hybrids trained under CP with enable_cp: a Mamba2 layer (2 groups) then an attention layer
+# (grouped-query, rotary), GraniteMoeHybrid's with a mixture of experts beside each
+HF_TRAINED = {
+    "GraniteMoeHybridForCausalLM": ("GraniteMoeHybridConfig", dict(
+        vocab_size=64, hidden_size=32, intermediate_size=32, shared_intermediate_size=48, num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"], num_attention_heads=4, num_key_value_heads=2,
+        num_local_experts=4, num_experts_per_tok=2, position_embedding_type="rope", mamba_n_heads=8, mamba_d_head=8,
+        mamba_n_groups=2, mamba_d_state=8, mamba_expand=2, mamba_chunk_size=16, tie_word_embeddings=False)),
+    "BambaForCausalLM": ("BambaConfig", dict(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, attn_layer_indices=[1],
+        num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=2,
+        mamba_d_state=8, mamba_expand=2, mamba_chunk_size=16, tie_word_embeddings=False)),
+}
+# documents packed in the 2 x 44 batch (starts per row): the rank boundaries (11, 22 and 33 in
+# the virtual layout at W = 2, 22 contiguous) fall inside documents
+HF_PACKED_STARTS = ([17, 30], [5])
+
+
+def tiny_hybrid(name, dtype=torch.float32, seed=0):
+    import transformers
+    config_name, options = HF_TRAINED[name]
+    torch.manual_seed(seed)
+    model = getattr(transformers, name)(getattr(transformers, config_name)(**options)).to(dtype)
+    if hasattr(model, "set_experts_implementation") and "num_local_experts" in options:
+        model.set_experts_implementation("eager")   # the grouped matmul takes no float64
+    return model
+
+
+def hf_batch(vocab, packed, L=44):
+    """input_ids (2, L), and position_ids restarting at each packed document's start (or None)."""
+    ids = draw(Shape(batch=2, seqlen=L), 5, device="cpu", vocab=vocab)["input_ids"]
+    if not packed:
+        return ids, None
+    positions = torch.arange(L).repeat(2, 1)
+    for row, starts in enumerate(HF_PACKED_STARTS):
+        for s in starts:
+            positions[row, s:] = torch.arange(L - s)
+    return ids, positions
+
+
+def hf_documents(ids, positions):
+    """(row, start, end) of every document of the batch."""
+    if positions is None:
+        return [(row, 0, ids.shape[1]) for row in range(ids.shape[0])]
+    docs = []
+    for row in range(ids.shape[0]):
+        starts = (positions[row] == 0).nonzero().flatten().tolist() + [ids.shape[1]]
+        docs += [(row, a, b) for a, b in zip(starts, starts[1:])]
+    return docs
+
+
+def hf_reference(name, packed, dtype, steps=3):
+    """The unsharded model on transformers' own code path: each document alone (as packing with
+    documents kept apart computes), its loss the sum over its tokens divided by the batch's count
+    of predicted tokens. Losses per step, the first step's gradients and the parameters after
+    the last."""
+    model = tiny_hybrid(name, dtype)
+    ids, positions = hf_batch(model.config.vocab_size, packed)
+    docs = hf_documents(ids, positions)
+    items = sum(b - a - 1 for _, a, b in docs)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        total = 0.0
+        for row, a, b in docs:
+            doc = ids[row:row + 1, a:b]
+            loss = model(input_ids=doc, labels=doc, num_items_in_batch=items).loss
+            loss.backward()
+            total += loss.item()
+        if not losses:
+            grads = _grads(model)
+        losses.append(total)
+        opt.step()
+    return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _grads(model):
+    """Every parameter's gradient, whole (an FSDP2 shard's gathered), flattened into one vector."""
+    return torch.cat([(p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().flatten().double()
+                      for p in model.parameters() if p.grad is not None])
+
+
+def hf_cp_train(name, packed, rank, world, group, layout, steps=3, mesh=None):
+    """enable_cp and shard_batch on this rank's share; with mesh (dp, cp) FSDP2 over all its
+    ranks, each dp rank holding one row of the batch. Global losses, the first step's
+    gradients and the full parameters."""
+    if EXAMPLES not in sys.path:
+        sys.path.insert(0, EXAMPLES)
+    import transformers_cp
+    model = tiny_hybrid(name)
+    ids, positions = hf_batch(model.config.vocab_size, packed)
+    scale, cp_rank, cp_world = 1.0, rank, world
+    if mesh is not None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        group, cp_rank, cp_world = mesh.get_group("cp"), mesh.get_local_rank("cp"), mesh.size(1)
+        everyone = init_device_mesh("cpu", (mesh.size(),))
+        model = transformers_cp.enable_cp(model, group, layout)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=everyone)
+        fully_shard(model, mesh=everyone)
+        scale = float(mesh.size())            # FSDP averages over dp x cp; the shares must add
+        row = mesh.get_local_rank("dp")
+        items = sum(b - a - 1 for _, a, b in hf_documents(ids, positions))
+        ids, positions = ids[row:row + 1], None if positions is None else positions[row:row + 1]
+    else:
+        model = transformers_cp.enable_cp(model, group, layout)
+    batch = transformers_cp.shard_batch(ids, ids, cp_rank, cp_world, layout, position_ids=positions)
+    if mesh is None:
+        items = batch["num_items"]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], seq_idx=batch["seq_idx"],
+                     labels=batch["shift_labels"], shift_labels=batch["shift_labels"],
+                     num_items_in_batch=items).loss
+        (loss * scale).backward()
+        if mesh is None:
+            transformers_cp.all_reduce_grads(model, group)
+        total = loss.detach().clone()
+        dist.all_reduce(total)                # every rank's share, over dp x cp
+        if not losses:
+            grads = _grads(model)
+        losses.append(total.item())
+        opt.step()
+    params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+              for n, p in model.named_parameters()}
+    return losses, grads, params
+
+
+def hf_compare(cp, cp_grads, cp_params, name, packed):
+    """The CP run against the unsharded one in float32 (losses, the first step's gradients, all
+    parameters together) and float64 (each parameter, with the float32 run's own error beside
+    it). The gradients catch a wrong normalisation that Adam's steps would hide."""
+    single, single_grads, single_params = hf_reference(name, packed, torch.float32)
+    _, _, exact = hf_reference(name, packed, torch.float64)
+    joint = rel_rms(torch.cat([cp_params[n].flatten() for n in exact]),
+                    torch.cat([single_params[n].flatten() for n in exact]))
+    return dict(cp=cp, single=single, joint=joint, grads=rel_rms(cp_grads, single_grads),
+                params={n: (rel_rms(cp_params[n], exact[n]), rel_rms(single_params[n], exact[n])) for n in exact})
+
+
+def hf_hybrid_parity(rank, world, group, device, name):
+    """Per case (each layout, and packed documents in the virtual layout): hf_compare, on rank 0
+    (the ranks' losses and parameters are the same, all-reduced). Then what
+    the CP model refuses, each raised on every rank before any collective: a keyword that
+    describes documents otherwise, and a cache in evaluation."""
+    cases = {"virtual": ("virtual", False), "none": ("none", False), "packed_virtual": ("virtual", True)}
+    out = {}
+    for case, (layout, packed) in cases.items():
+        trained = hf_cp_train(name, packed, rank, world, group, layout)
+        if rank == 0:                         # every rank holds the same losses and parameters
+            out[case] = hf_compare(*trained, name, packed)
+    import transformers_cp
+    model = transformers_cp.enable_cp(tiny_hybrid(name), group, "virtual")
+    ids = transformers_cp.shard_batch(*(2 * [hf_batch(model.config.vocab_size, False)[0]]), rank, world)["input_ids"]
+    refusals = {}
+    for what, call in (("cu_seq_lens_q", lambda: model(input_ids=ids, cu_seq_lens_q=torch.tensor([0, ids.shape[1]]))),
+                       ("cache in evaluation", lambda: model.eval()(input_ids=ids, use_cache=True))):
+        try:
+            call()
+            refusals[what] = "accepted"
+        except ValueError as e:
+            refusals[what] = str(e)
+    return out, refusals
+
+
+def hf_fsdp_parity(rank, world, group, device, name):
+    """dp 2 x cp 2: FSDP2 over all four ranks, CP over each dp rank's pair."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    trained = hf_cp_train(name, True, rank, world, group, "virtual", mesh=mesh)
+    return {"fsdp_dp2_cp2_packed_virtual": hf_compare(*trained, name, True)} if rank == 0 else {}
+
+
+def assert_hf_cases(result):
+    for case, r in result.items():
+        worst = max(r["params"], key=lambda n: r["params"][n][0])
+        print(f"{case}: CP losses {r['cp']}, unsharded {r['single']}; first gradients {r['grads']:.1e} and all "
+              f"parameters {r['joint']:.1e} against the unsharded model's; largest parameter error against float64 {r['params'][worst][0]:.1e} ({worst}; "
+              f"unsharded float32 {r['params'][worst][1]:.1e})")
+        assert len(r["cp"]) == 3 and r["cp"][-1] < r["cp"][0], f"{case}: the loss must fall ({r['cp']})"
+        steps = [abs(a - b) / abs(b) for a, b in zip(r["cp"], r["single"])]
+        assert max(steps) <= HF_BOUND, f"{case}: losses {r['cp']} against unsharded {r['single']}"
+        assert r["grads"] <= HF_BOUND, f"{case}: first gradients {r['grads']:.2e} from the unsharded model's"
+        assert r["joint"] <= HF_BOUND, f"{case}: parameters {r['joint']:.2e} from the unsharded model's"
+        bad = {n: e for n, e in r["params"].items() if not e[0] <= HF_BOUND}
+        assert not bad, f"{case}: parameters (CP, unsharded float32) against float64: {bad}"
+
+
+@needs_transformers
+@pytest.mark.parametrize("name", list(HF_TRAINED))
+def test_transformers_hybrid_cp_parity(name):
+    """W = 2, both layouts and packed documents across the rank boundaries: losses per step and
+    parameters after 3 AdamW steps against transformers' own unsharded code."""
+    ranks = world_results(2, "hf_hybrid_parity", name, timeout=900)
+    assert set(ranks[0][0]) == {"virtual", "none", "packed_virtual"}, ranks[0][0]
+    for result, refusals in ranks:
+        assert_hf_cases(result)
+        assert "cannot honour ['cu_seq_lens_q']" in refusals["cu_seq_lens_q"], refusals
+        assert "a cache" in refusals["cache in evaluation"], refusals
+
+
+@needs_transformers
+def test_transformers_fsdp2_cp_parity():
+    """FSDP2 over dp 2 x cp 2, each dp rank its own packed row, against the unsharded model on
+    the whole global batch."""
+    ranks = world_results(4, "hf_fsdp_parity", "GraniteMoeHybridForCausalLM", timeout=900)
+    assert list(ranks[0]) == ["fsdp_dp2_cp2_packed_virtual"], ranks[0]
+    for result in ranks:
+        assert_hf_cases(result)
+
+
 HF_HYBRIDS = {   # tiny configs: one Mamba2 layer, one attention layer
     "BambaForCausalLM": ("BambaConfig", dict(attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=2,
                                              mamba_d_state=8, mamba_expand=2, mamba_chunk_size=16)),
@@ -2124,7 +2340,9 @@ HF_HYBRIDS = {   # tiny configs: one Mamba2 layer, one attention layer
 @needs_transformers
 @pytest.mark.parametrize("name", list(HF_HYBRIDS))
 def test_transformers_hybrid_mixers_found(name):
-    """enable_mamba_cp's duck typing finds the Mamba2 mixer of each hybrid, and nothing else."""
+    """enable_mamba_cp's duck typing finds the Mamba2 mixer of each hybrid, and nothing else;
+    enable_cp's census of layer kinds accepts the hybrid and refuses a kind it does not know, or
+    a count of modules that differs from the declared kinds'."""
     import transformers
     if not hasattr(transformers, name):
         pytest.skip(f"transformers {transformers.__version__} has no {name}")
@@ -2135,8 +2353,16 @@ def test_transformers_hybrid_mixers_found(name):
     config = getattr(transformers, config_name)(vocab_size=64, hidden_size=32, intermediate_size=64,
                                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                                 **mamba)
-    mixers = transformers_cp._mamba2_mixers(getattr(transformers, name)(config))
+    model = getattr(transformers, name)(config)
+    mixers = transformers_cp._mamba2_mixers(model)
     assert len(mixers) == 1, [type(m).__name__ for m in mixers]
+    assert [len(found) for found in transformers_cp._layers_to_patch(model)] == [1, 1]    # enable_cp's census
+    declared = list(getattr(config, "layers_block_type", None) or config.layer_types)
+    for changed, message in ((declared[:-1] + ["cross_attention"], r"kind \['cross_attention'\]"),
+                             (declared + ["full_attention"], "declares 2 layers of kind 'full_attention' but holds 1")):
+        model.config = types.SimpleNamespace(layer_types=changed)      # a config declaring other layers
+        with pytest.raises(ValueError, match=message):
+            transformers_cp._layers_to_patch(model)
     m = mixers[0]
     if hasattr(m.norm, "group_size"):        # transformers 5.24: the norm's groups are the B/C groups
         assert transformers_cp._mixer_sizes(m) == (8, 2)

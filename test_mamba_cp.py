@@ -2061,9 +2061,11 @@ def hf_train(rank, world, group, layout, steps=3, L=44, dtype=torch.float32):
         if group is not None:
             dist.all_reduce(total, group=group)
             transformers_cp.all_reduce_grads(model, group)
+        if not losses:
+            grads = _grads(model)
         losses.append(total.item())
         opt.step()
-    return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
+    return losses, grads, {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
 def hf_parity(rank, world, group, device):
@@ -2071,16 +2073,16 @@ def hf_parity(rank, world, group, device):
     last step the relative RMS against the unsharded float64 run, of CP and of the unsharded
     float32 run. The parameters are held to the float64 run: a zero-initialised conv bias holds
     nothing but three Adam steps, where transformers' own float32 path is 1.3e-5 off."""
-    single, single_params = hf_train(0, 1, None, "none")
-    _, exact = hf_train(0, 1, None, "none", dtype=torch.float64)
+    single, single_grads, single_params = hf_train(0, 1, None, "none")
+    _, _, exact = hf_train(0, 1, None, "none", dtype=torch.float64)
     own = {n: rel_rms(single_params[n], exact[n]) for n in exact}
     out = {}
     for layout in HF_LAYOUTS:
-        cp, cp_params = hf_train(rank, world, group, layout)
+        cp, cp_grads, cp_params = hf_train(rank, world, group, layout)
         joint = rel_rms(torch.cat([cp_params[n].flatten() for n in exact]),
                         torch.cat([single_params[n].flatten() for n in exact]))
         out[layout] = dict(cp=cp, single=single, params={n: (rel_rms(cp_params[n], exact[n]), own[n]) for n in exact},
-                           joint=joint)
+                           joint=joint, grads=rel_rms(cp_grads, single_grads))
     import transformers_cp
     singles = [dist.new_group([r]) for r in range(world)]            # collective: every rank makes each
     model = tiny_mamba2()
@@ -2094,21 +2096,26 @@ def hf_parity(rank, world, group, device):
     return out, dict(group_of_one_untouched=untouched, model_without_mixers_refused=refused)
 
 
+def assert_hf_cases(result):
+    for case, r in result.items():
+        worst = max(r["params"], key=lambda n: r["params"][n][0])
+        print(f"{case}: CP losses {r['cp']}, unsharded {r['single']}; first gradients {r['grads']:.1e} and all "
+              f"parameters {r['joint']:.1e} against the unsharded model's; largest parameter error against "
+              f"float64 {r['params'][worst][0]:.1e} ({worst}; unsharded float32 {r['params'][worst][1]:.1e})")
+        assert len(r["cp"]) == 3 and r["cp"][-1] < r["cp"][0], f"{case}: the loss must fall ({r['cp']})"
+        steps = [abs(a - b) / abs(b) for a, b in zip(r["cp"], r["single"])]
+        assert max(steps) <= HF_BOUND, f"{case}: losses {r['cp']} against unsharded {r['single']}"
+        assert r["grads"] <= HF_BOUND, f"{case}: first gradients {r['grads']:.2e} from the unsharded model's"
+        assert r["joint"] <= HF_BOUND, f"{case}: parameters {r['joint']:.2e} from the unsharded model's"
+        bad = {n: e for n, e in r["params"].items() if not e[0] <= HF_BOUND}
+        assert not bad, f"{case}: parameters (CP, unsharded float32) against float64: {bad}"
+
+
 @needs_transformers
 def test_transformers_mamba2_cp_parity():
     for result, checks in world_results(2, "hf_parity", timeout=900):
         assert all(checks.values()), checks
-        for layout, r in result.items():
-            worst = max(r["params"], key=lambda n: r["params"][n][0])
-            print(f"{layout}: CP losses {r['cp']}, unsharded {r['single']}; all parameters against the unsharded "
-                  f"model {r['joint']:.1e}; largest parameter error against float64 {r['params'][worst][0]:.1e} "
-                  f"({worst}; unsharded float32 {r['params'][worst][1]:.1e})")
-            assert len(r["cp"]) == 3 and r["cp"][-1] < r["cp"][0], f"{layout}: the loss must fall ({r['cp']})"
-            steps = [abs(a - b) / abs(b) for a, b in zip(r["cp"], r["single"])]
-            assert max(steps) <= HF_BOUND, f"{layout}: losses {r['cp']} against unsharded {r['single']}"
-            assert r["joint"] <= HF_BOUND, f"{layout}: parameters {r['joint']:.2e} from the unsharded model's"
-            bad = {n: e for n, e in r["params"].items() if not e[0] <= HF_BOUND}
-            assert not bad, f"{layout}: parameters (CP, unsharded float32) against float64: {bad}"
+        assert_hf_cases(result)
 
 
 # Hybrids trained under CP with enable_cp: a Mamba2 layer (2 groups) then an attention layer
@@ -2286,21 +2293,6 @@ def hf_fsdp_parity(rank, world, group, device, name):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
     trained = hf_cp_train(name, True, rank, world, group, "virtual", mesh=mesh)
     return {"fsdp_dp2_cp2_packed_virtual": hf_compare(*trained, name, True)} if rank == 0 else {}
-
-
-def assert_hf_cases(result):
-    for case, r in result.items():
-        worst = max(r["params"], key=lambda n: r["params"][n][0])
-        print(f"{case}: CP losses {r['cp']}, unsharded {r['single']}; first gradients {r['grads']:.1e} and all "
-              f"parameters {r['joint']:.1e} against the unsharded model's; largest parameter error against float64 {r['params'][worst][0]:.1e} ({worst}; "
-              f"unsharded float32 {r['params'][worst][1]:.1e})")
-        assert len(r["cp"]) == 3 and r["cp"][-1] < r["cp"][0], f"{case}: the loss must fall ({r['cp']})"
-        steps = [abs(a - b) / abs(b) for a, b in zip(r["cp"], r["single"])]
-        assert max(steps) <= HF_BOUND, f"{case}: losses {r['cp']} against unsharded {r['single']}"
-        assert r["grads"] <= HF_BOUND, f"{case}: first gradients {r['grads']:.2e} from the unsharded model's"
-        assert r["joint"] <= HF_BOUND, f"{case}: parameters {r['joint']:.2e} from the unsharded model's"
-        bad = {n: e for n, e in r["params"].items() if not e[0] <= HF_BOUND}
-        assert not bad, f"{case}: parameters (CP, unsharded float32) against float64: {bad}"
 
 
 @needs_transformers

@@ -2369,13 +2369,16 @@ def test_transformers_hybrid_mixers_found(name):
 
 @needs_transformers
 def test_transformers_group_of_one_leaves_the_model_alone():
-    """cp_group None returns the model untouched: every mixer keeps transformers' forward."""
+    """cp_group None returns the model untouched: every mixer keeps transformers' forward
+    (enable_cp too, whose census accepts a Mamba2ForCausalLM's two mixers and no attention)."""
     if EXAMPLES not in sys.path:
         sys.path.insert(0, EXAMPLES)
     import transformers_cp
     model = tiny_mamba2()
     assert len(transformers_cp._mamba2_mixers(model)) == 2
+    assert [len(found) for found in transformers_cp._layers_to_patch(model)] == [2, 0]   # enable_cp's census
     assert transformers_cp.enable_mamba_cp(model, None) is model
+    assert transformers_cp.enable_cp(model, None) is model
     assert all("forward" not in vars(m) for m in transformers_cp._mamba2_mixers(model))
     with pytest.raises(ValueError, match="load_balancing"):
         transformers_cp.enable_mamba_cp(model, None, load_balancing="zigzag")

@@ -297,7 +297,8 @@ def shard_batch(input_ids, labels, rank, world, load_balancing="virtual", positi
     tokens (the loss's divisor)."""
     b, L = input_ids.shape
     if position_ids is None:
-        position_ids = torch.arange(L, device=input_ids.device).expand(b, L)
+        position_ids = torch.arange(L, device=input_ids.device)
+    position_ids = position_ids.expand(b, L)                   # (L,) or (1, L) serve every row
     starts = position_ids == 0
     starts[:, 0] = True
     seq_idx = (torch.cumsum(starts.int(), dim=1) - 1).to(torch.int32)              # (b, L)

@@ -412,9 +412,6 @@ class _LaunchPlan:
         self.flags = dict(HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus),
                           HAS_SEQ=seq_idx is not None)
         self.precision = "ieee" if x.dtype == torch.float32 else "tf32"
-        # products of a float32 tile with a 0/1 matrix that must keep float32's accuracy: exact
-        # in float32, else two tf32 products on the tensor cores (_exact_dot)
-        self.fp32_precision = "ieee" if x.dtype == torch.float32 else "tf32"
         # the chunk entry states (and, in backward, exit gradients) as stored between kernels;
         # the kernels carry them in float32 and read them back to float32
         self.state_dtype = state_dtype or (torch.float32 if x.dtype == torch.float32 else x.dtype)
@@ -877,8 +874,9 @@ def _tf32_split(a):
 
 @triton.jit
 def _exact_dot(a, b01, PRECISION: tl.constexpr):
-    """a (M, K) float32 times b01 (K, N), a matrix of 0s and 1s, keeping float32's accuracy:
-    exact with "ieee"; with "tf32", two tensor-core products of a's split (b01 is exact in tf32,
+    """a (M, K) float32 times b01 (K, N), a matrix of 0s and 1s, keeping float32's accuracy
+    whatever the kernel's precision: exact with "ieee"; with "tf32" (the products' precision for
+    bf16 and fp16 inputs), two tensor-core products of a's split (b01 is exact in tf32,
     hi too, and lo loses at most 2^-11 of itself), each term then within 2^-20 of itself. Every
     term keeps its own relative accuracy: nothing cancels that the exact sum would not cancel."""
     if PRECISION == "ieee":
@@ -954,7 +952,7 @@ def _chunk_bwd_group_kernel(
     stride_x, stride_B, stride_C, stride_dt, stride_seq, stride_do,
     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_D: tl.constexpr, D_PER_CHANNEL: tl.constexpr,
-    HAS_SEQ: tl.constexpr, DOT_PRECISION: tl.constexpr, SPAN_PRECISION: tl.constexpr,
+    HAS_SEQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One (chunk, batch, group): C.B and dCB for the buffers the other two kernels read, and
     for each of the group's heads its pairs' share of dt' and of d(dt'A) (Q,) and its dD partial.
@@ -999,7 +997,7 @@ def _chunk_bwd_group_kernel(
         # over i >= k. L is 0 off the causal pairs of one document, so V needs no mask, and the
         # diagonal j = i never meets j < k <= i.
         V = dxyM * dt[None, :]                                                     # (Q, Q) pair (i, j)
-        spans = _exact_dot(V, before, SPAN_PRECISION)                    # [i, k]: sum_{j<k} V_ij
+        spans = _exact_dot(V, before, DOT_PRECISION)                     # [i, k]: sum_{j<k} V_ij
         tl.store(ddA_pairs_ptr + row, tl.sum(tl.where(offs_q[:, None] >= offs_q[None, :], spans, 0.0), axis=0))
         if HAS_D and D_PER_CHANNEL:        # (h, p): sum over tokens of dy x, per channel
             tl.store(dD_part_ptr + _row_head(chunk_row, h, nheads) * headdim + offs_p,
@@ -1165,7 +1163,6 @@ def _chunk_bwd(inp, states, gamma, entry, dstates, rho, dexit, dout, plan, dx=No
         plan.seqlen, plan.headdim, plan.dstate, plan.heads_per_group, plan.ngroups, plan.batch,
         plan.dt_min, plan.dt_max, s_x, s_B, s_C, s_dt, s_seq, s_do,
         Q=Q, BP=plan.BP, BN=plan.BN_group, HAS_D=D is not None, D_PER_CHANNEL=d_width > 1,
-        SPAN_PRECISION=plan.fp32_precision,
         **plan.launch["bwd_group"], **flags)
     _chunk_bwd_BC_kernel[(plan.nchunks * plan.batch * plan.ngroups * n_bc_tiles,)](
         x, B, C, dt, dt_bias, A, seq_idx, entries, exits, dout, dCB, dB, dC, ddA_entry_part, dw_part, carry_part,

@@ -2011,8 +2011,9 @@ def test_mixer_loss_parity():
 
 
 # ---------------------------------------------------------------------------------------------
-# Vendoring into Hugging Face transformers (examples/transformers_cp.py): a Mamba2ForCausalLM
-# trained on W gloo ranks against the unsharded model on transformers' own code path
+# Vendoring into Hugging Face transformers (examples/transformers_cp.py): Mamba2ForCausalLM and
+# two hybrids trained on gloo ranks (and under FSDP2) against the unsharded model on
+# transformers' own code path
 # ---------------------------------------------------------------------------------------------
 
 # transformers is optional (these tests skip without it) and imported where used: every gloo
@@ -2024,103 +2025,14 @@ HF_LAYOUTS = ("virtual", "none")
 HF_BOUND = 1e-5  # relative: losses and all parameters against the unsharded model, each against its float64 run
 
 
-def tiny_mamba2(seed=0):
-    """Mamba2ForCausalLM from a tiny config: random init, no download; two layers, 8 heads of 8
-    channels in 2 groups, state 8, chunk 16."""
-    import transformers
-    config = transformers.Mamba2Config(vocab_size=64, hidden_size=32, num_hidden_layers=2, expand=2, num_heads=8,
-                                       head_dim=8, n_groups=2, state_size=8, conv_kernel=4, chunk_size=16,
-                                       use_cache=False, tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    return transformers.Mamba2ForCausalLM(config)
-
-
-def hf_train(rank, world, group, layout, steps=3, L=44, dtype=torch.float32):
-    """Losses of a few AdamW steps of tiny_mamba2 on one fixed batch of 2 x L tokens (L not a
-    multiple of the chunk), and the parameters after the last. With a group: sharded through
-    examples/transformers_cp.py, each rank's loss its share of the global mean, gradients summed."""
-    if EXAMPLES not in sys.path:
-        sys.path.insert(0, EXAMPLES)
-    import transformers_cp
-    model = tiny_mamba2().to(dtype)
-    ids = draw(Shape(batch=2, seqlen=L), 5, device="cpu", vocab=model.config.vocab_size)["input_ids"]
-    if group is not None:
-        model = transformers_cp.enable_mamba_cp(model, group, layout)
-        batch = transformers_cp.shard_batch(ids, ids, rank, world, layout)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        if group is None:
-            loss = model(input_ids=ids, labels=ids).loss                   # transformers' own path
-        else:
-            loss = model(input_ids=batch["input_ids"], labels=batch["shift_labels"],
-                         shift_labels=batch["shift_labels"], num_items_in_batch=batch["num_items"]).loss
-        loss.backward()
-        total = loss.detach().clone()
-        if group is not None:
-            dist.all_reduce(total, group=group)
-            transformers_cp.all_reduce_grads(model, group)
-        if not losses:
-            grads = _grads(model)
-        losses.append(total.item())
-        opt.step()
-    return losses, grads, {name: p.detach().clone() for name, p in model.named_parameters()}
-
-
-def hf_parity(rank, world, group, device):
-    """Per layout: the CP losses and the unsharded ones (float32), and per parameter after the
-    last step the relative RMS against the unsharded float64 run, of CP and of the unsharded
-    float32 run. The parameters are held to the float64 run: a zero-initialised conv bias holds
-    nothing but three Adam steps, where transformers' own float32 path is 1.3e-5 off."""
-    single, single_grads, single_params = hf_train(0, 1, None, "none")
-    _, _, exact = hf_train(0, 1, None, "none", dtype=torch.float64)
-    own = {n: rel_rms(single_params[n], exact[n]) for n in exact}
-    out = {}
-    for layout in HF_LAYOUTS:
-        cp, cp_grads, cp_params = hf_train(rank, world, group, layout)
-        joint = rel_rms(torch.cat([cp_params[n].flatten() for n in exact]),
-                        torch.cat([single_params[n].flatten() for n in exact]))
-        out[layout] = dict(cp=cp, single=single, params={n: (rel_rms(cp_params[n], exact[n]), own[n]) for n in exact},
-                           joint=joint, grads=rel_rms(cp_grads, single_grads))
-    import transformers_cp
-    singles = [dist.new_group([r]) for r in range(world)]            # collective: every rank makes each
-    model = tiny_mamba2()
-    untouched = transformers_cp.enable_mamba_cp(model, singles[rank]) is model and not any(
-        "forward" in vars(m) for m in transformers_cp._mamba2_mixers(model))
-    try:
-        transformers_cp.enable_mamba_cp(torch.nn.Linear(2, 2), group)
-        refused = False
-    except ValueError as e:
-        refused = "no Mamba2 mixer" in str(e)
-    return out, dict(group_of_one_untouched=untouched, model_without_mixers_refused=refused)
-
-
-def assert_hf_cases(result):
-    for case, r in result.items():
-        worst = max(r["params"], key=lambda n: r["params"][n][0])
-        print(f"{case}: CP losses {r['cp']}, unsharded {r['single']}; first gradients {r['grads']:.1e} and all "
-              f"parameters {r['joint']:.1e} against the unsharded model's; largest parameter error against "
-              f"float64 {r['params'][worst][0]:.1e} ({worst}; unsharded float32 {r['params'][worst][1]:.1e})")
-        assert len(r["cp"]) == 3 and r["cp"][-1] < r["cp"][0], f"{case}: the loss must fall ({r['cp']})"
-        steps = [abs(a - b) / abs(b) for a, b in zip(r["cp"], r["single"])]
-        assert max(steps) <= HF_BOUND, f"{case}: losses {r['cp']} against unsharded {r['single']}"
-        assert r["grads"] <= HF_BOUND, f"{case}: first gradients {r['grads']:.2e} from the unsharded model's"
-        assert r["joint"] <= HF_BOUND, f"{case}: parameters {r['joint']:.2e} from the unsharded model's"
-        bad = {n: e for n, e in r["params"].items() if not e[0] <= HF_BOUND}
-        assert not bad, f"{case}: parameters (CP, unsharded float32) against float64: {bad}"
-
-
-@needs_transformers
-def test_transformers_mamba2_cp_parity():
-    for result, checks in world_results(2, "hf_parity", timeout=900):
-        assert all(checks.values()), checks
-        assert_hf_cases(result)
-
-
-# Hybrids trained under CP with enable_cp: a Mamba2 layer (2 groups) then an attention layer
-# (grouped-query, rotary), GraniteMoeHybrid's with a mixture of experts beside each
+# The models trained under CP, from tiny configs (random init, no download): Mamba2ForCausalLM
+# with two layers of 8 heads of 8 channels in 2 groups, state 8, chunk 16; the hybrids a Mamba2
+# layer like those then an attention layer (grouped-query, rotary), GraniteMoeHybrid's with a
+# mixture of experts beside each
 HF_TRAINED = {
+    "Mamba2ForCausalLM": ("Mamba2Config", dict(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, expand=2, num_heads=8, head_dim=8, n_groups=2,
+        state_size=8, conv_kernel=4, chunk_size=16, use_cache=False, tie_word_embeddings=False)),
     "GraniteMoeHybridForCausalLM": ("GraniteMoeHybridConfig", dict(
         vocab_size=64, hidden_size=32, intermediate_size=32, shared_intermediate_size=48, num_hidden_layers=2,
         layer_types=["linear_attention", "full_attention"], num_attention_heads=4, num_key_value_heads=2,
@@ -2136,7 +2048,7 @@ HF_TRAINED = {
 HF_PACKED_STARTS = ([17, 30], [5])
 
 
-def tiny_hybrid(name, dtype=torch.float32, seed=0):
+def tiny_model(name, dtype=torch.float32, seed=0):
     import transformers
     config_name, options = HF_TRAINED[name]
     torch.manual_seed(seed)
@@ -2174,7 +2086,7 @@ def hf_reference(name, packed, dtype, steps=3):
     documents kept apart computes), its loss the sum over its tokens divided by the batch's count
     of predicted tokens. Losses per step, the first step's gradients and the parameters after
     the last."""
-    model = tiny_hybrid(name, dtype)
+    model = tiny_model(name, dtype)
     ids, positions = hf_batch(model.config.vocab_size, packed)
     docs = hf_documents(ids, positions)
     items = sum(b - a - 1 for _, a, b in docs)
@@ -2208,7 +2120,7 @@ def hf_cp_train(name, packed, rank, world, group, layout, steps=3, mesh=None):
     if EXAMPLES not in sys.path:
         sys.path.insert(0, EXAMPLES)
     import transformers_cp
-    model = tiny_hybrid(name)
+    model = tiny_model(name)
     ids, positions = hf_batch(model.config.vocab_size, packed)
     scale, cp_rank, cp_world = 1.0, rank, world
     if mesh is not None:
@@ -2229,13 +2141,15 @@ def hf_cp_train(name, packed, rank, world, group, layout, steps=3, mesh=None):
     batch = transformers_cp.shard_batch(ids, ids, cp_rank, cp_world, layout, position_ids=positions)
     if mesh is None:
         items = batch["num_items"]
+    # Mamba2ForCausalLM takes no positions and hands its mixers no keywords (no documents)
+    documents = ({} if name == "Mamba2ForCausalLM" else
+                 dict(position_ids=batch["position_ids"], seq_idx=batch["seq_idx"]))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses = []
     for _ in range(steps):
         opt.zero_grad()
-        loss = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], seq_idx=batch["seq_idx"],
-                     labels=batch["shift_labels"], shift_labels=batch["shift_labels"],
-                     num_items_in_batch=items).loss
+        loss = model(input_ids=batch["input_ids"], labels=batch["shift_labels"], shift_labels=batch["shift_labels"],
+                     num_items_in_batch=items, **documents).loss
         (loss * scale).backward()
         if mesh is None:
             transformers_cp.all_reduce_grads(model, group)
@@ -2262,6 +2176,28 @@ def hf_compare(cp, cp_grads, cp_params, name, packed):
                 params={n: (rel_rms(cp_params[n], exact[n]), rel_rms(single_params[n], exact[n])) for n in exact})
 
 
+def hf_parity(rank, world, group, device):
+    """Mamba2ForCausalLM through enable_cp, per layout: hf_compare on rank 0 (the ranks' losses
+    and parameters are the same, all-reduced). Then enable_mamba_cp's own promises: a group of
+    one leaves the model untouched, a model without mixers is refused."""
+    out = {}
+    for layout in HF_LAYOUTS:
+        trained = hf_cp_train("Mamba2ForCausalLM", False, rank, world, group, layout)
+        if rank == 0:
+            out[layout] = hf_compare(*trained, "Mamba2ForCausalLM", False)
+    import transformers_cp
+    singles = [dist.new_group([r]) for r in range(world)]            # collective: every rank makes each
+    model = tiny_model("Mamba2ForCausalLM")
+    untouched = transformers_cp.enable_mamba_cp(model, singles[rank]) is model and not any(
+        "forward" in vars(m) for m in transformers_cp._mamba2_mixers(model))
+    try:
+        transformers_cp.enable_mamba_cp(torch.nn.Linear(2, 2), group)
+        refused = False
+    except ValueError as e:
+        refused = "no Mamba2 mixer" in str(e)
+    return out, dict(group_of_one_untouched=untouched, model_without_mixers_refused=refused)
+
+
 def hf_hybrid_parity(rank, world, group, device, name, packed_too):
     """Per case (each layout, and with packed_too packed documents in the virtual layout): hf_compare, on rank 0
     (the ranks' losses and parameters are the same, all-reduced). Then what
@@ -2276,7 +2212,7 @@ def hf_hybrid_parity(rank, world, group, device, name, packed_too):
         if rank == 0:                         # every rank holds the same losses and parameters
             out[case] = hf_compare(*trained, name, packed)
     import transformers_cp
-    model = transformers_cp.enable_cp(tiny_hybrid(name), group, "virtual")
+    model = transformers_cp.enable_cp(tiny_model(name), group, "virtual")
     ids = transformers_cp.shard_batch(*(2 * [hf_batch(model.config.vocab_size, False)[0]]), rank, world)["input_ids"]
     refusals = {}
     for what, call in (("cu_seq_lens_q", lambda: model(input_ids=ids, cu_seq_lens_q=torch.tensor([0, ids.shape[1]]))),
@@ -2297,8 +2233,34 @@ def hf_fsdp_parity(rank, world, group, device, name):
     return {"fsdp_dp2_cp2_packed_virtual": hf_compare(*trained, name, True)} if rank == 0 else {}
 
 
+def assert_hf_cases(result):
+    for case, r in result.items():
+        worst = max(r["params"], key=lambda n: r["params"][n][0])
+        print(f"{case}: CP losses {r['cp']}, unsharded {r['single']}; first gradients {r['grads']:.1e} and all "
+              f"parameters {r['joint']:.1e} against the unsharded model's; largest parameter error against "
+              f"float64 {r['params'][worst][0]:.1e} ({worst}; unsharded float32 {r['params'][worst][1]:.1e})")
+        assert len(r["cp"]) == 3 and r["cp"][-1] < r["cp"][0], f"{case}: the loss must fall ({r['cp']})"
+        steps = [abs(a - b) / abs(b) for a, b in zip(r["cp"], r["single"])]
+        assert max(steps) <= HF_BOUND, f"{case}: losses {r['cp']} against unsharded {r['single']}"
+        assert r["grads"] <= HF_BOUND, f"{case}: first gradients {r['grads']:.2e} from the unsharded model's"
+        assert r["joint"] <= HF_BOUND, f"{case}: parameters {r['joint']:.2e} from the unsharded model's"
+        bad = {n: e for n, e in r["params"].items() if not e[0] <= HF_BOUND}
+        assert not bad, f"{case}: parameters (CP, unsharded float32) against float64: {bad}"
+
+
 @needs_transformers
-@pytest.mark.parametrize("name", list(HF_TRAINED))
+def test_transformers_mamba2_cp_parity():
+    """W = 2, both layouts: losses per step, the first step's gradients and the parameters after 3
+    AdamW steps against transformers' own unsharded code."""
+    ranks = world_results(2, "hf_parity", timeout=900)
+    assert set(ranks[0][0]) == set(HF_LAYOUTS), ranks[0][0]
+    for result, checks in ranks:
+        assert all(checks.values()), checks
+        assert_hf_cases(result)
+
+
+@needs_transformers
+@pytest.mark.parametrize("name", ["GraniteMoeHybridForCausalLM", "BambaForCausalLM"])
 def test_transformers_hybrid_cp_parity(name):
     """W = 2, both layouts, and packed documents across the rank boundaries (Bamba here;
     GraniteMoeHybrid's packed case runs under FSDP2 below): losses per step, the first step's
@@ -2374,7 +2336,7 @@ def test_transformers_group_of_one_leaves_the_model_alone():
     if EXAMPLES not in sys.path:
         sys.path.insert(0, EXAMPLES)
     import transformers_cp
-    model = tiny_mamba2()
+    model = tiny_model("Mamba2ForCausalLM")
     assert len(transformers_cp._mamba2_mixers(model)) == 2
     assert [len(found) for found in transformers_cp._layers_to_patch(model)] == [2, 0]   # enable_cp's census
     assert transformers_cp.enable_mamba_cp(model, None) is model

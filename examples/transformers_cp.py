@@ -75,13 +75,15 @@ MIXER_PARTS = ("in_proj", "conv1d", "dt_bias", "A_log", "D", "norm", "out_proj")
 ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
 ATTENTION = "mamba_cp_gathered_kv"        # the name this file registers with transformers
 MAMBA_KIND, ATTENTION_KIND, TOKENWISE_KINDS = "linear_attention", "full_attention", ("mlp", "moe")
-# keywords that reach every mixer and attention layer from the CausalLM forward and say nothing
-# about which tokens may see which: the loss's, the router's, the cache switch
-INERT_KEYWORDS = {"num_items_in_batch", "shift_labels", "output_router_logits", "use_cache", "output_attentions"}
+# keywords that reach the mixers and attention layers from the CausalLM forward and say nothing
+# about which tokens may see which: the loss's, the router's, the cache switch, and the positions
+# (the rotary embeddings have taken them before attention runs)
+INERT_KEYWORDS = {"num_items_in_batch", "shift_labels", "output_router_logits", "use_cache", "output_attentions",
+                  "position_ids"}
 
 
 def _refuse_unknown(keywords, where):
-    unknown = sorted(set(keywords) - INERT_KEYWORDS - {"position_ids"})
+    unknown = sorted(set(keywords) - INERT_KEYWORDS)
     if unknown:
         raise ValueError(f"{where}: cannot honour {unknown} under context parallelism (documents reach it as "
                          f"seq_idx, from shard_batch)")
@@ -171,6 +173,14 @@ def enable_mamba_cp(model, cp_group, load_balancing="virtual"):
 # Attention: K and V all-gathered over the CP group, the causal mask from global positions
 # ---------------------------------------------------------------------------------------------
 
+def _gathered(t, group, dim):
+    """Every rank's t, concatenated in rank order along its token axis `dim`."""
+    world = dist.get_world_size(group)
+    out = torch.empty((world * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+    dist.all_gather_into_tensor(out, t.contiguous(), group=group)                 # (W * b, ...)
+    return out.unflatten(0, (world, -1)).movedim(0, dim).flatten(dim, dim + 1)
+
+
 class _GatherTokens(torch.autograd.Function):
     """(b, h, l, d) on every rank -> (b, h, W * l, d), the ranks' shards one after another. Its
     backward sums the gradient every rank's copy received and returns each rank its own part."""
@@ -178,10 +188,7 @@ class _GatherTokens(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t, group):
         ctx.group = group
-        world = dist.get_world_size(group)
-        out = torch.empty((world * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
-        dist.all_gather_into_tensor(out, t.contiguous(), group=group)             # (W * b, h, l, d)
-        return out.unflatten(0, (world, -1)).movedim(0, 2).flatten(2, 3)           # (b, h, W * l, d)
+        return _gathered(t, group, 2)
 
     @staticmethod
     def backward(ctx, grad):
@@ -193,18 +200,11 @@ class _GatherTokens(torch.autograd.Function):
         return own, None
 
 
-def _gathered(t, group):
-    """Every rank's t (b, l), concatenated in rank order (b, W * l), without gradient."""
-    world = dist.get_world_size(group)
-    out = torch.empty((world * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
-    dist.all_gather_into_tensor(out, t.contiguous(), group=group)
-    return out.unflatten(0, (world, -1)).movedim(0, 1).flatten(1, 2)
-
-
-def _global_positions(l_local, rank, world, load_balancing, device):
-    """Where rank's l_local tokens sit in the whole sequence, (l_local,), in the layout."""
+def _global_positions(l_local, world, load_balancing, device):
+    """Where every rank's l_local tokens sit in the whole sequence, the ranks' shards one after
+    another (W * l_local,), in the layout."""
     positions = torch.arange(l_local * world, device=device)[None]
-    return mamba_cp.shard(positions, rank, world, load_balancing)[0]
+    return torch.cat([mamba_cp.shard(positions, r, world, load_balancing)[0] for r in range(world)])
 
 
 def gathered_kv_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, seq_idx=None,
@@ -229,11 +229,11 @@ def gathered_kv_attention(module, query, key, value, attention_mask, dropout=0.0
     key, value = (_GatherTokens.apply(t, cp_group) for t in (key, value))      # (b, hkv, W * l, d)
     if key.shape[1] != hq:                                                      # grouped-query attention
         key, value = (t.repeat_interleave(hq // t.shape[1], dim=1) for t in (key, value))
-    mine = _global_positions(l, rank, world, load_balancing, query.device)                   # (l,)
-    theirs = torch.cat([_global_positions(l, r, world, load_balancing, query.device) for r in range(world)])
-    visible = (theirs[None, :] <= mine[:, None])[None]                          # (1, l, W * l)
+    keys = _global_positions(l, world, load_balancing, query.device)           # (W * l,)
+    queries = keys[rank * l:(rank + 1) * l]                                    # (l,)
+    visible = (keys[None, :] <= queries[:, None])[None]                        # (1, l, W * l)
     if seq_idx is not None:
-        visible = visible & (seq_idx[:, :, None] == _gathered(seq_idx, cp_group)[:, None, :])   # (b, l, W * l)
+        visible = visible & (seq_idx[:, :, None] == _gathered(seq_idx, cp_group, 1)[:, None, :])   # (b, l, W * l)
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=visible[:, None], dropout_p=dropout,
                                          scale=scaling)                         # (b, hq, l, d)
     return out.transpose(1, 2).contiguous(), None

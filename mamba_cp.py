@@ -2397,7 +2397,12 @@ def _conv_bwd_kernel(
     """n_inner consecutive (BT, BC) tiles of rows s of [halo, xBC] (starting at s = -SHIFT; SHIFT
     is TAPS-1 with a halo) in one batch row: du per tile (into dx, or dhalo for s < 0), and
     dweight, dbias summed over the tiles into this program's own partial slot. dhalo
-    (b, TAPS-1, dim), the partials (b, groups, TAPS, dim) and (b, groups, dim) are contiguous."""
+    (b, TAPS-1, dim), the partials (b, groups, TAPS, dim) and (b, groups, dim) are contiguous.
+
+    du[s] = sum_j w[TAPS-1-j] g[s+j] needs g = dL/dpre of TAPS-1 rows past the tile. Each
+    iteration computes g of the rows TAPS-1 ahead of its du rows, so the rows it also needs were
+    computed by the iteration before: a ring in this program's scratch slot holds them (HB rows
+    of history, then the newest tile), and only the program's first tile computes its history."""
     pid_g = tl.program_id(0)
     pid_c = tl.program_id(1)
     bb = tl.program_id(2).to(tl.int64)
@@ -2418,38 +2423,43 @@ def _conv_bwd_kernel(
     s_row0 = seq_ptr + bb * stride_s.b
     hs_row0 = hseq_ptr + bb * stride_hs.b
 
-    # this program's scratch slot: g of its tile (rows 0..BT-1) and of the HB rows after it
+    # this program's ring: rows [0, HB) hold g of the HB rows before the newest tile, rows
+    # [HB, HB + BT) the newest tile's g
     prog = (bb * tl.num_programs(0) + pid_g) * tl.num_programs(1) + pid_c
     slot = scratch_ptr + prog * ((BT + HB) * BC)
     sl_r = tl.arange(0, BT)
     sl_c = tl.arange(0, BC)
+    hist = tl.arange(0, HB)
+    first = pid_g * n_inner * BT - SHIFT                                        # the program's first du row
+    g_hist = _dpre(do_row0, do_col, stride_do_l, x_row0, x_col, stride_x_l, h_row0, h_col, stride_h_l,
+                   w_col, stride_w_k, bias, s_row0, stride_s_l, hs_row0, stride_hs_l, first + (TAPS - 1) - HB,
+                   mask_c, seqlen, HB, BC, TAPS, HAS_HALO, HAS_SEQ, HAS_HALO_SEQ, SILU)  # (HB, BC)
+    tl.store(slot + hist[:, None] * BC + sl_c[None, :], g_hist)
 
     kk = tl.arange(0, DP)                                                       # tap index, padded
     dw_acc = tl.zeros((DP, BC), dtype=tl.float32)
-    db_acc = tl.zeros((BC,), dtype=tl.float32)
+    # g's rows are each counted once, in the tile that computes them, except the TAPS-1 rows
+    # before the first tile (the history of program 0: zeros with a halo)
+    db_acc = tl.sum(g_hist, axis=0) * (pid_g == 0)                               # (BC,)
     for i in range(n_inner):
-        s0 = (pid_g * n_inner + i) * BT - SHIFT
+        s0 = first + i * BT                                                     # this tile's du rows
         g = _dpre(do_row0, do_col, stride_do_l, x_row0, x_col, stride_x_l, h_row0, h_col, stride_h_l,
-                  w_col, stride_w_k, bias, s_row0, stride_s_l, hs_row0, stride_hs_l, s0, mask_c, seqlen,
-                  BT, BC, TAPS, HAS_HALO, HAS_SEQ, HAS_HALO_SEQ, SILU)             # (BT, BC)
-        g_next = _dpre(do_row0, do_col, stride_do_l, x_row0, x_col, stride_x_l, h_row0, h_col, stride_h_l,
-                       w_col, stride_w_k, bias, s_row0, stride_s_l, hs_row0, stride_hs_l, s0 + BT, mask_c,
-                       seqlen, HB, BC, TAPS, HAS_HALO, HAS_SEQ, HAS_HALO_SEQ, SILU)  # (HB, BC): rows past the tile
+                  w_col, stride_w_k, bias, s_row0, stride_s_l, hs_row0, stride_hs_l, s0 + (TAPS - 1), mask_c,
+                  seqlen, BT, BC, TAPS, HAS_HALO, HAS_SEQ, HAS_HALO_SEQ, SILU)    # (BT, BC): g[s0+TAPS-1+r]
         db_acc += tl.sum(g, axis=0)
-        tl.debug_barrier()       # every thread is done reading the previous tile's g
-        tl.store(slot + sl_r[:, None] * BC + sl_c[None, :], g)
-        tl.store(slot + (BT + tl.arange(0, HB))[:, None] * BC + sl_c[None, :], g_next)
-        tl.debug_barrier()       # ... and this tile's g is visible to all of them
+        tl.store(slot + (HB + sl_r)[:, None] * BC + sl_c[None, :], g)
+        tl.debug_barrier()       # the newest tile (and the history) visible to every thread
 
         if HAS_SEQ:
             doc_s = _doc(s_row0, stride_s_l, hs_row0, stride_hs_l, s0, seqlen, BT, TAPS - 1, HAS_HALO_SEQ)
         u = _tap(x_row0, x_col, stride_x_l, h_row0, h_col, stride_h_l, s0, mask_c, seqlen,
                  BT, TAPS - 1, HAS_HALO)                                           # (BT, BC)
-        w = tl.load(w_col + (TAPS - 1) * stride_w_k, mask=mask_c, other=0.0).to(tl.float32)
-        du = w[None, :] * g                                                     # j = 0: the row itself
-        dw_acc += tl.where(kk[:, None] == TAPS - 1, tl.sum(u * g, axis=0)[None, :], 0.0)
-        for j in tl.static_range(1, TAPS):
-            gj = tl.load(slot + (sl_r + j)[:, None] * BC + sl_c[None, :])       # g[s + j]
+        du = tl.zeros((BT, BC), dtype=tl.float32)
+        for j in tl.static_range(TAPS):
+            if j == TAPS - 1:
+                gj = g                                                          # the newest tile itself
+            else:
+                gj = tl.load(slot + (HB - (TAPS - 1) + j + sl_r)[:, None] * BC + sl_c[None, :])  # g[s+j]
             if HAS_SEQ:   # mirrors the forward: output s+j reads row s only within one document
                 same = _doc(s_row0, stride_s_l, hs_row0, stride_hs_l, s0 + j, seqlen, BT, TAPS - 1,
                             HAS_HALO_SEQ) == doc_s
@@ -2457,6 +2467,9 @@ def _conv_bwd_kernel(
             w = tl.load(w_col + (TAPS - 1 - j) * stride_w_k, mask=mask_c, other=0.0).to(tl.float32)
             du += w[None, :] * gj
             dw_acc += tl.where(kk[:, None] == TAPS - 1 - j, tl.sum(u * gj, axis=0)[None, :], 0.0)
+        tl.debug_barrier()       # every thread is done reading the ring
+        # the newest tile's last HB rows become the next tile's history
+        tl.store(slot + (sl_r - (BT - HB))[:, None] * BC + sl_c[None, :], g, mask=(sl_r >= BT - HB)[:, None])
 
         rows = s0 + sl_r
         r64 = rows.to(tl.int64)

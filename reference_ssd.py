@@ -2,7 +2,9 @@
 
 `ssd_reference` is the naive token-by-token Mamba2 SSD recurrence; every test compares
 against it. `ssd_reference_chunked` computes the same thing in the chunked form, for
-shapes too long for a Python loop over tokens. `causal_conv1d_reference` and
+shapes too long for a Python loop over tokens. `state_passing_reference` is the method of
+state-passing context parallelism (walkthrough c and d) in plain torch, W ranks simulated in one
+process: the shortest listing of it. `causal_conv1d_reference` and
 `conv1d_ssd_reference` add the depthwise causal conv of the fused Mamba2 core.
 Everything is computed in float64 and stays differentiable: inputs are cast with
 `.double()`, never detached, so gradients reach the caller's tensors.
@@ -73,6 +75,55 @@ def ssd_reference(x, dt, A, B, C, D=None, z=None, dt_bias=None, initial_states=N
         ys.append(torch.einsum("bhpn,bhn->bhp", S, Ch[:, t]))  # (b, h, p)
     y = torch.stack(ys, dim=1)  # (b, l, h, p)
     return _epilogue(y, x, D, z), S
+
+
+def state_passing_reference(x, dt, A, B, C, world, D=None, dt_bias=None, dt_softplus=False,
+                            seq_idx=None, initial_states=None, dt_limit=_NO_LIMIT):
+    """State-passing CP (README walkthrough c and d) with `world` ranks simulated in one process.
+
+    A shard's exit state is affine in its entry state, S_exit = a_r * S_entry + S_ext_r, so each
+    rank summarises its shard alone, an exclusive scan over the W summaries hands every rank its
+    true entry state, and each rank then runs its shard from it. Same results as `ssd_reference`
+    (y (b, l, h, p), final state (b, h, p, n)), so the method can be read, and checked, apart
+    from the kernels."""
+    b, l, h, p = x.shape
+    if not 1 <= world <= l:
+        raise ValueError(f"world={world} must be in [1, seqlen={l}]")
+    seq = seq_idx if seq_idx is not None else torch.zeros(b, l, dtype=torch.long, device=x.device)
+    dA = process_dt(dt, dt_bias, dt_softplus, dt_limit) * A.double()  # (b, l, h) log per-token decay
+
+    def shard(t):  # 1. rank r holds the r-th contiguous piece of the sequence; lengths may differ
+        return torch.tensor_split(t, world, dim=1)
+    xs, dts, Bs, Cs, dAs, seqs = map(shard, (x, dt, B, C, dA, seq))
+    kw = dict(dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
+
+    # 2. every rank alone: the summary (a_r, S_ext_r) of its shard's state map
+    a, S_ext, fresh = [], [], []
+    for r in range(world):
+        # besides the summaries, the one thing a rank needs from its neighbour: the document id of
+        # the previous shard's last token, to tell whether a document starts at its first token
+        prev = seqs[r][:, :1] if r == 0 else seqs[r - 1][:, -1:]  # (b, 1); token 0 starts nothing
+        starts = seqs[r] != torch.cat([prev, seqs[r][:, :-1]], dim=1)  # (b, l_r) a document starts here
+        fresh.append(starts[:, 0])  # (b,) the entry state does not reach this shard's tokens
+        # the entry state survives the shard only if no document starts in it
+        a.append(torch.exp(dAs[r].sum(1)).masked_fill(starts.any(1)[:, None], 0.0))  # (b, h)
+        S_ext.append(ssd_reference(xs[r], dts[r], A, Bs[r], Cs[r], seq_idx=seqs[r],
+                                   **kw)[1])  # (b, h, p, n): the exit state from a zero entry
+
+    # 3. the exclusive scan over ranks (in the real thing: an all-gather of the W summaries, then
+    #    this tiny scan on every rank); E[r] is the state entering shard r, E[world] the final one
+    E = [xs[0].new_zeros(b, h, p, B.shape[-1], dtype=torch.float64) if initial_states is None
+         else initial_states.double()]  # (b, h, p, n) feeds the first document
+    for r in range(world):
+        E.append(a[r][:, :, None, None] * E[r] + S_ext[r])  # E_{r+1} = a_r E_r + S_ext_r
+
+    # 4. every rank: its outputs from its true entry state (zero if its first token starts a document)
+    ys = []
+    for r in range(world):
+        entry = E[r].masked_fill(fresh[r][:, None, None, None], 0.0)  # (b, h, p, n)
+        ys.append(ssd_reference(xs[r], dts[r], A, Bs[r], Cs[r], D=D, initial_states=entry, seq_idx=seqs[r],
+                                **kw)[0])  # (b, l_r, h, p), D skip included
+    return torch.cat(ys, dim=1), E[world]
 
 
 def _segsum(v):

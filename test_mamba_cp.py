@@ -918,6 +918,46 @@ def test_oracle_conv1d_ssd():
         conv1d_ssd_reference(xBC[..., :-1], args[0], taps(0)[:-1], None, *args[3:], **kw)
 
 
+# ---------------------------------------------------------------- state passing == sequential
+
+SP_STARTS = [[5, 11], [12, 16]]   # document starts, row 0 and row 1
+
+
+@pytest.mark.parametrize("documents", [True, False])
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
+def test_state_passing_reference(world, documents):
+    """The method in plain torch (W ranks in one process) against the token loop, forward and
+    backward. l = 23 divides by no W; tensor_split's shard boundaries are 12 (W=2), 8, 16 (W=3),
+    6, 12, 18 (W=4), 5, 10, 15, 19 (W=5), so a document starts exactly on a boundary for every
+    W > 1 (12 for W=2 and 4, 16 for W=3, 5 for W=5; for W=3 and 5 it is the only start in its
+    shard, so a_r must see it), and row 0's document from 11 and row 1's first one (fed by
+    initial_states) span several shards. Without documents: no seq_idx and no initial_states."""
+    shape = Shape(batch=2, seqlen=23, nheads=4, headdim=3, ngroups=2, dstate=5)
+    opts = dict(seq_idx=SP_STARTS, initial_states=True) if documents else {}
+    inp = oracle_leaves(shape, 7, D="hp", dt_bias=True, dt_softplus=True, **opts)
+    if documents and world > 1:
+        bounds = {int(s[0]) for s in torch.tensor_split(torch.arange(shape.seqlen), world)[1:]}
+        assert bounds & {s for row in SP_STARTS for s in row}   # a start on a shard boundary
+    y1, s1 = ssd_reference(**inp, dt_softplus=True)
+    y2, s2 = ref.state_passing_reference(**inp, world=world, dt_softplus=True)
+    assert y2.dtype == s2.dtype == torch.float64 and y2.shape == y1.shape and s2.shape == s1.shape
+    assert rel_rms(y2, y1) < 1e-10 and rel_rms(s2, s1) < 1e-10
+    w = draw(None, 105, dtype=torch.float64, device="cpu", weights=dict(y=y1.shape, final_states=s1.shape))
+    leaves = {k: v for k, v in inp.items() if torch.is_tensor(v) and v.requires_grad}
+    assert {"x", "dt", "A", "B", "C", "D", "dt_bias"} <= set(leaves) and ("initial_states" in leaves) == documents
+    g1 = torch.autograd.grad((y1 * w["y"]).sum() + (s1 * w["final_states"]).sum(), list(leaves.values()))
+    g2 = torch.autograd.grad((y2 * w["y"]).sum() + (s2 * w["final_states"]).sum(), list(leaves.values()))
+    for name, a, b in zip(leaves, g1, g2):
+        assert rel_rms(b, a) < 1e-10, (name, rel_rms(b, a))
+
+
+def test_state_passing_reference_world_range():
+    inp = oracle_leaves(Shape(batch=1, seqlen=6, nheads=2, headdim=2, ngroups=1, dstate=2), 8)
+    for world in (0, 7):   # 1 <= world <= l
+        with pytest.raises(ValueError, match=f"world={world}"):
+            ref.state_passing_reference(**inp, world=world)
+
+
 # ---------------------------------------------------------------------------------------------
 # mamba_cp sections 1-4 and 6: the single-device SSD against the oracle, forward and backward
 # (section 2's tuning too)

@@ -17,21 +17,33 @@ rank summarises its shard as (S_ext, a), the summaries are exchanged (all-gather
 prefix scan over the ranks in log2 W rounds), and an exclusive scan over them gives every rank
 its true entry state (README walkthrough c, d).
 
-Reading order, which is the order the method runs (the section headers below; a test keeps
-this list true):
+The same method in forty lines of plain torch, W ranks simulated in one process, is
+reference_ssd.state_passing_reference: the shortest way to see it.
+
+The file has two parts. Part I is the method, in the order it runs, and is complete on its own:
+a reader can stop at its end. Part II holds what production adds; each of its sections depends
+on Part I only, never the reverse (a test holds both parts to this, and this list to the section
+headers below):
+
+  Part I, the method
    1. Shared kernel pieces: dt processing and the decays of one chunk
    2. The launch plan
    3. The forward: state pass (both ways), segment scan, outputs; Summary
    4. The backward: GradPass (the state pass reversed), chunk gradients
-   5. Input checks
-   6. The single-device function: mamba_chunk_scan_combined
-   7. Layouts
-   8. Communication
-   9. The causal conv1d
-  10. The fused Conv1d + SSD with state-passing CP: mamba_conv1d_ssd_cp
-  11. The mixer entry: mamba_split_conv1d_scan_combined
-  12. The all-to-all baseline
-  13. A worked example
+   5. Layouts
+   6. The exchange: summaries, their gradients and the conv halo, by all-gather
+   7. The causal conv1d
+   8. The fused Conv1d + SSD with state-passing CP
+   9. A worked example
+  Part II, the production extras
+  10. The prefix-scan exchange and the model that chooses
+  11. Input checks and the ranks' agreement
+  12. The permute layouts
+  13. The compile layer and the public CP function: mamba_conv1d_ssd_cp
+  14. The gate and the gated RMSNorm
+  15. The single-device function: mamba_chunk_scan_combined, and the packed documents' states
+  16. The mixer entry: mamba_split_conv1d_scan_combined
+  17. The all-to-all baseline
 
 Numerics. Decays are exponentials of sums of dt'*A. A difference of two large cumulative sums
 loses the small difference between them in float32 (exp(cs_i - cs_j) where both are near
@@ -44,14 +56,17 @@ ones are removed by selection before exp, never multiplied by 0, so no inf * 0 a
 On a machine without a GPU the same kernels run in the Triton interpreter
 (TRITON_INTERPRET=1 is set below when CUDA is absent), so the code can be stepped through.
 Under torch.compile the forward and backward of each autograd function, and every collective,
-are opaque custom ops (mamba_cp::...): see the comment above _chunk_scan_fwd.
+are opaque custom ops (mamba_cp::...): section 13 says why.
 """
 
+import collections
 import dataclasses
 import os
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor
 
 if not torch.cuda.is_available():  # must precede the triton import: the interpreter is chosen then
@@ -63,61 +78,33 @@ import triton.language as tl  # noqa: E402
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+# =============================================================================================
+# PART I. THE METHOD
+# Sections 1 to 9: what a newcomer reads. Nothing here uses a name from Part II.
+# =============================================================================================
+
+
 # ---------------------------------------------------------------------------------------------
 # 1. Shared kernel pieces: dt processing and the decays of one chunk
 # ---------------------------------------------------------------------------------------------
+
 
 # What the kernels are given. A caller's tensor comes with its strides as one named tuple
 # (Triton kernels take tuples and specialise their fields as they do scalars: a unit stride
 # still vectorises). The buffers the module allocates itself are contiguous, and the kernels
 # compute their offsets from the sizes (_state_tile, _row_head).
 
-class _BLHP(NamedTuple):
-    """Strides of a (batch, token, head, headdim) tensor: x, y and their gradients."""
-    b: int
-    l: int  # noqa: E741
-    h: int
-    p: int
-
-
-class _BLGN(NamedTuple):
-    """Strides of a (batch, token, group, dstate) tensor: B, C and their gradients."""
-    b: int
-    l: int  # noqa: E741
-    g: int
-    n: int
-
-
-class _BLH(NamedTuple):
-    """Strides of a (batch, token, head) tensor: dt."""
-    b: int
-    l: int  # noqa: E741
-    h: int
-
-
-class _BL(NamedTuple):
-    """Strides of a (batch, token) tensor: seq_idx."""
-    b: int
-    l: int  # noqa: E741
-
-
-class _HP(NamedTuple):
-    """Strides of D as (head, headdim); a (nheads,) D broadcasts over headdim (p = 0)."""
-    h: int
-    p: int
-
-
-class _BLC(NamedTuple):
-    """Strides of a (batch, token, channel) tensor: the conv's xBC, its halo, and their gradients."""
-    b: int
-    l: int  # noqa: E741
-    c: int
-
-
-class _CK(NamedTuple):
-    """Strides of the conv weight (channel, tap)."""
-    c: int
-    k: int
+# Strides by name: x, y and their gradients (batch, token, head, headdim); B, C and theirs
+# (batch, token, group, dstate); dt (batch, token, head); seq_idx (batch, token); D (head,
+# headdim; a (nheads,) D broadcasts over headdim with p = 0); the conv's xBC, halo and their
+# gradients (batch, token, channel); the conv weight (channel, tap).
+_BLHP = collections.namedtuple("_BLHP", "b l h p")
+_BLGN = collections.namedtuple("_BLGN", "b l g n")
+_BLH = collections.namedtuple("_BLH", "b l h")
+_BL = collections.namedtuple("_BL", "b l")
+_HP = collections.namedtuple("_HP", "h p")
+_BLC = collections.namedtuple("_BLC", "b l c")
+_CK = collections.namedtuple("_CK", "c k")
 
 
 def _strides_of(t, record):
@@ -134,6 +121,13 @@ class _ChunkEdge(NamedTuple):
     stored: Tensor
     decay: Tensor
     segment: Tensor
+
+
+@triton.jit
+def _tile_ptrs(ptr, stride, b64, t64, i, offs):
+    """Pointers to a (rows, channels) tile of a (batch, length, heads or groups, channels) tensor:
+    batch b64, token rows t64 (R,) int64, head or group i, channels offs (C,); stride its record."""
+    return ptr + b64 * stride[0] + t64[:, None] * stride[1] + i * stride[2] + offs[None, :] * stride[3]
 
 
 @triton.jit
@@ -286,58 +280,76 @@ def _stand_in(t, placeholder):
     return placeholder if t is None else t
 
 
+# Every bad argument gets a ValueError naming it, what was seen, and what was expected.
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_INTS = (torch.int32, torch.int64)
+
+
+def _expect(cond, name, seen, expected):
+    if not cond:
+        raise ValueError(f"{name}: got {seen}, expected {expected}")
+
+
+def _check_tensor(t, name, shape, ref, *, dtypes=None, allow_none=True):
+    """Shape (None entries are free), device of `ref`, floating dtype (or one of `dtypes`)."""
+    if t is None:
+        _expect(allow_none, name, "None", "a tensor")
+        return
+    _expect(isinstance(t, torch.Tensor), name, type(t).__name__, "a torch.Tensor")
+    _expect(t.dim() == len(shape), name, f"shape {tuple(t.shape)} ({t.dim()} dims)",
+            f"{len(shape)} dims {tuple('*' if s is None else s for s in shape)}")
+    ok = all(s is None or s == d for s, d in zip(shape, t.shape))
+    _expect(ok, name, f"shape {tuple(t.shape)}", f"shape {tuple('*' if s is None else s for s in shape)}")
+    _expect(t.device == ref.device, name, f"device {t.device}", f"device {ref.device} (like x)")
+    if dtypes is None:
+        _expect(t.is_floating_point(), name, f"dtype {t.dtype}", "a floating dtype")
+    else:
+        _expect(t.dtype in dtypes, name, f"dtype {t.dtype}", f"one of {[str(d) for d in dtypes]}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Tuning:
     """Every choice that differs between a GPU and the Triton interpreter, in one place. The
-    GPU's were measured on an H200 at the record shape; the interpreter pays per program, and
-    its choices make the CPU tests walk every loop (several segments, state tiles, head blocks).
+    GPU's are the fastest measured on an H200 at the record shape (README "Where the time
+    goes", "The launch choices"); the interpreter pays per program, and its choices make the
+    CPU tests walk every loop (several segments, state tiles, head blocks).
     `TUNINGS` holds them by name; `set_tuning` picks the one the launches use (the interpreter's
     wherever the interpreter runs, else the GPU's)."""
 
     name: str
-    # Kernel chunk lengths. The chunked form computes the same recurrence for any chunk length,
-    # so the kernels may use a shorter chunk than the caller's chunk_size. Their (Q, Q) tiles
-    # live in registers: at 128 tokens they spill, and on an H200 64 is faster both ways,
-    # although the chunk states (p*n per chunk and head) then hold twice the bytes of x.
+    # Kernel chunk lengths: the chunked form computes the same recurrence for any chunk length,
+    # so the kernels may use a shorter chunk than the caller's (their (Q, Q) tiles live in
+    # registers).
     chunk_fwd: int
     chunk_bwd: int
     # Segments of this many chunks run the sequential state pass in parallel (the affine
     # summary of README walkthrough c, applied within one GPU); tiny ones on CPUs, so that the
     # tests exercise the segment scan.
     chunks_per_segment: int
-    # The state passes walk chunks sequentially: their (p, n) tile is split across programs at
-    # this width (None: the whole state in one program).
+    # The state passes' (p, n) tile is split across programs at this width (None: whole).
     state_tile: Optional[int]
-    # The n tile of the three chunk-backward kernels (group, BC, x): the group kernel's C.B
-    # contraction, the BC kernel's programs (one per tile), the x kernel's dS_out B_j
-    # contraction. On an H200 at the record shape: 64 in each.
+    # The n tile of the three chunk-backward kernels (group, BC, x).
     bwd_state_tiles: tuple
-    # Heads per output program (None: a whole group). They share the group's C.B, computed
-    # once per program, but one head per program runs heads_per_group times as many programs,
-    # which hides latency better: 16% faster on an H200 at the record shape (8 heads a group).
+    # Heads per output program (None: a whole group, which shares the group's C.B; one head per
+    # program runs more programs, which hides latency better).
     heads_per_output: Optional[int]
-    # Launch options per kernel, the fastest of a sweep on an H200 (forward+backward at the
-    # record shape; README "Where the time goes"). These kernels are latency-bound chains of
-    # small products, so what pays is programs per SM: 4 warps each, and a register cap
-    # (maxnreg) where it buys a third or fourth program without costing more in spills (the
-    # state pass, the output and x kernels; not the group and BC kernels). GPU only.
+    # Launch options per chunk kernel (GPU only). These kernels are latency-bound chains of
+    # small products: what pays is programs per SM, hence 4 warps and, where it buys a program
+    # without costing more in spills, a register cap (maxnreg).
     launch: dict
     # The segment scan's slice of the p*n state per program (None: the whole state).
     scan_block: Optional[int]
-    # The conv: (tokens, channels) per program and warps per program. Measured on an H200,
-    # bf16, 32k tokens x 8448 channels, d_conv 4, halo and seq_idx: forward 0.59 ms, backward
-    # 2.0 ms. The backward runs one warp per program: its per-tile dweight sums over tokens then
-    # stay inside a warp (4 warps with (32, 128) tiles: 3.3 ms). Its programs: about as many as
-    # a GPU keeps resident; longer sequences fold several token blocks into one program, which
-    # bounds the dweight/dbias partials and keeps the scratch slots (one (BT + d-1) x BC fp32
-    # tile per program, about 20 MiB in all) in L2.
+    # The conv: (tokens, channels) and warps per program. The backward runs one warp, so that its
+    # per-tile dweight sums stay inside a warp, and about as many programs as a GPU keeps
+    # resident: longer sequences fold several token blocks into one program, which bounds the
+    # dweight/dbias partials and keeps the scratch slots in L2.
     conv_fwd_blocks: tuple
     conv_fwd_warps: int
     conv_bwd_blocks: tuple
     conv_bwd_warps: int
     conv_bwd_programs: int
-    # The gate and gated RMSNorm: elements per (token rows x channels) tile, and programs of
-    # the backward (each folds several row blocks and their norm-weight partials). Not tuned.
+    # The gate and gated RMSNorm (Part II): elements per tile, and programs of the backward.
     gate_tile: int
     gate_programs: int
 
@@ -492,11 +504,9 @@ def _state_pass_kernel(
             alive = alive & (last == prev)
         t64 = (start + offs_q).to(tl.int64)
         valid = start + offs_q < seqlen
-        u = tl.load(u_ptr + b64 * stride_u.b + t64[:, None] * stride_u.l + h * stride_u.h
-                    + offs_p[None, :] * stride_u.p, mask=valid[:, None] & (offs_p[None, :] < headdim),
+        u = tl.load(_tile_ptrs(u_ptr, stride_u, b64, t64, h, offs_p), mask=valid[:, None] & (offs_p[None, :] < headdim),
                     other=0.0)                                                     # (Q, BP)
-        v = tl.load(v_ptr + b64 * stride_v.b + t64[:, None] * stride_v.l + g * stride_v.g
-                    + offs_n[None, :] * stride_v.n, mask=valid[:, None] & (offs_n[None, :] < dstate),
+        v = tl.load(_tile_ptrs(v_ptr, stride_v, b64, t64, g, offs_n), mask=valid[:, None] & (offs_n[None, :] < dstate),
                     other=0.0)                                                     # (Q, BN)
         uw = (u.to(tl.float32) * w[:, None]).to(v.dtype)
         V = decay * V + tl.dot(tl.trans(uw), v, input_precision=DOT_PRECISION)    # (BP, BN)
@@ -632,10 +642,8 @@ def _output_fwd_kernel(
     b64 = b.to(tl.int64)
     chunk_row, seg_row = _chunk_rows(b, c, seqlen, chunks_per_seg, Q)
 
-    Bm = tl.load(B_ptr + b64 * stride_B.b + t64[:, None] * stride_B.l + g * stride_B.g
-                 + offs_n[None, :] * stride_B.n, mask=mask_qn, other=0.0)          # (Q, BN)
-    Cm = tl.load(C_ptr + b64 * stride_C.b + t64[:, None] * stride_C.l + g * stride_C.g
-                 + offs_n[None, :] * stride_C.n, mask=mask_qn, other=0.0)          # (Q, BN)
+    Bm = tl.load(_tile_ptrs(B_ptr, stride_B, b64, t64, g, offs_n), mask=mask_qn, other=0.0)          # (Q, BN)
+    Cm = tl.load(_tile_ptrs(C_ptr, stride_C, b64, t64, g, offs_n), mask=mask_qn, other=0.0)          # (Q, BN)
     CB = tl.dot(Cm, tl.trans(Bm), input_precision=DOT_PRECISION)                   # (Q, Q)
 
     causal = offs_q[:, None] >= offs_q[None, :]
@@ -651,8 +659,7 @@ def _output_fwd_kernel(
                                   Q, HAS_DT_BIAS, DT_SOFTPLUS, dt_min, dt_max)
         hi, lo = _cumsum_hi_lo(dA)
         M = CB * _pair_decay(hi, lo, causal) * dt[None, :]                          # (Q, Q)
-        x = tl.load(x_ptr + b64 * stride_x.b + t64[:, None] * stride_x.l + h * stride_x.h
-                    + offs_p[None, :] * stride_x.p, mask=mask_qp, other=0.0)        # (Q, BP)
+        x = tl.load(_tile_ptrs(x_ptr, stride_x, b64, t64, h, offs_p), mask=mask_qp, other=0.0)        # (Q, BP)
         y = tl.dot(M.to(x.dtype), x, input_precision=DOT_PRECISION)                # (Q, BP)
 
         mask_pn = (offs_p[:, None] < headdim) & (offs_n[None, :] < dstate)
@@ -667,8 +674,7 @@ def _output_fwd_kernel(
         if HAS_D:
             Dv = tl.load(D_ptr + h * stride_D.h + offs_p * stride_D.p, mask=offs_p < headdim, other=0.0)
             y += Dv.to(tl.float32)[None, :] * x.to(tl.float32)
-        tl.store(y_ptr + b64 * stride_y.b + t64[:, None] * stride_y.l + h * stride_y.h
-                 + offs_p[None, :] * stride_y.p, y.to(y_ptr.dtype.element_ty), mask=mask_qp)
+        tl.store(_tile_ptrs(y_ptr, stride_y, b64, t64, h, offs_p), y.to(y_ptr.dtype.element_ty), mask=mask_qp)
 
 
 def _D_strides(D):
@@ -694,58 +700,6 @@ def _output_fwd(inp, states, gamma, entry, plan, y=None):
         Q=plan.Q, BP=plan.BP, BN=plan.BN, HAS_D=D is not None,
         HAS_ENTRY=entry is not None, DOT_PRECISION=plan.precision, **plan.launch["output"], **plan.flags)
     return y
-
-
-@triton.jit
-def _document_end_state_kernel(
-    x_ptr, B_ptr, dt_ptr, dt_bias_ptr, A_ptr, cu_ptr, entries, out_ptr,
-    seqlen, nheads, headdim, dstate, heads_per_group, chunks_per_seg, n_n_tiles, dt_min, dt_max,
-    stride_x, stride_B, stride_dt,
-    Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-    HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
-    HAS_ENTRY: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    """The state after the last token e of one packed document (batch row 0), for one (head,
-    state tile): the chunk c holding e is entered with S_in (its stored state from a zero segment
-    entry, plus gamma(c) times the segment's entry state), so
-        S_e = exp(cs_e) S_in [if it reaches e]  +  sum_j exp(cs_e - cs_j) dt'_j x_j B_j^T
-    over the document's tokens j <= e of chunk c. The same arithmetic as the state pass, stopped
-    at e. out is (num_docs, nheads, headdim, dstate), contiguous."""
-    d = tl.program_id(0)
-    h = tl.program_id(1)
-    pid_p = tl.program_id(2) // n_n_tiles
-    pid_n = tl.program_id(2) % n_n_tiles
-    g = h // heads_per_group
-    zero = tl.zeros((), dtype=tl.int32)                                          # batch row 0
-    first = tl.load(cu_ptr + d).to(tl.int32)
-    last = tl.load(cu_ptr + d + 1).to(tl.int32) - 1
-    c = last // Q
-    start = c * Q
-    offs_q = tl.arange(0, Q)
-    offs_p = pid_p * BP + tl.arange(0, BP)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    mask_pn = (offs_p[:, None] < headdim) & (offs_n[None, :] < dstate)
-
-    dt, dA, slope = _chunk_dt(dt_ptr, dt_bias_ptr, A_ptr, zero, h, start, seqlen, stride_dt,
-                              Q, HAS_DT_BIAS, DT_SOFTPLUS, dt_min, dt_max)
-    cs = tl.cumsum(dA.to(tl.float64), axis=0)                                    # (Q,) float64
-    cs_e = tl.sum(tl.where(offs_q == last - start, cs, 0.0), axis=0)
-    t = start + offs_q
-    mine = (t >= first) & (t <= last)                                            # the document's tokens in c
-    w = tl.where(mine, tl.exp((cs_e - cs).to(tl.float32)) * dt, 0.0)             # (Q,)
-    t64 = t.to(tl.int64)
-    x = tl.load(x_ptr + t64[:, None] * stride_x.l + h * stride_x.h + offs_p[None, :] * stride_x.p,
-                mask=mine[:, None] & (offs_p[None, :] < headdim), other=0.0)    # (Q, BP)
-    Bm = tl.load(B_ptr + t64[:, None] * stride_B.l + g * stride_B.g + offs_n[None, :] * stride_B.n,
-                 mask=mine[:, None] & (offs_n[None, :] < dstate), other=0.0)    # (Q, BN)
-    xw = (x.to(tl.float32) * w[:, None]).to(x.dtype)
-    S = tl.dot(tl.trans(xw), Bm, input_precision=DOT_PRECISION)                 # (BP, BN)
-    if (first < start) | (first == 0):   # c's entry state reaches e (initial_states reach document 0)
-        chunk_row, seg_row = _chunk_rows(zero, c, seqlen, chunks_per_seg, Q)
-        S_in = _true_chunk_edge(entries, chunk_row, seg_row, h, offs_p, offs_n, mask_pn, nheads, headdim, dstate,
-                                HAS_ENTRY)
-        S += tl.exp(cs_e.to(tl.float32)) * S_in
-    tl.store(out_ptr + _state_tile(d, h, offs_p, offs_n, nheads, headdim, dstate), S, mask=mask_pn)
 
 
 class Summary:
@@ -782,25 +736,6 @@ def ssd_output(inp, summary, entry=None, y=None, need_exit=False):
     seg_entry, exit_ = summary.segment_entries(entry, need_exit)
     y = _output_fwd(inp, summary.states, summary.gamma, seg_entry, summary.plan, y)
     return y, exit_
-
-
-def document_end_states(inp, summary, cu_seqlens, entry=None):
-    """The float32 state after each packed document of batch row 0, (num_docs, h, p, n), given
-    the documents' bounds cu_seqlens (num_docs + 1,) and the sequence's entry state (or None)."""
-    x, dt, A, B, dt_bias = inp.x, inp.dt, inp.A, inp.B, inp.dt_bias
-    plan = summary.plan
-    seg_entry, _ = summary.segment_entries(entry)
-    ndocs = cu_seqlens.shape[0] - 1
-    out = torch.empty(ndocs, plan.nheads, plan.headdim, plan.dstate, device=x.device, dtype=torch.float32)
-    gamma = summary.gamma
-    _document_end_state_kernel[(ndocs, plan.nheads, plan.n_p_tiles * plan.n_n_tiles)](
-        x, B, dt, dt_bias, A, cu_seqlens, _ChunkEdge(summary.states, gamma, _stand_in(seg_entry, gamma)), out,
-        plan.seqlen, plan.nheads, plan.headdim, plan.dstate, plan.heads_per_group, plan.chunks_per_seg,
-        plan.n_n_tiles, plan.dt_min, plan.dt_max,
-        _BLHP(*x.stride()), _BLGN(*B.stride()), _BLH(*dt.stride()),
-        Q=plan.Q, BP=plan.BP_state, BN=plan.BN_state, HAS_ENTRY=seg_entry is not None, DOT_PRECISION=plan.precision,
-        **{f: v for f, v in plan.flags.items() if f != "HAS_SEQ"})
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -898,14 +833,14 @@ def _document_pair_decay(hi, lo, seq, Q: tl.constexpr, HAS_SEQ: tl.constexpr):
 @triton.jit
 def _head_tile(ptr, b64, t64, h, offs_p, mask_qp, stride):
     """One chunk of one head of a (batch, token, head, headdim) tensor (x, dy), (Q, BP)."""
-    return tl.load(ptr + b64 * stride.b + t64[:, None] * stride.l + h * stride.h + offs_p[None, :] * stride.p,
+    return tl.load(_tile_ptrs(ptr, stride, b64, t64, h, offs_p),
                    mask=mask_qp, other=0.0)
 
 
 @triton.jit
 def _group_tile(ptr, b64, t64, g, offs_n, mask_qn, stride):
     """One chunk of one group of a (batch, token, group, dstate) tensor (B, C), (Q, BN)."""
-    return tl.load(ptr + b64 * stride.b + t64[:, None] * stride.l + g * stride.g + offs_n[None, :] * stride.n,
+    return tl.load(_tile_ptrs(ptr, stride, b64, t64, g, offs_n),
                    mask=mask_qn, other=0.0)
 
 
@@ -1062,10 +997,8 @@ def _chunk_bwd_BC_kernel(
         from_entry = tl.dot((dy.to(tl.float32) * e[:, None]).to(x.dtype), S_in, input_precision=DOT_PRECISION)
         dC += from_entry                                                           # (Q, BN)
         tl.store(ddA_entry_part_ptr + part * Q + offs_q, tl.sum(Cm.to(tl.float32) * from_entry, axis=1))
-    tl.store(dB_ptr + b64 * stride_dB.b + t64[:, None] * stride_dB.l + g * stride_dB.g
-             + offs_n[None, :] * stride_dB.n, dB.to(dB_ptr.dtype.element_ty), mask=mask_qn)
-    tl.store(dC_ptr + b64 * stride_dC.b + t64[:, None] * stride_dC.l + g * stride_dC.g
-             + offs_n[None, :] * stride_dC.n, dC.to(dC_ptr.dtype.element_ty), mask=mask_qn)
+    tl.store(_tile_ptrs(dB_ptr, stride_dB, b64, t64, g, offs_n), dB.to(dB_ptr.dtype.element_ty), mask=mask_qn)
+    tl.store(_tile_ptrs(dC_ptr, stride_dC, b64, t64, g, offs_n), dC.to(dC_ptr.dtype.element_ty), mask=mask_qn)
 
 
 @triton.jit
@@ -1113,8 +1046,7 @@ def _chunk_bwd_x_kernel(
         dS_out = _true_chunk_edge(exits, chunk_row, seg_row, h, offs_p, offs_n, mask_pn, nheads, headdim, dstate,
                                   HAS_EXIT).to(dy.dtype)                           # (BP, BN)
         dx = tl.dot(Bw, tl.trans(dS_out), acc=dx, input_precision=DOT_PRECISION)   # (Q, BP)
-    tl.store(dx_ptr + b64 * stride_dx.b + t64[:, None] * stride_dx.l + h * stride_dx.h
-             + offs_p[None, :] * stride_dx.p, dx.to(dx_ptr.dtype.element_ty), mask=mask_qp)
+    tl.store(_tile_ptrs(dx_ptr, stride_dx, b64, t64, h, offs_p), dx.to(dx_ptr.dtype.element_ty), mask=mask_qp)
 
     row = _row_head(chunk_row, h, nheads)
     entry_share = tl.zeros((Q,), dtype=tl.float32)
@@ -1197,282 +1129,7 @@ def ssd_grads(inp, summary, grad_pass, dy, entry=None, dexit=None, dx=None, dB=N
 
 
 # ---------------------------------------------------------------------------------------------
-# 5. Input checks
-#    Every bad input gets a ValueError naming the argument, what was seen, and what was expected.
-# ---------------------------------------------------------------------------------------------
-
-
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-_INTS = (torch.int32, torch.int64)
-
-
-
-
-def _expect(cond, name, seen, expected):
-    if not cond:
-        raise ValueError(f"{name}: got {seen}, expected {expected}")
-
-
-def _capturing(t):
-    """True while a CUDA graph is being captured: checks that read device values on the host
-    (a synchronisation) are skipped then; the eager calls before capture have run them."""
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
-
-
-def _check_document_values(seq_idx, cu_seqlens=None):
-    """The checks that read device values on the host (a synchronisation): seq_idx non-decreasing,
-    and cu_seqlens bounding the documents that seq_idx marks (shapes checked before). They run
-    where the values are used, so under torch.compile too, but not while a CUDA graph is captured
-    (the eager calls before capture have run them)."""
-    if seq_idx is None or _capturing(seq_idx):
-        return
-    _expect(bool((seq_idx[:, 1:] >= seq_idx[:, :-1]).all()), "seq_idx", "a decreasing step",
-            "non-decreasing document ids along each row")
-    if cu_seqlens is None:
-        return
-    l = seq_idx.shape[1]
-    cu = cu_seqlens.tolist()
-    _expect(cu[0] == 0 and cu[-1] == l, "cu_seqlens", f"bounds from {cu[0]} to {cu[-1]}", f"from 0 to seqlen = {l}")
-    _expect(all(a < b for a, b in zip(cu, cu[1:])), "cu_seqlens", "bounds that do not increase",
-            "strictly increasing bounds (every document holds a token)")
-    starts = torch.zeros(l, dtype=torch.bool, device=seq_idx.device)
-    starts[cu_seqlens[1:-1].long()] = True
-    _expect(torch.equal(seq_idx[0, 1:] != seq_idx[0, :-1], starts[1:]), "cu_seqlens", "document bounds that differ "
-            "from seq_idx's", "the positions where seq_idx changes, and no others")
-
-
-def _check_tensor(t, name, shape, ref, *, dtypes=None, allow_none=True):
-    """Shape (None entries are free), device of `ref`, floating dtype (or one of `dtypes`)."""
-    if t is None:
-        _expect(allow_none, name, "None", "a tensor")
-        return
-    _expect(isinstance(t, torch.Tensor), name, type(t).__name__, "a torch.Tensor")
-    _expect(t.dim() == len(shape), name, f"shape {tuple(t.shape)} ({t.dim()} dims)",
-            f"{len(shape)} dims {tuple('*' if s is None else s for s in shape)}")
-    ok = all(s is None or s == d for s, d in zip(shape, t.shape))
-    _expect(ok, name, f"shape {tuple(t.shape)}", f"shape {tuple('*' if s is None else s for s in shape)}")
-    _expect(t.device == ref.device, name, f"device {t.device}", f"device {ref.device} (like x)")
-    if dtypes is None:
-        _expect(t.is_floating_point(), name, f"dtype {t.dtype}", "a floating dtype")
-    else:
-        _expect(t.dtype in dtypes, name, f"dtype {t.dtype}", f"one of {[str(d) for d in dtypes]}")
-
-
-def _check_options(chunk_size, seq_idx, dt_limit, tokens, ref):
-    """The checks the single-device and CP entry points share; tokens = (batch, seqlen)."""
-    _expect(isinstance(chunk_size, int) and chunk_size >= 16 and chunk_size & (chunk_size - 1) == 0,
-            "chunk_size", chunk_size, "a power of two >= 16")
-    if seq_idx is not None:
-        _check_tensor(seq_idx, "seq_idx", tokens, ref, dtypes=(torch.int32, torch.int64))
-    _expect(isinstance(dt_limit, (tuple, list)) and len(dt_limit) == 2 and dt_limit[0] <= dt_limit[1],
-            "dt_limit", dt_limit, "a pair (dt_min, dt_max) with dt_min <= dt_max")
-
-
-def _check_ssd_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_limit):
-    _expect(isinstance(x, torch.Tensor) and x.dim() == 4, "x",
-            f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}",
-            "a 4-dim tensor (batch, seqlen, nheads, headdim)")
-    _check_tensor(x, "x", (None, None, None, None), x, dtypes=(torch.float32, torch.float16, torch.bfloat16))
-    b, l, h, p = x.shape
-    _expect(isinstance(B, torch.Tensor) and B.dim() == 4, "B",
-            f"{tuple(B.shape) if isinstance(B, torch.Tensor) else type(B).__name__}",
-            f"a 4-dim tensor ({b}, {l}, ngroups, dstate)")
-    g, n = B.shape[2], B.shape[3]
-    _check_tensor(dt, "dt", (b, l, h), x, allow_none=False)
-    _check_tensor(A, "A", (h,), x, allow_none=False)
-    _check_tensor(B, "B", (b, l, g, n), x, dtypes=(x.dtype,))
-    _check_tensor(C, "C", (b, l, g, n), x, dtypes=(x.dtype,), allow_none=False)
-    _expect(g >= 1 and h % g == 0, "B", f"ngroups={g} with nheads={h}", "ngroups dividing nheads")
-    _expect(l >= 1, "x", f"seqlen {l}", "at least one token")
-    _expect(n <= 256, "B", f"dstate {n}", "dstate <= 256 (one register tile per state row)")
-    _expect(p <= 256, "x", f"headdim {p}", "headdim <= 256 (one register tile per head)")
-    if D is not None:
-        _check_tensor(D, "D", (h,) if D.dim() == 1 else (h, p), x)
-    _check_tensor(z, "z", (b, l, h, p), x, dtypes=(x.dtype,))
-    _check_tensor(dt_bias, "dt_bias", (h,), x)
-    _check_tensor(initial_states, "initial_states", (b, h, p, n), x)
-    _check_options(chunk_size, seq_idx, dt_limit, (b, l), x)
-
-
-# ---------------------------------------------------------------------------------------------
-# 6. The single-device function: mamba_chunk_scan_combined
-# ---------------------------------------------------------------------------------------------
-
-
-# torch.compile. The forward and the backward are each one opaque custom op (torch.library):
-# the compiler records the call and its output shapes (from the fake functions below), and the
-# kernels run as they do eagerly, on the tensors they were given. Traced instead, a kernel's
-# writes into views (the fused backward writes dx, dB, dC into channel slices of one buffer)
-# become inductor's copies of those views and back, and at torch 2.11 such a copy read past its
-# source: the illegal memory access of README "torch.compile". In the interpreter the compiler
-# would trace NumPy. Absent outputs are empty tensors (an op returns tensors only), and so are
-# absent gradients.
-
-
-def _flat_heads(t):
-    """(b, l, h, p) as (b, l, h*p) with a unit channel stride, as the gate's kernels read it (a
-    view where the strides allow one)."""
-    return (t if t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] else t.contiguous()).flatten(-2)
-
-
-def _none_if_empty(t):
-    return None if t is None or t.numel() == 0 else t
-
-
-def _empty_if_none(t, ref, dtype=None):
-    return ref.new_empty(0, dtype=dtype or ref.dtype) if t is None else t
-
-
-@torch.library.custom_op("mamba_cp::chunk_scan_fwd", mutates_args=())
-def _chunk_scan_fwd(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size: int, D: Optional[Tensor],
-                    z: Optional[Tensor], dt_bias: Optional[Tensor], initial_states: Optional[Tensor],
-                    seq_idx: Optional[Tensor], dt_softplus: bool, dt_min: float, dt_max: float, need_final: bool,
-                    state_dtype: Optional[torch.dtype], cu_seqlens: Optional[Tensor],
-                    need_doc_states: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The output (gated with z), the final state (empty unless need_final), each packed
-    document's end state (empty unless need_doc_states), and y before the gate (empty without z).
-
-    The gate y * silu(z) runs as its own kernel (section 11's) on y, which is kept for the
-    backward, as mamba_ssm keeps it: folded into the SSD kernels it cost less in the forward but
-    far more in the backward, which had to load z in three kernels and recompute y in one (on an
-    H200 at the record shape and 65536 tokens, forward+backward 18.1 ms folded, 14.5 with the
-    gate apart, 13.5 without z)."""
-    _check_document_values(seq_idx, cu_seqlens)
-    plan = _LaunchPlan(x, B, min(chunk_size, tuning().chunk_fwd), dt_bias, dt_softplus, (dt_min, dt_max), seq_idx,
-                       state_dtype)
-    entry = None if initial_states is None else initial_states.float()
-    inp = _SSDInputs(x, dt, A, B, C, D, dt_bias, seq_idx)
-    summary = Summary(inp, plan)
-    y, final = ssd_output(inp, summary, entry, need_exit=need_final)
-    doc_states = document_end_states(inp, summary, cu_seqlens, entry) if need_doc_states else None
-    out, y_kept = y, y.new_empty(0)
-    if z is not None:
-        out, y_kept = torch.empty_like(y), y
-        _Z_GATE.forward(_flat_heads(y), _flat_heads(z), out.flatten(-2))
-    return out, _empty_if_none(final, y, torch.float32), _empty_if_none(doc_states, y, torch.float32), y_kept
-
-
-@_chunk_scan_fwd.register_fake
-def _(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_softplus, dt_min, dt_max, need_final,
-      state_dtype, cu_seqlens, need_doc_states):
-    b, _, h, p = x.shape
-    n = B.shape[3]
-    f32 = dict(device=x.device, dtype=torch.float32)
-    return (torch.empty(x.shape, device=x.device, dtype=x.dtype), torch.empty((b, h, p, n) if need_final else 0, **f32),
-            torch.empty((cu_seqlens.shape[0] - 1, h, p, n) if need_doc_states else 0, **f32),
-            torch.empty(x.shape if z is not None else 0, device=x.device, dtype=x.dtype))
-
-
-@torch.library.custom_op("mamba_cp::chunk_scan_bwd", mutates_args=())
-def _chunk_scan_bwd(dout: Tensor, dfinal: Optional[Tensor], x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
-                    chunk_size: int, D: Optional[Tensor], z: Optional[Tensor], y: Tensor, dt_bias: Optional[Tensor],
-                    initial_states: Optional[Tensor], seq_idx: Optional[Tensor], dt_softplus: bool, dt_min: float,
-                    dt_max: float, state_dtype: Optional[torch.dtype]) -> list[Tensor]:
-    """[dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinitial_states], absent ones empty. y: the
-    output before the gate (empty without z)."""
-    dy, dz = dout, None
-    if z is not None:                                  # through the gate first
-        dz = torch.empty(z.shape, device=z.device, dtype=z.dtype)
-        dy, _ = _Z_GATE.backward(_flat_heads(dout), _flat_heads(y), _flat_heads(z), dz.flatten(-2))
-        dy = dy.unflatten(-1, x.shape[2:])
-    plan = _LaunchPlan(x, B, min(chunk_size, tuning().chunk_bwd), dt_bias, dt_softplus, (dt_min, dt_max), seq_idx,
-                       state_dtype)
-    entry = None if initial_states is None else initial_states.float()
-    inp = _SSDInputs(x, dt, A, B, C, D, dt_bias, seq_idx)
-    grad_pass = GradPass(dy, inp, plan)
-    summary = Summary(inp, plan)
-    dx, dB, dC, ddt, dA, dD, dinit = ssd_grads(inp, summary, grad_pass, dy, entry, dfinal)
-    ddt_bias = ddt.sum(dim=(0, 1)).to(dt_bias.dtype) if dt_bias is not None else None
-    grads = [dx, ddt.to(dt.dtype), dA.to(A.dtype), dB, dC, None if D is None else dD.to(D.dtype), dz, ddt_bias,
-             None if initial_states is None else dinit.to(initial_states.dtype)]
-    return [_empty_if_none(g, x) for g in grads]
-
-
-@_chunk_scan_bwd.register_fake
-def _(dout, dfinal, x, dt, A, B, C, chunk_size, D, z, y, dt_bias, initial_states, seq_idx, dt_softplus, dt_min,
-      dt_max, state_dtype):
-    like = (x, dt, A, B, C, D, z, dt_bias, initial_states)
-    return [x.new_empty(0) if t is None else torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in like]
-
-
-class _ChunkScanFn(torch.autograd.Function):
-    """Single device: the whole sequence is one CP shard whose entry state is initial_states.
-    Backward recomputes the chunk states (they are as large as x, so they are not kept); with
-    z it reads y before the gate, kept by the forward.
-    Parameter gradients are per-chunk partials summed in fixed order: two identical calls give
-    bitwise identical results. The packed documents' end states (with cu_seqlens) are forward
-    only, as in mamba_ssm: a gradient arriving at them is an error, not silently dropped."""
-
-    @staticmethod
-    def forward(ctx, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_softplus, dt_limit,
-                need_final, state_dtype, cu_seqlens, need_doc_states):
-        out, final, doc_states, y = _chunk_scan_fwd(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states,
-                                                    seq_idx, dt_softplus, dt_limit[0], dt_limit[1], need_final,
-                                                    state_dtype, cu_seqlens, need_doc_states)
-        ctx.save_for_backward(x, dt, A, B, C, D, z, y, dt_bias, initial_states, seq_idx)
-        ctx.args = (chunk_size, dt_softplus, dt_limit, state_dtype)
-        ctx.set_materialize_grads(False)      # an unused output's gradient stays None
-        return out, final, doc_states
-
-    @staticmethod
-    def backward(ctx, dout, dfinal, ddoc_states):
-        if _none_if_empty(ddoc_states) is not None:   # compiled, an absent output's gradient is empty, not None
-            raise RuntimeError("mamba_chunk_scan_combined: the states returned with return_varlen_states=True have "
-                               "no backward (as in mamba_ssm); detach them before they reach the loss")
-        x, dt, A, B, C, D, z, y, dt_bias, initial_states, seq_idx = ctx.saved_tensors
-        chunk_size, dt_softplus, dt_limit, state_dtype = ctx.args
-        dout = torch.zeros_like(x) if dout is None else dout
-        grads = _chunk_scan_bwd(dout, _none_if_empty(dfinal), x, dt, A, B, C, chunk_size, D, z, y, dt_bias,
-                                initial_states, seq_idx, dt_softplus, dt_limit[0], dt_limit[1], state_dtype)
-        dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinit = (_none_if_empty(g) for g in grads)
-        return (dx, ddt, dA, dB, dC, None, dD, dz, ddt_bias, dinit, None, None, None, None, None, None, None)
-
-
-_STATE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
-
-
-def _check_varlen(cu_seqlens, return_varlen_states, seq_idx, x):
-    """cu_seqlens (num_docs + 1,) in one batch row, with seq_idx (their values: in the op)."""
-    _expect(cu_seqlens is not None or not return_varlen_states, "cu_seqlens", "None with return_varlen_states=True",
-            "the packed documents' bounds, an integer tensor (num_docs + 1,)")
-    if cu_seqlens is None:
-        return
-    _check_tensor(cu_seqlens, "cu_seqlens", (None,), x, dtypes=_INTS)
-    _expect(cu_seqlens.shape[0] >= 2, "cu_seqlens", f"shape {tuple(cu_seqlens.shape)}", "(num_docs + 1,), num_docs >= 1")
-    _expect(x.shape[0] == 1, "x", f"batch {x.shape[0]} with cu_seqlens", "batch 1 (cu_seqlens packs the documents "
-            "into one row)")
-    _expect(seq_idx is not None, "seq_idx", "None with cu_seqlens", "the documents of cu_seqlens as ids (1, seqlen)")
-
-
-def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
-                              initial_states=None, seq_idx=None, cu_seqlens=None, dt_softplus=False,
-                              dt_limit=(0.0, float("inf")), return_final_states=False,
-                              return_varlen_states=False, state_dtype=None):
-    """Single-device chunked SSD, a drop-in for mamba_ssm's function of the same name.
-
-    x (b, l, h, p); dt (b, l, h); A (h,); B, C (b, l, g, n); D (h,) or (h, p); z like x;
-    dt_bias (h,); initial_states (b, h, p, n); seq_idx (b, l) integer document ids.
-    Returns y like x; with return_final_states also the fp32 final state (b, h, p, n); with
-    return_varlen_states (batch 1, cu_seqlens (num_docs + 1,) bounding the documents that seq_idx
-    marks) also the fp32 state after each document (num_docs, h, p, n), forward only. Return
-    order as in mamba_ssm: y, then final states, then varlen states.
-    state_dtype: the dtype of the chunk entry states stored between kernels (default: x's dtype;
-    float32 for float32 x). float32 with bf16 inputs doubles that buffer for a little accuracy.
-    """
-    _check_ssd_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_limit)
-    _expect(state_dtype in _STATE_DTYPES, "state_dtype", state_dtype, f"one of {_STATE_DTYPES}")
-    _check_varlen(cu_seqlens, return_varlen_states, seq_idx, x)
-    if seq_idx is not None:
-        seq_idx = seq_idx.to(torch.int32)
-    y, final, doc_states = _ChunkScanFn.apply(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
-                                              dt_softplus, tuple(dt_limit), return_final_states, state_dtype,
-                                              cu_seqlens, return_varlen_states)
-    out = (y,) + ((final,) if return_final_states else ()) + ((doc_states,) if return_varlen_states else ())
-    return out[0] if len(out) == 1 else out
-
-
-# ---------------------------------------------------------------------------------------------
-# 7. Layouts
+# 5. Layouts
 #    README walkthrough g: which causal segments of the global sequence a rank holds.
 # ---------------------------------------------------------------------------------------------
 
@@ -1560,68 +1217,25 @@ class _Segments:
 
 
 # ---------------------------------------------------------------------------------------------
-# 8. Communication
-#    Validation; the summaries all-gathered, or by prefix scan over the ranks, and the model that
-#    chooses; the conv halo; the zigzag permutation.
+# 6. The exchange: summaries, their gradients and the conv halo, by all-gather
+#    README walkthrough d.
 # ---------------------------------------------------------------------------------------------
 
 
-import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+# Under torch.compile every collective runs inside a custom op (section 13 says why): the compiler
+# records the call, and the op's own code runs the NCCL or gloo calls, which the compiler never
+# traces. A group travels to an op, and to the plain functions the ops wrap, by its handle.
+
+def _group_name(group):
+    """The handle the custom ops take for a process group: its name and its size ("" for none).
+    The size is part of it because some fake outputs depend on it (an all-gather's, the CP ops'
+    per-segment buffers), and inductor caches a compiled graph on disk under its arguments: by
+    name alone (the world is "0" at every size) a graph traced at W = 2 would be reused at W = 3."""
+    return "" if group is None else f"{group.group_name}:{dist.get_world_size(group)}"
 
 
-def _group_info(cp_group, ref):
-    """(rank, world) in the CP group; a ValueError if the group cannot serve these tensors."""
-    if cp_group is None or not dist.is_available() or not dist.is_initialized():
-        _expect(cp_group is None, "cp_group", "a group", "None when torch.distributed is not initialised")
-        return 0, 1
-    _expect(isinstance(cp_group, dist.ProcessGroup), "cp_group", type(cp_group).__name__,
-            "a torch.distributed ProcessGroup, or None for a single device")
-    rank = dist.get_rank(cp_group)
-    _expect(rank >= 0, "cp_group", "a group this process is not a member of", "a group containing this rank")
-    world = dist.get_world_size(cp_group)
-    backend = str(dist.get_backend(cp_group)).lower()
-    if "nccl" in backend:
-        _expect(ref.is_cuda, "cp_group", f"an NCCL group with tensors on {ref.device}", "CUDA tensors for NCCL")
-    return rank, world
-
-
-def _agree(signature, names, local_error, cp_group, device):
-    """Every rank checks that all ranks called with the same shapes and options, and that none
-    rejected its own inputs: one all-gather of a fixed-size integer signature, so a mismatch
-    cannot hang. A difference raises the same ValueError on every rank; a rank that rejected
-    its inputs raises its own error and the others say which rank stopped them."""
-    mine = torch.tensor(signature + [local_error is not None], dtype=torch.int64, device=device)
-    world = dist.get_world_size(cp_group)
-    every = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(every, mine, group=cp_group)
-    every = torch.stack(every).cpu()
-    for i, name in enumerate(names):
-        values = every[:, i].tolist()
-        if len(set(values)) > 1:
-            raise ValueError(f"{name}: got {values} across the ranks of cp_group, expected the same on every rank")
-    rejected = [r for r, flag in enumerate(every[:, -1].tolist()) if flag]
-    if local_error is not None:
-        raise local_error
-    if rejected:
-        raise ValueError(f"inputs: got a ValueError on rank(s) {rejected} of cp_group, expected valid inputs "
-                         "on every rank (all ranks stop before any collective that could hang)")
-
-
-def _validate_everywhere(check, cp_group, world, ref, **signature_args):
-    """Run the local checks, then (in a world of several, outside CUDA-graph capture) agree
-    with the other ranks before anything else is sent. While torch.compile traces, the check
-    sees shapes only: the CP forward op agrees when it runs."""
-    try:
-        check()
-        local_error = None
-    except ValueError as e:
-        local_error = e
-    if world > 1 and not _capturing(ref) and not torch.compiler.is_compiling():
-        values, names = _signature(**signature_args)
-        _agree(values, names, local_error, cp_group, ref.device)
-    elif local_error is not None:
-        raise local_error
+def _resolve_group(handle):
+    return None if handle == "" else dist.distributed_c10d._resolve_process_group(handle.rsplit(":", 1)[0])
 
 
 def _all_gather(t, cp_group, async_op=False):
@@ -1630,27 +1244,6 @@ def _all_gather(t, cp_group, async_op=False):
     out = torch.empty((world, *t.shape), dtype=t.dtype, device=t.device)
     work = dist.all_gather(list(out.unbind(0)), t.contiguous(), group=cp_group, async_op=async_op)
     return (out, work) if async_op else out
-
-
-def _global_rank(group, r):
-    """Rank r of the group as point-to-point calls and broadcast sources name it."""
-    return r if group is None else dist.get_global_rank(group, r)
-
-
-def _send(t, to, group):
-    """An isend of t to rank `to` of the group, for _run_p2p."""
-    return dist.P2POp(dist.isend, t, _global_rank(group, to), group)
-
-
-def _recv(t, frm, group):
-    """An irecv into t from rank `frm` of the group, for _run_p2p."""
-    return dist.P2POp(dist.irecv, t, _global_rank(group, frm), group)
-
-
-def _run_p2p(ops):
-    """Post point-to-point operations together (a rank sends what the others receive) and wait."""
-    for work in dist.batch_isend_irecv(ops) if ops else []:
-        work.wait()
 
 
 def _pack(rows, *tensors):
@@ -1675,6 +1268,17 @@ def _unpack(buf, shapes_dtypes):
     return out
 
 
+def _neighbours_by_all_gather(blocks, cfg, later):
+    """Each segment's row of blocks (rows, numel) handed to the segment after it (later) or before
+    it in the global sequence, zeros at the sequence's ends: every rank gathers every segment's
+    block and keeps its neighbours'. Returns (rows, numel)."""
+    every = _all_gather(blocks, cfg.group) if cfg.world > 1 else blocks[None]
+    glob = cfg.segs.gather_order(every, cfg.batch)                                 # (b, K, numel)
+    zero = torch.zeros_like(glob[:, :1])
+    glob = torch.cat([zero, glob[:, :-1]] if later else [glob[:, 1:], zero], dim=1)  # k gets k-1's (or k+1's)
+    return cfg.segs.own(glob)
+
+
 def _exchange_halo(xBC, seq_idx, cfg):
     """Each segment's conv halo: the last d_conv-1 pre-conv tokens of the segment before it in
     the global sequence (zeros before segment 0), and their document ids. xBC (rows, s, dim).
@@ -1685,13 +1289,7 @@ def _exchange_halo(xBC, seq_idx, cfg):
     if seq_idx is not None:
         parts.append(seq_idx[:, seq_idx.shape[1] - d1:])
     buf = _pack(xBC.shape[0], *parts)                                              # (rows, numel)
-    if cfg.exchange == "scan":
-        before = _from_neighbours(buf, cfg, later=True)                           # (rows, numel)
-    else:
-        every = _all_gather(buf, cfg.group) if cfg.world > 1 else buf[None]
-        glob = cfg.segs.gather_order(every, cfg.batch)                             # (b, K, numel)
-        glob = torch.cat([torch.zeros_like(glob[:, :1]), glob[:, :-1]], dim=1)    # segment k gets k-1's tail
-        before = cfg.segs.own(glob)
+    before = cfg.exchange.neighbours(buf, cfg, later=True)                         # (rows, numel)
     shapes = [((d1, xBC.shape[2]), torch.float32)] + ([((d1,), torch.int32)] if seq_idx is not None else [])
     halo, *halo_seq = _unpack(before, shapes)
     return halo.to(xBC.dtype), (halo_seq[0] if halo_seq else None)
@@ -1702,13 +1300,7 @@ def _return_halo_grad(dxBC, dhalo, cfg):
     gradient of its last d_conv-1 tokens. dxBC (rows, s, dim) is updated in place."""
     d1 = cfg.d_conv - 1
     buf = dhalo.float().reshape(dhalo.shape[0], -1)
-    if cfg.exchange == "scan":
-        after = _from_neighbours(buf, cfg, later=False)                           # (rows, numel)
-    else:
-        every = _all_gather(buf, cfg.group) if cfg.world > 1 else buf[None]
-        glob = cfg.segs.gather_order(every, cfg.batch)                             # (b, K, numel)
-        glob = torch.cat([glob[:, 1:], torch.zeros_like(glob[:, :1])], dim=1)     # segment k gets k+1's
-        after = cfg.segs.own(glob)
+    after = cfg.exchange.neighbours(buf, cfg, later=False)                         # (rows, numel)
     own = after.reshape(dxBC.shape[0], d1, dxBC.shape[2])
     dxBC[:, dxBC.shape[1] - d1:] += own.to(dxBC.dtype)
 
@@ -1732,7 +1324,7 @@ def _gather_summaries(S_ext, a, seq_idx, cfg):
     return _all_gather(buf, cfg.group, async_op=True)
 
 
-def _scan_shards(every, initial_states, has_seq, cfg):
+def _entries_from_gathered(every, initial_states, has_seq, cfg):
     """Finish forward state passing once the gather is done: the exclusive scan in global
     segment order. Returns this rank's segment entry states (rows, h, p, n), the final state of
     the whole sequence (b, h, p, n), and what backward needs: a and cont in global order."""
@@ -1757,7 +1349,7 @@ def _gather_G(G, dfinal, cfg):
     return _all_gather(buf, cfg.group, async_op=True)
 
 
-def _scan_shards_bwd(every, a_all, cont, cfg):
+def _exit_grads_from_gathered(every, a_all, cont, cfg):
     """Finish backward state passing once the gather is done: the reverse exclusive scan.
     Returns the gradient arriving at this rank's segment exits (rows, h, p, n) and that of
     initial_states (b, h, p, n)."""
@@ -1768,6 +1360,659 @@ def _scan_shards_bwd(every, a_all, cont, cfg):
     dfinal = dfin.reshape(cfg.world, cfg.batch, h, p, n).sum(dim=0)
     dexit_all, dinit = scan_segments_bwd(G_all.contiguous(), a_all, dfinal, cont)
     return cfg.segs.own(dexit_all), dinit
+
+
+class _AllGatherExchange:
+    """summary_exchange="all_gather": every rank receives every segment's summary (and, in the
+    backward, every G) and scans them itself. `meanwhile` is work that runs while the gather is
+    in flight; its result comes back last. Part II adds the prefix scan over ranks (its
+    _PrefixScanExchange has the same three methods) to EXCHANGES."""
+
+    neighbours = staticmethod(_neighbours_by_all_gather)
+
+    @staticmethod
+    def entry_states(S_ext, a, seq_idx, initial_states, cfg, meanwhile):
+        """(entries (rows, h, p, n), final (b, h, p, n), a and cont as the backward needs them,
+        meanwhile's result)."""
+        every, work = _gather_summaries(S_ext, a, seq_idx, cfg)
+        done = meanwhile()
+        if work is not None:
+            work.wait()
+        return (*_entries_from_gathered(every, initial_states, seq_idx is not None, cfg), done)
+
+    @staticmethod
+    def exit_grads(G, dfinal, a_kept, cont, cfg, meanwhile):
+        """(the gradient at this rank's segment exits (rows, h, p, n), that of initial_states
+        (b, h, p, n), meanwhile's result)."""
+        every, work = _gather_G(G, dfinal, cfg)
+        done = meanwhile()
+        if work is not None:
+            work.wait()
+        return (*_exit_grads_from_gathered(every, a_kept, cont, cfg), done)
+
+
+EXCHANGES = {"all_gather": _AllGatherExchange}     # by summary_exchange name
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. The causal conv1d
+#    README walkthrough f. Each kernel is followed by its launcher.
+#
+# Depthwise causal conv1d + bias + SiLU with a halo, forward and backward.
+#
+#     out[b, t, c] = silu(bias[c] + sum_{k<d} weight[c, k] * u[b, t - (d-1) + k, c])
+#
+# u is the shard's pre-conv xBC, preceded by the halo: the last d-1 pre-conv tokens of the
+# previous segment, received from their owner (zeros for the first segment). With seq_idx a tap
+# whose token belongs to another document than token t contributes 0, in the halo too.
+#
+# Backward. g = dout * silu'(pre), with the pre-activation recomputed (it is as large as xBC, so
+# it is not kept). With m_j(s) = 1 when s and s+j are in one document (the forward's tap mask):
+#     du[s, c]        = sum_j weight[c, d-1-j] * m_j(s) g[s+j, c]
+#     dweight[c, d-1-j] = sum_s u[s, c] * m_j(s) g[s+j, c]          dbias[c] = sum_t g[t, c]
+# so one pass over rows s of [halo, xBC] gives all three; du at s < 0 is the halo's gradient,
+# which the caller sends back to the halo's owner. A tile needs g at d-1 rows past its end, and a
+# register tile cannot be shifted by rows: each tile computes g d-1 rows ahead of its du rows and
+# parks it in its program's scratch slot (fp32, reused tile after tile, so it stays in L2), where
+# the rows before it remain from the tile before; it reads them back shifted. No atomics:
+# dweight and dbias are per-(batch, token-group) partial sums, summed by torch in a fixed order.
+#
+# Offsets that multiply a batch, token or channel index by a stride are int64: sequences reach
+# 2^20 tokens x 8k channels, and xBC may come in any layout.
+# ---------------------------------------------------------------------------------------------
+
+
+# Conv pieces: a batch row's operands, document ids, one tap tile, the pre-activation and its
+# gradient. A kernel gathers its operands once into tuples: xs, u's rows (the shard, then the
+# halo before it: row pointer, channel offsets, row stride of each); ws, the weights and bias of
+# its channels; seqs, the document ids of both.
+
+
+@triton.jit
+def _conv_operands(x_ptr, stride_x, halo_ptr, stride_h, w_ptr, stride_w, bias, seq_ptr, stride_s, hseq_ptr,
+                   stride_hs, bb, offs_c):
+    """(xs, ws, seqs) of batch row bb and channels offs_c (int64)."""
+    xs = (x_ptr + bb * stride_x.b, offs_c * stride_x.c, stride_x.l, halo_ptr + bb * stride_h.b,
+          offs_c * stride_h.c, stride_h.l)
+    ws = (w_ptr + offs_c * stride_w.c, stride_w.k, bias)
+    seqs = (seq_ptr + bb * stride_s.b, stride_s.l, hseq_ptr + bb * stride_hs.b, stride_hs.l)
+    return xs, ws, seqs
+
+
+@triton.jit
+def _doc(seqs, r0, seqlen, R: tl.constexpr, HALO: tl.constexpr, HAS_HALO_SEQ: tl.constexpr):
+    """Document id (R,) of token rows r0 + [0, R); -1 where there is none (those rows hold zeros)."""
+    s_row0, stride_s_l, hs_row0, stride_hs_l = seqs
+    rows = r0 + tl.arange(0, R)
+    r = rows.to(tl.int64)
+    doc = tl.load(s_row0 + r * stride_s_l, mask=(rows >= 0) & (rows < seqlen), other=-1)
+    if HAS_HALO_SEQ:
+        in_h = (rows < 0) & (rows >= -HALO)
+        doc = tl.where(in_h, tl.load(hs_row0 + (r + HALO) * stride_hs_l, mask=in_h, other=-1), doc)
+    return doc
+
+
+@triton.jit
+def _tap(xs, r0, mask_c, seqlen, R: tl.constexpr, HALO: tl.constexpr, HAS_HALO: tl.constexpr):
+    """u at token rows r0 + [0, R) as an (R, BC) fp32 tile, zero outside [-HALO, seqlen).
+    Rows < 0 come from the halo."""
+    x_row0, x_col, stride_x_l, h_row0, h_col, stride_h_l = xs
+    rows = r0 + tl.arange(0, R)
+    r = rows.to(tl.int64)
+    in_x = (rows >= 0) & (rows < seqlen)
+    u = tl.load(x_row0 + r[:, None] * stride_x_l + x_col[None, :],
+                mask=in_x[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
+    if HAS_HALO:   # a second masked load, not a branch: a branch would split the taps' loads apart
+        in_h = (rows < 0) & (rows >= -HALO)
+        u += tl.load(h_row0 + (r + HALO)[:, None] * stride_h_l + h_col[None, :],
+                     mask=in_h[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
+    return u
+
+
+@triton.jit
+def _weight(ws, k, mask_c):
+    """Tap k's weight of the tile's channels, (BC,) fp32."""
+    return tl.load(ws[0] + k * ws[1], mask=mask_c, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _preact(src, r0, mask_c, seqlen, R: tl.constexpr, BC: tl.constexpr, TAPS: tl.constexpr,
+            HAS_HALO: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_HALO_SEQ: tl.constexpr):
+    """Pre-activation (R, BC) fp32 of output rows r0 + [0, R): bias + sum_k w_k u[row-(TAPS-1)+k],
+    a tap from another document dropped. (The document test is applied after the load, not in
+    its mask: the tap loads then need not wait for the ids.) src: _conv_operands."""
+    xs, ws, seqs = src
+    acc = tl.zeros((R, BC), dtype=tl.float32) + ws[2][None, :]
+    if HAS_SEQ:
+        doc_t = _doc(seqs, r0, seqlen, R, TAPS - 1, HAS_HALO_SEQ)
+    for k in tl.static_range(TAPS):
+        src0 = r0 - (TAPS - 1) + k
+        u = _tap(xs, src0, mask_c, seqlen, R, TAPS - 1, HAS_HALO)
+        if HAS_SEQ:
+            u = tl.where((_doc(seqs, src0, seqlen, R, TAPS - 1, HAS_HALO_SEQ) == doc_t)[:, None], u, 0.0)
+        acc += _weight(ws, k, mask_c)[None, :] * u
+    return acc
+
+
+@triton.jit
+def _dpre(dos, src, r0, mask_c, seqlen, R: tl.constexpr, BC: tl.constexpr, TAPS: tl.constexpr,
+          HAS_HALO: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_HALO_SEQ: tl.constexpr, SILU: tl.constexpr):
+    """g = dL/dpre (R, BC) fp32 at output rows r0 + [0, R): dout * silu'(pre) (dout without SiLU);
+    0 off [0, seqlen). dos: dout's (row pointer, channel offsets, row stride)."""
+    p = _preact(src, r0, mask_c, seqlen, R, BC, TAPS, HAS_HALO, HAS_SEQ, HAS_HALO_SEQ)
+    do_row0, do_col, stride_do_l = dos
+    rows = r0 + tl.arange(0, R)
+    valid = (rows >= 0) & (rows < seqlen)
+    do = tl.load(do_row0 + rows.to(tl.int64)[:, None] * stride_do_l + do_col[None, :],
+                 mask=valid[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
+    if not SILU:
+        return do
+    sig = tl.sigmoid(p)
+    return do * sig * (1.0 + p * (1.0 - sig))      # silu'(p) = sig(p) (1 + p (1 - sig(p)))
+
+
+@triton.jit
+def _conv_bias(bias_ptr, offs_c, mask_c, stride_bias, BC: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """The conv bias of a channel tile, fp32 (zeros without a bias)."""
+    if HAS_BIAS:
+        return tl.load(bias_ptr + offs_c * stride_bias, mask=mask_c, other=0.0).to(tl.float32)
+    return tl.zeros((BC,), dtype=tl.float32)
+
+
+@triton.jit
+def _conv_fwd_kernel(
+    x_ptr, w_ptr, bias_ptr, halo_ptr, seq_ptr, hseq_ptr, out_ptr,
+    seqlen, dim, stride_x, stride_w, stride_bias, stride_h, stride_s, stride_hs, stride_o,
+    TAPS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_HALO_SEQ: tl.constexpr,
+    SILU: tl.constexpr,
+):
+    """One (BT tokens, BC channels) tile of one batch row: out = silu(pre-activation), or the
+    pre-activation itself without SILU."""
+    pid_t = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    bb = tl.program_id(2).to(tl.int64)
+    t0 = pid_t * BT
+    rows = t0 + tl.arange(0, BT)                                                # (BT,)
+    offs_c = (pid_c * BC + tl.arange(0, BC)).to(tl.int64)                       # (BC,)
+    mask_c = offs_c < dim
+    bias = _conv_bias(bias_ptr, offs_c, mask_c, stride_bias, BC, HAS_BIAS)      # (BC,) fp32
+
+    src = _conv_operands(x_ptr, stride_x, halo_ptr, stride_h, w_ptr, stride_w, bias, seq_ptr, stride_s, hseq_ptr,
+                         stride_hs, bb, offs_c)
+    p = _preact(src, t0, mask_c, seqlen, BT, BC, TAPS, HAS_HALO, HAS_SEQ, HAS_HALO_SEQ)  # (BT, BC)
+    out = p * tl.sigmoid(p) if SILU else p
+    tl.store(out_ptr + bb * stride_o.b + rows.to(tl.int64)[:, None] * stride_o.l + offs_c[None, :] * stride_o.c,
+             out.to(out_ptr.dtype.element_ty), mask=(rows < seqlen)[:, None] & mask_c[None, :])
+
+
+def _check_conv_inputs(xBC, weight, bias, halo, seq_idx, halo_seq):
+    _expect(isinstance(xBC, torch.Tensor) and xBC.dim() == 3, "xBC",
+            tuple(xBC.shape) if isinstance(xBC, torch.Tensor) else type(xBC).__name__,
+            "a 3-dim tensor (batch, seqlen, dim)")
+    _check_tensor(xBC, "xBC", (None, None, None), xBC, dtypes=_FLOATS)
+    b, l, dim = xBC.shape
+    _expect(l >= 1 and dim >= 1 and b >= 1, "xBC", f"shape {tuple(xBC.shape)}", "no empty dimension")
+    _check_tensor(weight, "weight", (dim, None), xBC, dtypes=_FLOATS, allow_none=False)
+    d = weight.shape[1]
+    _expect(2 <= d <= 8, "weight", f"d_conv {d}", "2 <= d_conv <= 8")
+    _check_tensor(bias, "bias", (dim,), xBC, dtypes=_FLOATS)
+    _check_tensor(halo, "halo", (b, d - 1, dim), xBC, dtypes=_FLOATS)
+    _check_tensor(seq_idx, "seq_idx", (b, l), xBC, dtypes=_INTS)
+    _check_tensor(halo_seq, "halo_seq", (b, d - 1), xBC, dtypes=_INTS)
+    _expect(halo_seq is None or seq_idx is not None, "halo_seq", "a tensor with seq_idx=None",
+            "None when seq_idx is None")
+    _expect(halo is None or seq_idx is None or halo_seq is not None, "halo_seq", "None",
+            "the halo's document ids (b, d_conv-1) when both halo and seq_idx are given")
+    return b, l, dim, d
+
+
+def _conv_blocks(l, dim, blocks):
+    """(tokens, channels) of a conv program: the tuning's, no larger than the tensor needs."""
+    BT, BC = blocks
+    return min(BT, max(16, _next_pow2(l))), min(BC, max(16, _next_pow2(dim)))
+
+
+def _conv_flags(bias, halo, seq_idx, silu):
+    has_seq = seq_idx is not None
+    return dict(HAS_BIAS=bias is not None, HAS_HALO=halo is not None, HAS_SEQ=has_seq,
+                HAS_HALO_SEQ=has_seq and halo is not None, SILU=bool(silu))  # without a halo its ids don't matter
+
+
+def conv1d_fwd(xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=None, out=None, silu=True):
+    """silu(causal depthwise conv(xBC) + bias) (without silu: the conv alone), (b, l, dim) in
+    xBC's dtype (contiguous, or written into `out`, any strides: a channel slice of a larger
+    buffer, say).
+
+    xBC (b, l, dim) any strides; weight (dim, d_conv); bias (dim,); halo (b, d_conv-1, dim): the
+    d_conv-1 pre-conv tokens before the shard, None for zeros; seq_idx (b, l) and halo_seq
+    (b, d_conv-1) integer document ids (halo_seq needed when both halo and seq_idx are given).
+    """
+    b, l, dim, d = _check_conv_inputs(xBC, weight, bias, halo, seq_idx, halo_seq)
+    flags = _conv_flags(bias, halo, seq_idx, silu)
+    halo_seq = halo_seq.to(seq_idx.dtype) if flags["HAS_HALO_SEQ"] else None   # one id type in the kernel
+    if out is None:
+        out = torch.empty((b, l, dim), device=xBC.device, dtype=xBC.dtype)
+    _check_tensor(out, "out", (b, l, dim), xBC, dtypes=(xBC.dtype,))
+    t = tuning()
+    BT, BC = _conv_blocks(l, dim, t.conv_fwd_blocks)
+    grid = (_cdiv(l, BT), _cdiv(dim, BC), b)
+    _conv_fwd_kernel[grid](
+        xBC, weight, _stand_in(bias, xBC), _stand_in(halo, xBC), _stand_in(seq_idx, xBC), _stand_in(halo_seq, xBC),
+        out, l, dim, _BLC(*xBC.stride()), _CK(*weight.stride()), 0 if bias is None else bias.stride(0),
+        _strides_of(halo, _BLC), _strides_of(seq_idx, _BL), _strides_of(halo_seq, _BL), _BLC(*out.stride()),
+        TAPS=d, BT=BT, BC=BC, num_warps=t.conv_fwd_warps, **flags)
+    return out
+
+
+@triton.jit
+def _conv_bwd_kernel(
+    dout_ptr, x_ptr, w_ptr, bias_ptr, halo_ptr, seq_ptr, hseq_ptr,
+    dx_ptr, dhalo_ptr, dw_part_ptr, db_part_ptr, scratch_ptr,
+    seqlen, dim, n_inner, stride_do, stride_x, stride_w, stride_bias, stride_h, stride_s, stride_hs, stride_dx,
+    TAPS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HB: tl.constexpr, DP: tl.constexpr,
+    SHIFT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_HALO_SEQ: tl.constexpr,
+    NEED_DHALO: tl.constexpr, SILU: tl.constexpr,
+):
+    """n_inner consecutive (BT, BC) tiles of rows s of [halo, xBC] (starting at s = -SHIFT; SHIFT
+    is TAPS-1 with a halo) in one batch row: du per tile (into dx, or dhalo for s < 0), and
+    dweight, dbias summed over the tiles into this program's own partial slot. dhalo
+    (b, TAPS-1, dim), the partials (b, groups, TAPS, dim) and (b, groups, dim) are contiguous.
+
+    du[s] = sum_j w[TAPS-1-j] g[s+j] needs g = dL/dpre of TAPS-1 rows past the tile. Each
+    iteration computes g of the rows TAPS-1 ahead of its du rows, so the rows it also needs were
+    computed by the iteration before: a ring in this program's scratch slot holds them (HB rows
+    of history, then the newest tile), and only the program's first tile computes its history."""
+    pid_g = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    bb = tl.program_id(2).to(tl.int64)
+    offs_c = (pid_c * BC + tl.arange(0, BC)).to(tl.int64)                       # (BC,)
+    mask_c = offs_c < dim
+    bias = _conv_bias(bias_ptr, offs_c, mask_c, stride_bias, BC, HAS_BIAS)      # (BC,) fp32
+
+    src = _conv_operands(x_ptr, stride_x, halo_ptr, stride_h, w_ptr, stride_w, bias, seq_ptr, stride_s, hseq_ptr,
+                         stride_hs, bb, offs_c)
+    xs, ws, seqs = src
+    dos = (dout_ptr + bb * stride_do.b, offs_c * stride_do.c, stride_do.l)
+
+    # this program's ring: rows [0, HB) hold g of the HB rows before the newest tile, rows
+    # [HB, HB + BT) the newest tile's g
+    prog = (bb * tl.num_programs(0) + pid_g) * tl.num_programs(1) + pid_c
+    slot = scratch_ptr + prog * ((BT + HB) * BC)
+    sl_r = tl.arange(0, BT)
+    sl_c = tl.arange(0, BC)
+    hist = tl.arange(0, HB)
+    first = pid_g * n_inner * BT - SHIFT                                        # the program's first du row
+    g_hist = _dpre(dos, src, first + (TAPS - 1) - HB, mask_c, seqlen, HB, BC, TAPS, HAS_HALO, HAS_SEQ,
+                   HAS_HALO_SEQ, SILU)                                          # (HB, BC)
+    tl.store(slot + hist[:, None] * BC + sl_c[None, :], g_hist)
+
+    kk = tl.arange(0, DP)                                                       # tap index, padded
+    dw_acc = tl.zeros((DP, BC), dtype=tl.float32)
+    # g's rows are each counted once, in the tile that computes them, except the TAPS-1 rows
+    # before the first tile (the history of program 0: zeros with a halo)
+    db_acc = tl.sum(g_hist, axis=0) * (pid_g == 0)                               # (BC,)
+    for i in range(n_inner):
+        s0 = first + i * BT                                                     # this tile's du rows
+        g = _dpre(dos, src, s0 + (TAPS - 1), mask_c, seqlen, BT, BC, TAPS, HAS_HALO, HAS_SEQ, HAS_HALO_SEQ,
+                  SILU)                                                         # (BT, BC): g[s0+TAPS-1+r]
+        db_acc += tl.sum(g, axis=0)
+        tl.store(slot + (HB + sl_r)[:, None] * BC + sl_c[None, :], g)
+        tl.debug_barrier()       # the newest tile (and the history) visible to every thread
+
+        if HAS_SEQ:
+            doc_s = _doc(seqs, s0, seqlen, BT, TAPS - 1, HAS_HALO_SEQ)
+        u = _tap(xs, s0, mask_c, seqlen, BT, TAPS - 1, HAS_HALO)                # (BT, BC)
+        du = tl.zeros((BT, BC), dtype=tl.float32)
+        for j in tl.static_range(TAPS):
+            if j == TAPS - 1:
+                gj = g                                                          # the newest tile itself
+            else:
+                gj = tl.load(slot + (HB - (TAPS - 1) + j + sl_r)[:, None] * BC + sl_c[None, :])  # g[s+j]
+            if HAS_SEQ:   # mirrors the forward: output s+j reads row s only within one document
+                same = _doc(seqs, s0 + j, seqlen, BT, TAPS - 1, HAS_HALO_SEQ) == doc_s
+                gj = tl.where(same[:, None], gj, 0.0)
+            du += _weight(ws, TAPS - 1 - j, mask_c)[None, :] * gj
+            dw_acc += tl.where(kk[:, None] == TAPS - 1 - j, tl.sum(u * gj, axis=0)[None, :], 0.0)
+        tl.debug_barrier()       # every thread is done reading the ring
+        # the newest tile's last HB rows become the next tile's history
+        tl.store(slot + (sl_r - (BT - HB))[:, None] * BC + sl_c[None, :], g, mask=(sl_r >= BT - HB)[:, None])
+
+        rows = s0 + sl_r
+        r64 = rows.to(tl.int64)
+        tl.store(dx_ptr + bb * stride_dx.b + r64[:, None] * stride_dx.l + offs_c[None, :] * stride_dx.c,
+                 du.to(dx_ptr.dtype.element_ty), mask=((rows >= 0) & (rows < seqlen))[:, None] & mask_c[None, :])
+        if NEED_DHALO:
+            if s0 < 0:
+                tl.store(dhalo_ptr + (bb * (TAPS - 1) + r64 + (TAPS - 1))[:, None] * dim + offs_c[None, :], du,
+                         mask=(rows < 0)[:, None] & mask_c[None, :])
+
+    part = bb * tl.num_programs(0) + pid_g                                      # this program's partial row
+    tl.store(dw_part_ptr + (part * TAPS + kk.to(tl.int64))[:, None] * dim + offs_c[None, :],
+             dw_acc, mask=(kk < TAPS)[:, None] & mask_c[None, :])
+    if HAS_BIAS:
+        tl.store(db_part_ptr + part * dim + offs_c, db_acc, mask=mask_c)
+
+
+def conv1d_bwd(dout, xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=None, need_dhalo=True, silu=True,
+               dx=None):
+    """Gradients of conv1d_fwd: (dxBC, dhalo, dweight, dbias).
+
+    dxBC (b, l, dim) in xBC's dtype (or written into `dx`, any strides: a channel slice of the
+    caller's gradient buffer, say); dhalo (b, d_conv-1, dim) fp32, None without a halo or with
+    need_dhalo=False; dweight (dim, d_conv) fp32; dbias (dim,) fp32, None without bias.
+    Deterministic: no atomics, partial sums are reduced by torch in a fixed order.
+    """
+    b, l, dim, d = _check_conv_inputs(xBC, weight, bias, halo, seq_idx, halo_seq)
+    _check_tensor(dout, "dout", (b, l, dim), xBC, dtypes=_FLOATS, allow_none=False)
+    flags = _conv_flags(bias, halo, seq_idx, silu)
+    halo_seq = halo_seq.to(seq_idx.dtype) if flags["HAS_HALO_SEQ"] else None   # one id type in the kernel
+    need_dhalo = bool(need_dhalo) and halo is not None
+    shift = d - 1 if halo is not None else 0    # tiles start at the halo: its rows feed dweight
+    t = tuning()
+    BT, BC = _conv_blocks(shift + l, dim, t.conv_bwd_blocks)
+    HB = max(2, _next_pow2(d - 1))  # rows of g past a tile that the tile needs
+    n_tb, n_cb = _cdiv(shift + l, BT), _cdiv(dim, BC)
+    n_inner = min(n_tb, max(1, _cdiv(n_tb * n_cb * b, t.conv_bwd_programs)))   # token blocks per program
+    n_groups = _cdiv(n_tb, n_inner)
+
+    if dx is None:
+        dx = torch.empty((b, l, dim), device=xBC.device, dtype=xBC.dtype)
+    _check_tensor(dx, "dx", (b, l, dim), xBC, dtypes=(xBC.dtype,))
+    dhalo = torch.empty((b, d - 1, dim), device=xBC.device, dtype=torch.float32) if need_dhalo else None
+    dw_part = torch.empty((b, n_groups, d, dim), device=xBC.device, dtype=torch.float32)
+    db_part = torch.empty((b, n_groups, dim), device=xBC.device, dtype=torch.float32) \
+        if bias is not None else None
+    scratch = torch.empty((b, n_groups, n_cb, BT + HB, BC), device=xBC.device, dtype=torch.float32)
+    grid = (n_groups, n_cb, b)
+    _conv_bwd_kernel[grid](
+        dout, xBC, weight, _stand_in(bias, xBC), _stand_in(halo, xBC), _stand_in(seq_idx, xBC),
+        _stand_in(halo_seq, xBC),
+        dx, _stand_in(dhalo, dw_part), dw_part, _stand_in(db_part, dw_part), scratch,
+        l, dim, n_inner, _BLC(*dout.stride()), _BLC(*xBC.stride()), _CK(*weight.stride()),
+        0 if bias is None else bias.stride(0), _strides_of(halo, _BLC), _strides_of(seq_idx, _BL),
+        _strides_of(halo_seq, _BL), _BLC(*dx.stride()),
+        TAPS=d, BT=BT, BC=BC, HB=HB, DP=_next_pow2(d), SHIFT=shift,
+        NEED_DHALO=need_dhalo, num_warps=t.conv_bwd_warps, **flags)
+    dweight = dw_part.sum(dim=(0, 1)).t().contiguous()                          # (dim, d)
+    dbias = db_part.sum(dim=(0, 1)) if bias is not None else None               # (dim,)
+    return dx, dhalo, dweight, dbias
+
+
+# ---------------------------------------------------------------------------------------------
+# 8. The fused Conv1d + SSD with state-passing CP
+#    Plain functions for the forward and the backward, and one autograd function over them.
+# ---------------------------------------------------------------------------------------------
+
+
+def _none_if_empty(t):
+    return None if t is None or t.numel() == 0 else t
+
+
+def _conv_channels(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, ch, silu):
+    """The conv of channels `ch` (a slice) alone, (rows, s, channels)."""
+    return conv1d_fwd(xBC[..., ch], conv_weight[ch], None if conv_bias is None else conv_bias[ch],
+                      None if halo is None else halo[..., ch], seq_idx, halo_seq, silu=silu)
+
+
+def _split_xBC(u, cfg):
+    """Views of the conv output (rows, s, conv_dim) as x (rows, s, h, p), B and C (rows, s, g, n)."""
+    rows, s, _ = u.shape
+    hp, gn = cfg.nheads * cfg.headdim, cfg.ngroups * cfg.dstate
+    x = u[..., :hp].unflatten(-1, (cfg.nheads, cfg.headdim))
+    B = u[..., hp:hp + gn].unflatten(-1, (cfg.ngroups, cfg.dstate))
+    C = u[..., hp + gn:].unflatten(-1, (cfg.ngroups, cfg.dstate))
+    return x, B, C
+
+
+class _CPConfig:
+    """What the CP function derives once per call from its arguments and the group."""
+
+    def __init__(self, xBC, dt, conv_weight, chunk_size, headdim, ngroups, cp_group, rank, world,
+                 load_balancing, dt_limit, batch=None, exchange="all_gather"):
+        self.group, self.rank, self.world = cp_group, rank, world
+        self.load_balancing = load_balancing
+        self.exchange = EXCHANGES[exchange]         # how the summaries and halos travel
+        self.segs = _Segments(rank, world, load_balancing)
+        self.holds_first = 0 in self.segs.ids
+        self.batch = xBC.shape[0] if batch is None else batch
+        self.d_conv = conv_weight.shape[1]
+        self.chunk = chunk_size
+        self.nheads, self.headdim, self.ngroups = dt.shape[2], headdim, ngroups
+        self.dstate = (xBC.shape[2] - self.nheads * headdim) // (2 * ngroups)
+        self.state_shape = (self.nheads, headdim, self.dstate)
+        self.dt_limit = tuple(dt_limit)
+
+
+def _rank_and_world(group):
+    return (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
+
+
+def _cp_config(xBC, dt, conv_weight, group_name, load_balancing, exchange, batch, chunk_size, headdim, ngroups,
+               dt_limit):
+    """The _CPConfig of a call of the plain functions below: xBC and dt hold one segment per row."""
+    group = _resolve_group(group_name)
+    rank, world = _rank_and_world(group)
+    return _CPConfig(xBC, dt, conv_weight, chunk_size, headdim, ngroups, group, rank, world, load_balancing,
+                     dt_limit, batch=batch, exchange=exchange)
+
+
+def _conv1d_ssd_cp_forward(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, group_name,
+                           load_balancing, exchange, batch, chunk_size, headdim, ngroups, dt_min, dt_max, silu,
+                           state_dtype):
+    """Forward of one causal segment per row: xBC (rows, s, conv_dim), dt (rows, s, h), seq_idx
+    (rows, s). Returns [y, final state, and what backward needs: halo, halo_seq, entries, a_kept,
+    cont] (absent ones empty, so that an op can return the list): a and cont of every segment
+    (b, K, h) and (b, K) with the all-gather exchange, of this rank's (rows, h) and (rows,) with
+    the scan.
+
+    Halo exchange, conv of the x and B channels, the state pass from a zero entry (the segment's
+    summary), the summary exchange (overlapped with the conv of the C channels, which the
+    summary does not need; in a world of one all channels are convolved at once) and exclusive
+    scan (true entry states and the global final state), the outputs with the entry state folded
+    in. Nothing kept for backward grows with length beyond the inputs."""
+    cfg = _cp_config(xBC, dt, conv_weight, group_name, load_balancing, exchange, batch, chunk_size, headdim, ngroups,
+                     (dt_min, dt_max))
+    # a single segment in all (a world of one, contiguous) has nothing before it: no halo,
+    # which spares every conv tile the halo's masked loads
+    halo, halo_seq = _exchange_halo(xBC, seq_idx, cfg) if cfg.segs.count > 1 else (None, None)
+    x_ch, B_ch = cfg.nheads * cfg.headdim, cfg.ngroups * cfg.dstate
+    overlap = cfg.world > 1
+    if overlap:   # the summaries need x and B only: C's conv runs while they travel
+        uxB = _conv_channels(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, slice(0, x_ch + B_ch), silu)
+        x = uxB[..., :x_ch].unflatten(-1, (cfg.nheads, cfg.headdim))
+        B = uxB[..., x_ch:].unflatten(-1, (cfg.ngroups, cfg.dstate))
+    else:
+        u = conv1d_fwd(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, silu=silu)  # (rows, s, conv_dim)
+        x, B, C = _split_xBC(u, cfg)
+    plan = _LaunchPlan(x, B, min(cfg.chunk, tuning().chunk_fwd), dt_bias, True, cfg.dt_limit, seq_idx, state_dtype)
+    inp = _SSDInputs(x, dt, A, B, None if overlap else C, D, dt_bias, seq_idx)
+    summary = Summary(inp, plan)
+    S_ext, a = summary.affine()                                                 # (rows, h, p, n), (rows, h)
+
+    def conv_of_C():
+        return _conv_channels(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, slice(x_ch + B_ch, None), silu)
+    entries, final, a_kept, cont, C_late = cfg.exchange.entry_states(S_ext, a, seq_idx, initial_states, cfg,
+                                                                     conv_of_C if overlap else lambda: None)
+    if overlap:
+        inp = inp._replace(C=C_late.unflatten(-1, (cfg.ngroups, cfg.dstate)))
+    y, _ = ssd_output(inp, summary, entries)
+    f32 = dict(device=xBC.device, dtype=torch.float32)
+    rows = xBC.shape[0]
+    return [y, final, xBC.new_empty((rows, 0, xBC.shape[2])) if halo is None else halo.clone(),
+            torch.empty((rows, 0) if seq_idx is not None else 0, device=xBC.device, dtype=torch.int32)
+            if halo_seq is None else halo_seq.clone(),
+            entries.contiguous(), a_kept.clone(), torch.empty(0, **f32) if cont is None else cont]
+
+
+def _conv1d_ssd_cp_backward(dy, dfinal, xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx,
+                            halo, halo_seq, entries, a_kept, cont, group_name, load_balancing, exchange, batch,
+                            chunk_size, headdim, ngroups, dt_min, dt_max, silu, state_dtype, dxBC_into=None,
+                            ddt_into=None):
+    """The backward: [dxBC, ddt, dconv_weight, dconv_bias, ddt_bias, dA, dD,
+    dinitial_states], None where absent. Given dxBC_into (rows, s, conv_dim) and ddt_into (rows,
+    s, h), views into the caller's gradient buffer, dxBC and ddt are written there.
+
+    Recompute the conv; the reverse state pass from a zero exit gradient gives G; its all-gather
+    runs while the forward state pass is recomputed; the reverse scan gives each segment's exit
+    gradient; one fused chunk backward writes dx, dB, dC straight into the conv backward's input;
+    the halo's gradient goes back to its owner."""
+    cfg = _cp_config(xBC, dt, conv_weight, group_name, load_balancing, exchange, batch, chunk_size, headdim, ngroups,
+                     (dt_min, dt_max))
+    halo, halo_seq, cont = _none_if_empty(halo), _none_if_empty(halo_seq), _none_if_empty(cont)
+    u = conv1d_fwd(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, silu=silu)
+    x, B, C = _split_xBC(u, cfg)
+    plan = _LaunchPlan(x, B, min(cfg.chunk, tuning().chunk_bwd), dt_bias, True, cfg.dt_limit, seq_idx, state_dtype)
+    inp = _SSDInputs(x, dt, A, B, C, D, dt_bias, seq_idx)
+    grad_pass = GradPass(dy, inp, plan)
+    dexit, dinit, summary = cfg.exchange.exit_grads(grad_pass.G, dfinal, a_kept, cont, cfg,
+                                                    lambda: Summary(inp, plan))
+
+    du = torch.empty_like(u)
+    dx, dB, dC = _split_xBC(du, cfg)
+    _, _, _, ddt, dA, dD, _ = ssd_grads(inp, summary, grad_pass, dy, entries, dexit, dx=dx, dB=dB, dC=dC)  # ddt fp32
+    dxBC, dhalo, dweight, dbias = conv1d_bwd(du, xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, silu=silu,
+                                             dx=dxBC_into)
+    if dhalo is not None:
+        _return_halo_grad(dxBC, dhalo, cfg)
+    dinit = dinit if cfg.holds_first else torch.zeros_like(dinit)               # one rank contributes it
+    return [dxBC, ddt.to(dt.dtype) if ddt_into is None else ddt_into.copy_(ddt), dweight.to(conv_weight.dtype),
+            None if conv_bias is None else dbias.to(conv_bias.dtype),
+            None if dt_bias is None else ddt.sum(dim=(0, 1)).to(dt_bias.dtype), dA.to(A.dtype),
+            None if D is None else dD.to(D.dtype), None if initial_states is None else dinit.to(initial_states.dtype)]
+
+
+class _CoreImpl(NamedTuple):
+    """What runs the forward and the backward: the plain functions above (_PLAIN), or Part II's
+    custom ops around the same functions (for torch.compile)."""
+    forward: Callable
+    backward: Callable
+
+
+_PLAIN = _CoreImpl(_conv1d_ssd_cp_forward, _conv1d_ssd_cp_backward)
+
+
+class _Conv1dSSDCPFn(torch.autograd.Function):
+    """The fused conv1d + SSD with state-passing CP, one causal segment per row."""
+
+    @staticmethod
+    def forward(ctx, xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, group_name,
+                load_balancing, exchange, batch, chunk_size, headdim, ngroups, dt_limit, silu, state_dtype, impl):
+        opts = (group_name, load_balancing, exchange, batch, chunk_size, headdim, ngroups, dt_limit[0], dt_limit[1],
+                silu, state_dtype)
+        y, final, *kept = impl.forward(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, *opts)
+        ctx.save_for_backward(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, *kept)
+        ctx.opts, ctx.impl = opts, impl
+        return y, final
+
+    @staticmethod
+    def backward(ctx, dy, dfinal):
+        grads = ctx.impl.backward(dy, dfinal, *ctx.saved_tensors, *ctx.opts)
+        return (*(_none_if_empty(g) for g in grads), *([None] * 12))
+
+
+def _conv1d_ssd_cp(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size, headdim, ngroups, cp_group,
+                   load_balancing="none", seq_idx=None, initial_states=None, dt_limit=(0.0, float("inf")), silu=True,
+                   state_dtype=None, exchange="all_gather", impl=_PLAIN):
+    """The method end to end: y (b, l_local, h, p) in the layout `load_balancing` ("none" or
+    "virtual") and the fp32 final state (b, h, p, n), differentiable. The local tensors become
+    rows of causal segments for the autograd function and come back. mamba_conv1d_ssd_cp
+    (section 13) is this with its inputs checked on every rank, the exchange chosen, the permute
+    layouts, and the compile layer's ops as impl."""
+    rank, world = _rank_and_world(cp_group)
+    cfg = _CPConfig(xBC, dt, conv_weight, chunk_size, headdim, ngroups, cp_group, rank, world, load_balancing,
+                    dt_limit)
+    rows = cfg.segs.to_rows
+    y, final = _Conv1dSSDCPFn.apply(
+        rows(xBC), rows(dt), conv_weight, conv_bias, dt_bias, A, D, initial_states,
+        None if seq_idx is None else rows(seq_idx.to(torch.int32)).contiguous(), _group_name(cp_group),
+        load_balancing, exchange, cfg.batch, chunk_size, headdim, ngroups, tuple(dt_limit), silu, state_dtype, impl)
+    return cfg.segs.from_rows(y, cfg.batch), final
+
+
+# ---------------------------------------------------------------------------------------------
+# 9. A worked example
+#    `python mamba_cp.py` runs two gloo ranks on this machine over a handful of tokens and
+#    prints each step of state passing, checked against the float64 oracle.
+# ---------------------------------------------------------------------------------------------
+
+
+def _worked_example(rank, world, port):
+    import reference_ssd  # the oracle lives beside this file in the repository
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.set_printoptions(precision=4, sci_mode=False)
+    say = (lambda *a: print(f"[rank {rank}]", *a, flush=True))
+    g = torch.Generator().manual_seed(0)
+    b, L, h, p, n, d_conv = 1, 12, 1, 2, 2, 2                       # one head: x (p=2), state 2x2
+    conv_dim = h * p + 2 * n
+    xBC = torch.randn(b, L, conv_dim, generator=g)
+    dt = torch.randn(b, L, h, generator=g) - 1.0
+    w, bias = torch.randn(conv_dim, d_conv, generator=g) * 0.5, torch.zeros(conv_dim)
+    dt_bias, A, D = torch.zeros(h), -torch.ones(h), torch.ones(h)
+    cfg = _CPConfig(xBC, dt, w, 16, p, 1, dist.group.WORLD, rank, world, "none", (0.0, float("inf")))
+    x_loc, dt_loc = shard(xBC, rank, world), shard(dt, rank, world)    # 6 tokens each
+
+    # 1. the conv, fed by the halo: the last d_conv - 1 pre-conv tokens of the previous rank
+    halo, _ = _exchange_halo(x_loc, None, cfg)
+    u = conv1d_fwd(x_loc, w, bias, halo)
+    x, B, C = _split_xBC(u, cfg)
+    # 2. this rank's summary, from a zero entry state: S_out = a * S_in + S_ext
+    plan = _LaunchPlan(x, B, 16, dt_bias, True, (0.0, float("inf")), None)
+    inp = _SSDInputs(x, dt_loc, A, B, C, D, dt_bias, None)
+    summary = Summary(inp, plan)
+    S_ext, a = summary.affine()
+    say(f"summary: a = {a.flatten().tolist()}, S_ext =\n{S_ext[0, 0]}")
+    # 3. all-gather the summaries and scan: S_in(0) = 0, S_in(1) = a_0 S_in(0) + S_ext(0)
+    every, work = _gather_summaries(S_ext, a, None, cfg)
+    work.wait()
+    entries, final, _, _ = _entries_from_gathered(every, None, False, cfg)
+    say(f"entry state after the scan =\n{entries[0, 0]}")
+    # 4. the outputs with the entry state folded in, against the oracle on the whole sequence
+    y, _ = ssd_output(inp, summary, entries)
+    y_ref, final_ref = reference_ssd.conv1d_ssd_reference(xBC, dt, w, bias, dt_bias, A, D, headdim=p, ngroups=1)
+    err = (y - shard(y_ref, rank, world)).abs().max().item()
+    say(f"y (this rank's 6 tokens) = {y.flatten(1).tolist()[0][:4]}...; max |y - oracle| = {err:.1e}; "
+        f"max |final - oracle| = {(final - final_ref).abs().max().item():.1e}")
+    # 5. the fused function does all of the above (and the backward); mamba_conv1d_ssd_cp is it with
+    #    the production extras of Part II
+    y_fused, _ = _conv1d_ssd_cp(x_loc, dt_loc, w, bias, dt_bias, A, D, 16, p, 1, dist.group.WORLD)
+    say(f"_conv1d_ssd_cp gives the same y: {torch.equal(y_fused, y)}")
+    dist.destroy_process_group()
+
+
+# =============================================================================================
+# PART II. THE EXTRAS
+# Sections 10 to 17: what production adds. Each depends on Part I only, never the reverse.
+# =============================================================================================
+
+
+# ---------------------------------------------------------------------------------------------
+# 10. The prefix-scan exchange and the model that chooses
+#    summary_exchange="scan" and "auto".
+# ---------------------------------------------------------------------------------------------
+
+
+def _global_rank(group, r):
+    """Rank r of the group as point-to-point calls and broadcast sources name it."""
+    return r if group is None else dist.get_global_rank(group, r)
+
+
+def _send(t, to, group):
+    """An isend of t to rank `to` of the group, for _run_p2p."""
+    return dist.P2POp(dist.isend, t, _global_rank(group, to), group)
+
+
+def _recv(t, frm, group):
+    """An irecv into t from rank `frm` of the group, for _run_p2p."""
+    return dist.P2POp(dist.irecv, t, _global_rank(group, frm), group)
+
+
+def _run_p2p(ops):
+    """Post point-to-point operations together (a rank sends what the others receive) and wait."""
+    for work in dist.batch_isend_irecv(ops) if ops else []:
+        work.wait()
 
 
 # The summaries by prefix scan over ranks (summary_exchange="scan"). The all-gather above hands
@@ -1878,7 +2123,7 @@ def _rows(per_segment, cfg):
     return torch.stack(per_segment, dim=1).reshape(cfg.batch * len(per_segment), *per_segment[0].shape[1:])
 
 
-def _scan_summaries(S_ext, a, seq_idx, initial_states, cfg):
+def _entries_by_prefix_scan(S_ext, a, seq_idx, initial_states, cfg):
     """Forward state passing by prefix scan. S_ext (rows, h, p, n) and a (rows, h) this rank's
     summaries, seq_idx (rows, s) or None. Returns the entry states of this rank's segments
     (rows, h, p, n), the final state of the whole sequence (b, h, p, n), identical on every
@@ -1907,11 +2152,11 @@ def _scan_summaries(S_ext, a, seq_idx, initial_states, cfg):
     return _rows(entries, cfg), _applied(total, init), a, None if seq_idx is None else _rows(conts, cfg)
 
 
-def _scan_grads(G, dfinal, a, cont, cfg):
-    """Backward state passing by prefix scan, the reverse of _scan_summaries: each segment maps
+def _exit_grads_by_prefix_scan(G, dfinal, a, cont, cfg):
+    """Backward state passing by prefix scan, the reverse of _entries_by_prefix_scan: each segment maps
     the gradient at its exit to that at the exit before it, dE -> cont (a dE + G). G (rows, h, p,
     n); dfinal (b, h, p, n) this rank's copy's gradient or None; a (rows, h) and cont (rows,) or
-    None as _scan_summaries returned them. Returns the gradient arriving at this rank's segment exits
+    None as _entries_by_prefix_scan returned them. Returns the gradient arriving at this rank's segment exits
     (rows, h, p, n) and that of the initial state (b, h, p, n; zeros but on the rank holding
     segment 0)."""
     h, p, n = cfg.state_shape
@@ -1931,6 +2176,50 @@ def _scan_grads(G, dfinal, a, cont, cfg):
     dexits = [dfin if m is None else _applied(m, dfin) for m in after]
     dinit = _applied(everything, dfin) if cfg.holds_first else torch.zeros_like(dfin)
     return _rows(dexits, cfg), dinit
+
+
+def _from_neighbours(blocks, cfg, later):
+    """Point-to-point: each of this rank's segments sends its row of blocks (rows, numel) to the
+    segment after it (later) or before it in the global sequence, and gets the same from the
+    other side (zeros at the sequence's ends). A rank sends at most one block to each other rank.
+    Returns (rows, numel)."""
+    step = 1 if later else -1
+    mine = blocks.reshape(cfg.batch, cfg.segs.per_row, -1)
+    got = torch.zeros_like(mine)
+    ops, landing = [], []
+    for j, k in enumerate(cfg.segs.ids):
+        if 0 <= k + step < cfg.segs.count and cfg.segs.where[k + step][0] != cfg.rank:
+            ops.append(_send(mine[:, j].contiguous(), cfg.segs.where[k + step][0], cfg.group))
+        if 0 <= k - step < cfg.segs.count:
+            frm, i = cfg.segs.where[k - step]
+            if frm == cfg.rank:
+                got[:, j] = mine[:, i]
+            else:
+                landing.append((j, torch.empty_like(mine[:, j])))
+                ops.append(_recv(landing[-1][1], frm, cfg.group))
+    _run_p2p(ops)
+    for j, buf in landing:
+        got[:, j] = buf
+    return got.reshape(blocks.shape)
+
+
+class _PrefixScanExchange:
+    """summary_exchange="scan": the summaries and G by prefix scan over the ranks, the halos from
+    the neighbouring segments alone. The methods of _AllGatherExchange (section 6); what runs
+    `meanwhile` there runs here after the (blocking) rounds."""
+
+    neighbours = staticmethod(_from_neighbours)
+
+    @staticmethod
+    def entry_states(S_ext, a, seq_idx, initial_states, cfg, meanwhile):
+        return (*_entries_by_prefix_scan(S_ext, a, seq_idx, initial_states, cfg), meanwhile())
+
+    @staticmethod
+    def exit_grads(G, dfinal, a_kept, cont, cfg, meanwhile):
+        return (*_exit_grads_by_prefix_scan(G, dfinal, a_kept, cont, cfg), meanwhile())
+
+
+EXCHANGES["scan"] = _PrefixScanExchange
 
 
 # Which exchange: a latency-bandwidth model of the link. A message of m bytes costs alpha +
@@ -2025,29 +2314,239 @@ def _chosen_exchange(choice, world, load_balancing, batch, state_shape, conv_dim
     return "scan" if scan < gather else "all_gather"
 
 
-def _from_neighbours(blocks, cfg, later):
-    """Point-to-point: each of this rank's segments sends its row of blocks (rows, numel) to the
-    segment after it (later) or before it in the global sequence, and gets the same from the
-    other side (zeros at the sequence's ends). A rank sends at most one block to each other rank.
-    Returns (rows, numel)."""
-    step = 1 if later else -1
-    mine = blocks.reshape(cfg.batch, cfg.segs.per_row, -1)
-    got = torch.zeros_like(mine)
-    ops, landing = [], []
-    for j, k in enumerate(cfg.segs.ids):
-        if 0 <= k + step < cfg.segs.count and cfg.segs.where[k + step][0] != cfg.rank:
-            ops.append(_send(mine[:, j].contiguous(), cfg.segs.where[k + step][0], cfg.group))
-        if 0 <= k - step < cfg.segs.count:
-            frm, i = cfg.segs.where[k - step]
-            if frm == cfg.rank:
-                got[:, j] = mine[:, i]
-            else:
-                landing.append((j, torch.empty_like(mine[:, j])))
-                ops.append(_recv(landing[-1][1], frm, cfg.group))
-    _run_p2p(ops)
-    for j, buf in landing:
-        got[:, j] = buf
-    return got.reshape(blocks.shape)
+# ---------------------------------------------------------------------------------------------
+# 11. Input checks and the ranks' agreement
+#    Every bad input gets a ValueError naming the argument, what was seen, and what was expected.
+# ---------------------------------------------------------------------------------------------
+
+
+def _capturing(t):
+    """True while a CUDA graph is being captured: checks that read device values on the host
+    (a synchronisation) are skipped then; the eager calls before capture have run them."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _check_document_values(seq_idx, cu_seqlens=None):
+    """The checks that read device values on the host (a synchronisation): seq_idx non-decreasing,
+    and cu_seqlens bounding the documents that seq_idx marks (shapes checked before). They run
+    where the values are used, so under torch.compile too, but not while a CUDA graph is captured
+    (the eager calls before capture have run them)."""
+    if seq_idx is None or _capturing(seq_idx):
+        return
+    _expect(bool((seq_idx[:, 1:] >= seq_idx[:, :-1]).all()), "seq_idx", "a decreasing step",
+            "non-decreasing document ids along each row")
+    if cu_seqlens is None:
+        return
+    l = seq_idx.shape[1]
+    cu = cu_seqlens.tolist()
+    _expect(cu[0] == 0 and cu[-1] == l, "cu_seqlens", f"bounds from {cu[0]} to {cu[-1]}", f"from 0 to seqlen = {l}")
+    _expect(all(a < b for a, b in zip(cu, cu[1:])), "cu_seqlens", "bounds that do not increase",
+            "strictly increasing bounds (every document holds a token)")
+    starts = torch.zeros(l, dtype=torch.bool, device=seq_idx.device)
+    starts[cu_seqlens[1:-1].long()] = True
+    _expect(torch.equal(seq_idx[0, 1:] != seq_idx[0, :-1], starts[1:]), "cu_seqlens", "document bounds that differ "
+            "from seq_idx's", "the positions where seq_idx changes, and no others")
+
+
+def _check_options(chunk_size, seq_idx, dt_limit, tokens, ref):
+    """The checks the single-device and CP entry points share; tokens = (batch, seqlen)."""
+    _expect(isinstance(chunk_size, int) and chunk_size >= 16 and chunk_size & (chunk_size - 1) == 0,
+            "chunk_size", chunk_size, "a power of two >= 16")
+    if seq_idx is not None:
+        _check_tensor(seq_idx, "seq_idx", tokens, ref, dtypes=(torch.int32, torch.int64))
+    _expect(isinstance(dt_limit, (tuple, list)) and len(dt_limit) == 2 and dt_limit[0] <= dt_limit[1],
+            "dt_limit", dt_limit, "a pair (dt_min, dt_max) with dt_min <= dt_max")
+
+
+def _check_ssd_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_limit):
+    _expect(isinstance(x, torch.Tensor) and x.dim() == 4, "x",
+            f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}",
+            "a 4-dim tensor (batch, seqlen, nheads, headdim)")
+    _check_tensor(x, "x", (None, None, None, None), x, dtypes=(torch.float32, torch.float16, torch.bfloat16))
+    b, l, h, p = x.shape
+    _expect(isinstance(B, torch.Tensor) and B.dim() == 4, "B",
+            f"{tuple(B.shape) if isinstance(B, torch.Tensor) else type(B).__name__}",
+            f"a 4-dim tensor ({b}, {l}, ngroups, dstate)")
+    g, n = B.shape[2], B.shape[3]
+    _check_tensor(dt, "dt", (b, l, h), x, allow_none=False)
+    _check_tensor(A, "A", (h,), x, allow_none=False)
+    _check_tensor(B, "B", (b, l, g, n), x, dtypes=(x.dtype,))
+    _check_tensor(C, "C", (b, l, g, n), x, dtypes=(x.dtype,), allow_none=False)
+    _expect(g >= 1 and h % g == 0, "B", f"ngroups={g} with nheads={h}", "ngroups dividing nheads")
+    _expect(l >= 1, "x", f"seqlen {l}", "at least one token")
+    _expect(n <= 256, "B", f"dstate {n}", "dstate <= 256 (one register tile per state row)")
+    _expect(p <= 256, "x", f"headdim {p}", "headdim <= 256 (one register tile per head)")
+    if D is not None:
+        _check_tensor(D, "D", (h,) if D.dim() == 1 else (h, p), x)
+    _check_tensor(z, "z", (b, l, h, p), x, dtypes=(x.dtype,))
+    _check_tensor(dt_bias, "dt_bias", (h,), x)
+    _check_tensor(initial_states, "initial_states", (b, h, p, n), x)
+    _check_options(chunk_size, seq_idx, dt_limit, (b, l), x)
+
+
+_STATE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
+
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64)
+
+
+def _signature(**tensors_and_options):
+    """A fixed-length integer description of every argument (-1 where absent), for _agree."""
+    values, names = [], []
+    for name, v in tensors_and_options.items():
+        if isinstance(v, torch.Tensor) or v is None:
+            shape = list(v.shape) if v is not None else []
+            dims = ([v.dim()] if v is not None else [-1]) + (shape + [-1] * 5)[:5]
+            code = _DTYPES.index(v.dtype) if v is not None and v.dtype in _DTYPES else -1
+            values += dims + [code]
+            names += [f"{name} rank"] + [f"{name}.shape[{i}]" for i in range(5)] + [f"{name} dtype"]
+        else:
+            values.append(int(v))
+            names.append(name)
+    return values, names
+
+
+def _op_signature(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, chunk_size, headdim,
+                  ngroups):
+    """What the ranks of a compiled call agree on inside the forward op (rows of segments)."""
+    return dict(xBC=xBC, dt=dt, conv_weight=conv_weight, conv_bias=conv_bias, dt_bias=dt_bias, A=A, D=D,
+                seq_idx=seq_idx, initial_states=initial_states, chunk_size=chunk_size, headdim=headdim,
+                ngroups=ngroups)
+
+
+def _call_signature(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size, headdim, ngroups, seq_idx,
+                    initial_states, load_balancing, return_final_states, summary_exchange="auto"):
+    def t(v):
+        return v if isinstance(v, torch.Tensor) else None
+
+    def i(v):
+        return v if isinstance(v, int) else -1
+
+    return dict(xBC=t(xBC), dt=t(dt), conv_weight=t(conv_weight), conv_bias=t(conv_bias), dt_bias=t(dt_bias),
+                A=t(A), D=t(D), seq_idx=t(seq_idx), initial_states=t(initial_states), chunk_size=i(chunk_size),
+                headdim=i(headdim), ngroups=i(ngroups),
+                load_balancing=LAYOUTS.index(load_balancing) if load_balancing in LAYOUTS else -1,
+                return_final_states=bool(return_final_states),
+                summary_exchange=(SUMMARY_EXCHANGES.index(summary_exchange) if isinstance(summary_exchange, str)
+                                  and summary_exchange in SUMMARY_EXCHANGES else -1))
+
+
+def _group_info(cp_group, ref):
+    """(rank, world) in the CP group; a ValueError if the group cannot serve these tensors."""
+    if cp_group is None or not dist.is_available() or not dist.is_initialized():
+        _expect(cp_group is None, "cp_group", "a group", "None when torch.distributed is not initialised")
+        return 0, 1
+    _expect(isinstance(cp_group, dist.ProcessGroup), "cp_group", type(cp_group).__name__,
+            "a torch.distributed ProcessGroup, or None for a single device")
+    rank = dist.get_rank(cp_group)
+    _expect(rank >= 0, "cp_group", "a group this process is not a member of", "a group containing this rank")
+    world = dist.get_world_size(cp_group)
+    backend = str(dist.get_backend(cp_group)).lower()
+    if "nccl" in backend:
+        _expect(ref.is_cuda, "cp_group", f"an NCCL group with tensors on {ref.device}", "CUDA tensors for NCCL")
+    return rank, world
+
+
+def _agree(signature, names, local_error, cp_group, device):
+    """Every rank checks that all ranks called with the same shapes and options, and that none
+    rejected its own inputs: one all-gather of a fixed-size integer signature, so a mismatch
+    cannot hang. A difference raises the same ValueError on every rank; a rank that rejected
+    its inputs raises its own error and the others say which rank stopped them."""
+    mine = torch.tensor(signature + [local_error is not None], dtype=torch.int64, device=device)
+    world = dist.get_world_size(cp_group)
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine, group=cp_group)
+    every = torch.stack(every).cpu()
+    for i, name in enumerate(names):
+        values = every[:, i].tolist()
+        if len(set(values)) > 1:
+            raise ValueError(f"{name}: got {values} across the ranks of cp_group, expected the same on every rank")
+    rejected = [r for r, flag in enumerate(every[:, -1].tolist()) if flag]
+    if local_error is not None:
+        raise local_error
+    if rejected:
+        raise ValueError(f"inputs: got a ValueError on rank(s) {rejected} of cp_group, expected valid inputs "
+                         "on every rank (all ranks stop before any collective that could hang)")
+
+
+def _validate_everywhere(check, cp_group, world, ref, **signature_args):
+    """Run the local checks, then (in a world of several, outside CUDA-graph capture) agree
+    with the other ranks before anything else is sent. While torch.compile traces, the check
+    sees shapes only: the CP forward op agrees when it runs."""
+    try:
+        check()
+        local_error = None
+    except ValueError as e:
+        local_error = e
+    if world > 1 and not _capturing(ref) and not torch.compiler.is_compiling():
+        values, names = _signature(**signature_args)
+        _agree(values, names, local_error, cp_group, ref.device)
+    elif local_error is not None:
+        raise local_error
+
+
+def _agreement_ints():
+    """How many int64 values each rank all-gathers when the public CP functions agree on their
+    inputs (the signature and the verdict): the count bench.py's volume model uses."""
+    values, _ = _signature(**_call_signature(*([None] * 12), "none", False))
+    return len(values) + 1
+
+
+_ACTIVATIONS = ("silu", "swish", None)
+
+
+def _check_cp_inputs(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size, headdim, ngroups,
+                     seq_idx, initial_states, load_balancing, dt_limit, activation="silu", state_dtype=None,
+                     summary_exchange="auto"):
+    _check_layout(load_balancing)
+    _expect(isinstance(summary_exchange, str) and summary_exchange in SUMMARY_EXCHANGES, "summary_exchange",
+            repr(summary_exchange), f"one of {SUMMARY_EXCHANGES}")
+    _expect(activation in _ACTIVATIONS, "activation", repr(activation), f"one of {_ACTIVATIONS}")
+    _expect(state_dtype in _STATE_DTYPES, "state_dtype", state_dtype, f"one of {_STATE_DTYPES}")
+    per_row = 1 if load_balancing == "none" else 2
+    _expect(isinstance(xBC, torch.Tensor) and xBC.dim() == 3, "xBC",
+            tuple(xBC.shape) if isinstance(xBC, torch.Tensor) else type(xBC).__name__,
+            "a 3-dim tensor (batch, seqlen_local, nheads*headdim + 2*ngroups*dstate)")
+    _check_tensor(xBC, "xBC", (None, None, None), xBC, dtypes=(torch.float32, torch.float16, torch.bfloat16))
+    b, l, conv_dim = xBC.shape
+    _expect(isinstance(dt, torch.Tensor) and dt.dim() == 3, "dt",
+            tuple(dt.shape) if isinstance(dt, torch.Tensor) else type(dt).__name__, f"({b}, {l}, nheads)")
+    h = dt.shape[2]
+    _check_tensor(dt, "dt", (b, l, h), xBC)
+    _expect(isinstance(headdim, int) and headdim >= 1, "headdim", headdim, "a positive int")
+    _expect(isinstance(ngroups, int) and ngroups >= 1 and h % ngroups == 0, "ngroups", ngroups,
+            f"a positive divisor of nheads={h}")
+    rest = conv_dim - h * headdim
+    _expect(rest > 0 and rest % (2 * ngroups) == 0, "xBC", f"{conv_dim} channels",
+            f"nheads*headdim + 2*ngroups*dstate = {h}*{headdim} + 2*{ngroups}*dstate channels")
+    n = rest // (2 * ngroups)
+    _expect(isinstance(conv_weight, torch.Tensor) and conv_weight.dim() == 2, "conv_weight",
+            tuple(conv_weight.shape) if isinstance(conv_weight, torch.Tensor) else type(conv_weight).__name__,
+            f"({conv_dim}, d_conv)")
+    _check_tensor(conv_weight, "conv_weight", (conv_dim, None), xBC)
+    d_conv = conv_weight.shape[1]
+    _expect(2 <= d_conv <= 8, "conv_weight", f"d_conv={d_conv}", "2 <= d_conv <= 8")
+    _check_tensor(conv_bias, "conv_bias", (conv_dim,), xBC)
+    _check_tensor(dt_bias, "dt_bias", (h,), xBC)
+    _check_tensor(A, "A", (h,), xBC, allow_none=False)
+    if D is not None:
+        _check_tensor(D, "D", (h,) if D.dim() == 1 else (h, headdim), xBC)
+    _expect(n <= 256 and headdim <= 256, "xBC", f"headdim {headdim}, dstate {n}", "headdim and dstate <= 256")
+    _check_tensor(initial_states, "initial_states", (b, h, headdim, n), xBC)
+    _check_options(chunk_size, seq_idx, dt_limit, (b, l), xBC)
+    if not torch.compiler.is_compiling():   # compiled, the forward op checks them when it runs
+        _check_document_values(seq_idx)
+    _expect(l % per_row == 0, "xBC", f"local length {l}",
+            f"a multiple of {per_row} (load_balancing={load_balancing!r} holds {per_row} equal pieces)")
+    seg = l // 2 if load_balancing == "virtual" else l     # the permute layouts compute one segment
+    _expect(seg >= max(1, d_conv - 1), "xBC", f"segments of {seg} tokens",
+            f"at least d_conv - 1 = {d_conv - 1} tokens per segment (the conv halo comes from one neighbour)")
+
+
+# ---------------------------------------------------------------------------------------------
+# 12. The permute layouts
+#    load_balancing="permute_p2p" and "permute_a2a": tokens moved to the contiguous layout and back.
+# ---------------------------------------------------------------------------------------------
 
 
 def _zigzag_and_contiguous(world):
@@ -2106,64 +2605,13 @@ def _permute(t, group, load_balancing, to_contiguous):
     return out
 
 
-# Every collective of the module runs inside a custom op (see _chunk_scan_fwd for why): the
-# compiler records the call, and the ops' own code runs the NCCL or gloo calls, which the
-# compiler never traces. A group travels to an op by its registered name.
-
-def _group_name(group):
-    """The handle the custom ops take for a process group: its name and its size ("" for none).
-    The size is part of it because some fake outputs depend on it (an all-gather's, the CP ops'
-    per-segment buffers), and inductor caches a compiled graph on disk under its arguments: by
-    name alone (the world is "0" at every size) a graph traced at W = 2 would be reused at W = 3."""
-    return "" if group is None else f"{group.group_name}:{dist.get_world_size(group)}"
-
-
-def _resolve_group(handle):
-    return None if handle == "" else dist.distributed_c10d._resolve_process_group(handle.rsplit(":", 1)[0])
-
-
 @torch.library.custom_op("mamba_cp::permute", mutates_args=())
-def _permute_op(t: Tensor, group: str, load_balancing: str, to_contiguous: bool) -> Tensor:
-    return _permute(t, _resolve_group(group), load_balancing, to_contiguous)
+def _permute_op(t: Tensor, group_name: str, load_balancing: str, to_contiguous: bool) -> Tensor:
+    return _permute(t, _resolve_group(group_name), load_balancing, to_contiguous)
 
 
 @_permute_op.register_fake
-def _(t, group, load_balancing, to_contiguous):
-    return torch.empty(t.shape, device=t.device, dtype=t.dtype)
-
-
-@torch.library.custom_op("mamba_cp::all_to_all", mutates_args=())
-def _all_to_all_op(t: Tensor, group: str) -> Tensor:
-    """Equal-block all_to_all_single along dim 0."""
-    out = torch.empty(t.shape, device=t.device, dtype=t.dtype)
-    dist.all_to_all_single(out, t.contiguous(), group=_resolve_group(group))
-    return out
-
-
-@_all_to_all_op.register_fake
-def _(t, group):
-    return torch.empty(t.shape, device=t.device, dtype=t.dtype)
-
-
-@torch.library.custom_op("mamba_cp::all_gather", mutates_args=())
-def _all_gather_op(t: Tensor, group: str) -> Tensor:
-    return _all_gather(t, _resolve_group(group))
-
-
-@_all_gather_op.register_fake
-def _(t, group):
-    return t.new_empty((dist.get_world_size(_resolve_group(group)), *t.shape))
-
-
-@torch.library.custom_op("mamba_cp::all_reduce", mutates_args=())
-def _all_reduce_op(t: Tensor, group: str) -> Tensor:
-    out = t.contiguous().clone()
-    dist.all_reduce(out, group=_resolve_group(group))
-    return out
-
-
-@_all_reduce_op.register_fake
-def _(t, group):
+def _(t, group_name, load_balancing, to_contiguous):
     return torch.empty(t.shape, device=t.device, dtype=t.dtype)
 
 
@@ -2182,449 +2630,49 @@ class _PermuteFn(torch.autograd.Function):
 
 
 # ---------------------------------------------------------------------------------------------
-# 9. The causal conv1d
-#    README walkthrough f. Each kernel is followed by its launcher.
-#
-# Depthwise causal conv1d + bias + SiLU with a halo, forward and backward.
-#
-#     out[b, t, c] = silu(bias[c] + sum_{k<d} weight[c, k] * u[b, t - (d-1) + k, c])
-#
-# u is the shard's pre-conv xBC, preceded by the halo: the last d-1 pre-conv tokens of the
-# previous segment, received from their owner (zeros for the first segment). With seq_idx a tap
-# whose token belongs to another document than token t contributes 0, in the halo too.
-#
-# Backward. g = dout * silu'(pre), with the pre-activation recomputed (it is as large as xBC, so
-# it is not kept). With m_j(s) = 1 when s and s+j are in one document (the forward's tap mask):
-#     du[s, c]        = sum_j weight[c, d-1-j] * m_j(s) g[s+j, c]
-#     dweight[c, d-1-j] = sum_s u[s, c] * m_j(s) g[s+j, c]          dbias[c] = sum_t g[t, c]
-# so one pass over rows s of [halo, xBC] gives all three; du at s < 0 is the halo's gradient,
-# which the caller sends back to the halo's owner. A tile needs g at d-1 rows past its end, and a
-# register tile cannot be shifted by rows: each program computes g for its tile and the d-1
-# rows after it once, parks them in its own scratch slot (fp32, reused tile after tile, so it
-# stays in L2) and reads them back shifted. No atomics: dweight and dbias are per-(batch,
-# token-group) partial sums, summed by torch in a fixed order.
-#
-# Offsets that multiply a batch, token or channel index by a stride are int64: sequences reach
-# 2^20 tokens x 8k channels, and xBC may come in any layout.
+# 13. The compile layer and the public CP function: mamba_conv1d_ssd_cp
 # ---------------------------------------------------------------------------------------------
 
 
-# Conv pieces: document ids, one tap tile, the pre-activation and its gradient
+# torch.compile. The forward and the backward are each one opaque custom op (torch.library):
+# the compiler records the call and its output shapes (from the fake functions below), and the
+# kernels run as they do eagerly, on the tensors they were given. Traced instead, a kernel's
+# writes into views (the fused backward writes dx, dB, dC into channel slices of one buffer)
+# become inductor's copies of those views and back, and at torch 2.11 such a copy read past its
+# source: the illegal memory access of README "torch.compile". In the interpreter the compiler
+# would trace NumPy. Absent outputs are empty tensors (an op returns tensors only), and so are
+# absent gradients. The ops wrap section 8's plain functions, and _Conv1dSSDCPFn runs them as
+# its impl (_COMPILABLE), eager calls too.
 
 
-@triton.jit
-def _doc(s_row0, stride_s_l, hs_row0, stride_hs_l, r0, seqlen,
-         R: tl.constexpr, HALO: tl.constexpr, HAS_HALO_SEQ: tl.constexpr):
-    """Document id (R,) of token rows r0 + [0, R); -1 where there is none (those rows hold zeros)."""
-    rows = r0 + tl.arange(0, R)
-    r = rows.to(tl.int64)
-    doc = tl.load(s_row0 + r * stride_s_l, mask=(rows >= 0) & (rows < seqlen), other=-1)
-    if HAS_HALO_SEQ:
-        in_h = (rows < 0) & (rows >= -HALO)
-        doc = tl.where(in_h, tl.load(hs_row0 + (r + HALO) * stride_hs_l, mask=in_h, other=-1), doc)
-    return doc
-
-
-@triton.jit
-def _tap(x_row0, x_col, stride_x_l, h_row0, h_col, stride_h_l, r0, mask_c, seqlen,
-         R: tl.constexpr, HALO: tl.constexpr, HAS_HALO: tl.constexpr):
-    """u at token rows r0 + [0, R) as an (R, BC) fp32 tile, zero outside [-HALO, seqlen).
-    Rows < 0 come from the halo."""
-    rows = r0 + tl.arange(0, R)
-    r = rows.to(tl.int64)
-    in_x = (rows >= 0) & (rows < seqlen)
-    u = tl.load(x_row0 + r[:, None] * stride_x_l + x_col[None, :],
-                mask=in_x[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
-    if HAS_HALO:   # a second masked load, not a branch: a branch would split the taps' loads apart
-        in_h = (rows < 0) & (rows >= -HALO)
-        u += tl.load(h_row0 + (r + HALO)[:, None] * stride_h_l + h_col[None, :],
-                     mask=in_h[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
-    return u
-
-
-@triton.jit
-def _preact(x_row0, x_col, stride_x_l, h_row0, h_col, stride_h_l, w_col, stride_w_k, bias,
-            s_row0, stride_s_l, hs_row0, stride_hs_l, r0, mask_c, seqlen,
-            R: tl.constexpr, BC: tl.constexpr, TAPS: tl.constexpr,
-            HAS_HALO: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_HALO_SEQ: tl.constexpr):
-    """Pre-activation (R, BC) fp32 of output rows r0 + [0, R): bias + sum_k w_k u[row-(TAPS-1)+k],
-    a tap from another document dropped. (The document test is applied after the load, not in
-    its mask: the tap loads then need not wait for the ids.)"""
-    acc = tl.zeros((R, BC), dtype=tl.float32) + bias[None, :]
-    if HAS_SEQ:
-        doc_t = _doc(s_row0, stride_s_l, hs_row0, stride_hs_l, r0, seqlen, R, TAPS - 1, HAS_HALO_SEQ)
-    for k in tl.static_range(TAPS):
-        src0 = r0 - (TAPS - 1) + k
-        u = _tap(x_row0, x_col, stride_x_l, h_row0, h_col, stride_h_l, src0, mask_c, seqlen,
-                 R, TAPS - 1, HAS_HALO)
-        if HAS_SEQ:
-            same = _doc(s_row0, stride_s_l, hs_row0, stride_hs_l, src0, seqlen, R, TAPS - 1, HAS_HALO_SEQ) == doc_t
-            u = tl.where(same[:, None], u, 0.0)
-        w = tl.load(w_col + k * stride_w_k, mask=mask_c, other=0.0).to(tl.float32)   # (BC,)
-        acc += w[None, :] * u
-    return acc
-
-
-@triton.jit
-def _dpre(do_row0, do_col, stride_do_l,
-          x_row0, x_col, stride_x_l, h_row0, h_col, stride_h_l, w_col, stride_w_k, bias,
-          s_row0, stride_s_l, hs_row0, stride_hs_l, r0, mask_c, seqlen,
-          R: tl.constexpr, BC: tl.constexpr, TAPS: tl.constexpr,
-          HAS_HALO: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_HALO_SEQ: tl.constexpr, SILU: tl.constexpr):
-    """g = dL/dpre (R, BC) fp32 at output rows r0 + [0, R): dout * silu'(pre) (dout without SiLU);
-    0 off [0, seqlen)."""
-    p = _preact(x_row0, x_col, stride_x_l, h_row0, h_col, stride_h_l, w_col, stride_w_k, bias,
-                s_row0, stride_s_l, hs_row0, stride_hs_l, r0, mask_c, seqlen,
-                R, BC, TAPS, HAS_HALO, HAS_SEQ, HAS_HALO_SEQ)
-    rows = r0 + tl.arange(0, R)
-    valid = (rows >= 0) & (rows < seqlen)
-    do = tl.load(do_row0 + rows.to(tl.int64)[:, None] * stride_do_l + do_col[None, :],
-                 mask=valid[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
-    if not SILU:
-        return do
-    sig = tl.sigmoid(p)
-    return do * sig * (1.0 + p * (1.0 - sig))      # silu'(p) = sig(p) (1 + p (1 - sig(p)))
-
-
-
-
-@triton.jit
-def _conv_bias(bias_ptr, offs_c, mask_c, stride_bias, BC: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """The conv bias of a channel tile, fp32 (zeros without a bias)."""
-    if HAS_BIAS:
-        return tl.load(bias_ptr + offs_c * stride_bias, mask=mask_c, other=0.0).to(tl.float32)
-    return tl.zeros((BC,), dtype=tl.float32)
-
-
-@triton.jit
-def _conv_fwd_kernel(
-    x_ptr, w_ptr, bias_ptr, halo_ptr, seq_ptr, hseq_ptr, out_ptr,
-    seqlen, dim, stride_x, stride_w, stride_bias, stride_h, stride_s, stride_hs, stride_o,
-    TAPS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_HALO_SEQ: tl.constexpr,
-    SILU: tl.constexpr,
-):
-    """One (BT tokens, BC channels) tile of one batch row: out = silu(pre-activation), or the
-    pre-activation itself without SILU."""
-    pid_t = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    bb = tl.program_id(2).to(tl.int64)
-    t0 = pid_t * BT
-    rows = t0 + tl.arange(0, BT)                                                # (BT,)
-    offs_c = (pid_c * BC + tl.arange(0, BC)).to(tl.int64)                       # (BC,)
-    mask_c = offs_c < dim
-    bias = _conv_bias(bias_ptr, offs_c, mask_c, stride_bias, BC, HAS_BIAS)      # (BC,) fp32
-
-    p = _preact(x_ptr + bb * stride_x.b, offs_c * stride_x.c, stride_x.l,
-                halo_ptr + bb * stride_h.b, offs_c * stride_h.c, stride_h.l,
-                w_ptr + offs_c * stride_w.c, stride_w.k, bias,
-                seq_ptr + bb * stride_s.b, stride_s.l, hseq_ptr + bb * stride_hs.b, stride_hs.l,
-                t0, mask_c, seqlen, BT, BC, TAPS, HAS_HALO, HAS_SEQ, HAS_HALO_SEQ)  # (BT, BC)
-    out = p * tl.sigmoid(p) if SILU else p
-    tl.store(out_ptr + bb * stride_o.b + rows.to(tl.int64)[:, None] * stride_o.l + offs_c[None, :] * stride_o.c,
-             out.to(out_ptr.dtype.element_ty), mask=(rows < seqlen)[:, None] & mask_c[None, :])
-
-
-def _check_conv_inputs(xBC, weight, bias, halo, seq_idx, halo_seq):
-    _expect(isinstance(xBC, torch.Tensor) and xBC.dim() == 3, "xBC",
-            tuple(xBC.shape) if isinstance(xBC, torch.Tensor) else type(xBC).__name__,
-            "a 3-dim tensor (batch, seqlen, dim)")
-    _check_tensor(xBC, "xBC", (None, None, None), xBC, dtypes=_FLOATS)
-    b, l, dim = xBC.shape
-    _expect(l >= 1 and dim >= 1 and b >= 1, "xBC", f"shape {tuple(xBC.shape)}", "no empty dimension")
-    _check_tensor(weight, "weight", (dim, None), xBC, dtypes=_FLOATS, allow_none=False)
-    d = weight.shape[1]
-    _expect(2 <= d <= 8, "weight", f"d_conv {d}", "2 <= d_conv <= 8")
-    _check_tensor(bias, "bias", (dim,), xBC, dtypes=_FLOATS)
-    _check_tensor(halo, "halo", (b, d - 1, dim), xBC, dtypes=_FLOATS)
-    _check_tensor(seq_idx, "seq_idx", (b, l), xBC, dtypes=_INTS)
-    _check_tensor(halo_seq, "halo_seq", (b, d - 1), xBC, dtypes=_INTS)
-    _expect(halo_seq is None or seq_idx is not None, "halo_seq", "a tensor with seq_idx=None",
-            "None when seq_idx is None")
-    _expect(halo is None or seq_idx is None or halo_seq is not None, "halo_seq", "None",
-            "the halo's document ids (b, d_conv-1) when both halo and seq_idx are given")
-    return b, l, dim, d
-
-
-def _conv_blocks(l, dim, blocks):
-    """(tokens, channels) of a conv program: the tuning's, no larger than the tensor needs."""
-    BT, BC = blocks
-    return min(BT, max(16, _next_pow2(l))), min(BC, max(16, _next_pow2(dim)))
-
-
-def _conv_flags(bias, halo, seq_idx, silu):
-    has_seq = seq_idx is not None
-    return dict(HAS_BIAS=bias is not None, HAS_HALO=halo is not None, HAS_SEQ=has_seq,
-                HAS_HALO_SEQ=has_seq and halo is not None, SILU=bool(silu))  # without a halo its ids don't matter
-
-
-def conv1d_fwd(xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=None, out=None, silu=True):
-    """silu(causal depthwise conv(xBC) + bias) (without silu: the conv alone), (b, l, dim) in
-    xBC's dtype (contiguous, or written into `out`, any strides: a channel slice of a larger
-    buffer, say).
-
-    xBC (b, l, dim) any strides; weight (dim, d_conv); bias (dim,); halo (b, d_conv-1, dim): the
-    d_conv-1 pre-conv tokens before the shard, None for zeros; seq_idx (b, l) and halo_seq
-    (b, d_conv-1) integer document ids (halo_seq needed when both halo and seq_idx are given).
-    """
-    b, l, dim, d = _check_conv_inputs(xBC, weight, bias, halo, seq_idx, halo_seq)
-    flags = _conv_flags(bias, halo, seq_idx, silu)
-    halo_seq = halo_seq.to(seq_idx.dtype) if flags["HAS_HALO_SEQ"] else None   # one id type in the kernel
-    if out is None:
-        out = torch.empty((b, l, dim), device=xBC.device, dtype=xBC.dtype)
-    _check_tensor(out, "out", (b, l, dim), xBC, dtypes=(xBC.dtype,))
-    t = tuning()
-    BT, BC = _conv_blocks(l, dim, t.conv_fwd_blocks)
-    grid = (_cdiv(l, BT), _cdiv(dim, BC), b)
-    _conv_fwd_kernel[grid](
-        xBC, weight, _stand_in(bias, xBC), _stand_in(halo, xBC), _stand_in(seq_idx, xBC), _stand_in(halo_seq, xBC),
-        out, l, dim, _BLC(*xBC.stride()), _CK(*weight.stride()), 0 if bias is None else bias.stride(0),
-        _strides_of(halo, _BLC), _strides_of(seq_idx, _BL), _strides_of(halo_seq, _BL), _BLC(*out.stride()),
-        TAPS=d, BT=BT, BC=BC, num_warps=t.conv_fwd_warps, **flags)
-    return out
-
-
-@triton.jit
-def _conv_bwd_kernel(
-    dout_ptr, x_ptr, w_ptr, bias_ptr, halo_ptr, seq_ptr, hseq_ptr,
-    dx_ptr, dhalo_ptr, dw_part_ptr, db_part_ptr, scratch_ptr,
-    seqlen, dim, n_inner, stride_do, stride_x, stride_w, stride_bias, stride_h, stride_s, stride_hs, stride_dx,
-    TAPS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HB: tl.constexpr, DP: tl.constexpr,
-    SHIFT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_HALO_SEQ: tl.constexpr,
-    NEED_DHALO: tl.constexpr, SILU: tl.constexpr,
-):
-    """n_inner consecutive (BT, BC) tiles of rows s of [halo, xBC] (starting at s = -SHIFT; SHIFT
-    is TAPS-1 with a halo) in one batch row: du per tile (into dx, or dhalo for s < 0), and
-    dweight, dbias summed over the tiles into this program's own partial slot. dhalo
-    (b, TAPS-1, dim), the partials (b, groups, TAPS, dim) and (b, groups, dim) are contiguous.
-
-    du[s] = sum_j w[TAPS-1-j] g[s+j] needs g = dL/dpre of TAPS-1 rows past the tile. Each
-    iteration computes g of the rows TAPS-1 ahead of its du rows, so the rows it also needs were
-    computed by the iteration before: a ring in this program's scratch slot holds them (HB rows
-    of history, then the newest tile), and only the program's first tile computes its history."""
-    pid_g = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    bb = tl.program_id(2).to(tl.int64)
-    offs_c = (pid_c * BC + tl.arange(0, BC)).to(tl.int64)                       # (BC,)
-    mask_c = offs_c < dim
-    bias = _conv_bias(bias_ptr, offs_c, mask_c, stride_bias, BC, HAS_BIAS)      # (BC,) fp32
-
-    do_row0 = dout_ptr + bb * stride_do.b
-    do_col = offs_c * stride_do.c
-    # the row strides the tile helpers take
-    stride_do_l, stride_x_l, stride_h_l, stride_w_k = stride_do.l, stride_x.l, stride_h.l, stride_w.k
-    stride_s_l, stride_hs_l = stride_s.l, stride_hs.l
-    x_row0 = x_ptr + bb * stride_x.b
-    x_col = offs_c * stride_x.c
-    h_row0 = halo_ptr + bb * stride_h.b
-    h_col = offs_c * stride_h.c
-    w_col = w_ptr + offs_c * stride_w.c
-    s_row0 = seq_ptr + bb * stride_s.b
-    hs_row0 = hseq_ptr + bb * stride_hs.b
-
-    # this program's ring: rows [0, HB) hold g of the HB rows before the newest tile, rows
-    # [HB, HB + BT) the newest tile's g
-    prog = (bb * tl.num_programs(0) + pid_g) * tl.num_programs(1) + pid_c
-    slot = scratch_ptr + prog * ((BT + HB) * BC)
-    sl_r = tl.arange(0, BT)
-    sl_c = tl.arange(0, BC)
-    hist = tl.arange(0, HB)
-    first = pid_g * n_inner * BT - SHIFT                                        # the program's first du row
-    g_hist = _dpre(do_row0, do_col, stride_do_l, x_row0, x_col, stride_x_l, h_row0, h_col, stride_h_l,
-                   w_col, stride_w_k, bias, s_row0, stride_s_l, hs_row0, stride_hs_l, first + (TAPS - 1) - HB,
-                   mask_c, seqlen, HB, BC, TAPS, HAS_HALO, HAS_SEQ, HAS_HALO_SEQ, SILU)  # (HB, BC)
-    tl.store(slot + hist[:, None] * BC + sl_c[None, :], g_hist)
-
-    kk = tl.arange(0, DP)                                                       # tap index, padded
-    dw_acc = tl.zeros((DP, BC), dtype=tl.float32)
-    # g's rows are each counted once, in the tile that computes them, except the TAPS-1 rows
-    # before the first tile (the history of program 0: zeros with a halo)
-    db_acc = tl.sum(g_hist, axis=0) * (pid_g == 0)                               # (BC,)
-    for i in range(n_inner):
-        s0 = first + i * BT                                                     # this tile's du rows
-        g = _dpre(do_row0, do_col, stride_do_l, x_row0, x_col, stride_x_l, h_row0, h_col, stride_h_l,
-                  w_col, stride_w_k, bias, s_row0, stride_s_l, hs_row0, stride_hs_l, s0 + (TAPS - 1), mask_c,
-                  seqlen, BT, BC, TAPS, HAS_HALO, HAS_SEQ, HAS_HALO_SEQ, SILU)    # (BT, BC): g[s0+TAPS-1+r]
-        db_acc += tl.sum(g, axis=0)
-        tl.store(slot + (HB + sl_r)[:, None] * BC + sl_c[None, :], g)
-        tl.debug_barrier()       # the newest tile (and the history) visible to every thread
-
-        if HAS_SEQ:
-            doc_s = _doc(s_row0, stride_s_l, hs_row0, stride_hs_l, s0, seqlen, BT, TAPS - 1, HAS_HALO_SEQ)
-        u = _tap(x_row0, x_col, stride_x_l, h_row0, h_col, stride_h_l, s0, mask_c, seqlen,
-                 BT, TAPS - 1, HAS_HALO)                                           # (BT, BC)
-        du = tl.zeros((BT, BC), dtype=tl.float32)
-        for j in tl.static_range(TAPS):
-            if j == TAPS - 1:
-                gj = g                                                          # the newest tile itself
-            else:
-                gj = tl.load(slot + (HB - (TAPS - 1) + j + sl_r)[:, None] * BC + sl_c[None, :])  # g[s+j]
-            if HAS_SEQ:   # mirrors the forward: output s+j reads row s only within one document
-                same = _doc(s_row0, stride_s_l, hs_row0, stride_hs_l, s0 + j, seqlen, BT, TAPS - 1,
-                            HAS_HALO_SEQ) == doc_s
-                gj = tl.where(same[:, None], gj, 0.0)
-            w = tl.load(w_col + (TAPS - 1 - j) * stride_w_k, mask=mask_c, other=0.0).to(tl.float32)
-            du += w[None, :] * gj
-            dw_acc += tl.where(kk[:, None] == TAPS - 1 - j, tl.sum(u * gj, axis=0)[None, :], 0.0)
-        tl.debug_barrier()       # every thread is done reading the ring
-        # the newest tile's last HB rows become the next tile's history
-        tl.store(slot + (sl_r - (BT - HB))[:, None] * BC + sl_c[None, :], g, mask=(sl_r >= BT - HB)[:, None])
-
-        rows = s0 + sl_r
-        r64 = rows.to(tl.int64)
-        tl.store(dx_ptr + bb * stride_dx.b + r64[:, None] * stride_dx.l + offs_c[None, :] * stride_dx.c,
-                 du.to(dx_ptr.dtype.element_ty), mask=((rows >= 0) & (rows < seqlen))[:, None] & mask_c[None, :])
-        if NEED_DHALO:
-            if s0 < 0:
-                tl.store(dhalo_ptr + (bb * (TAPS - 1) + r64 + (TAPS - 1))[:, None] * dim + offs_c[None, :], du,
-                         mask=(rows < 0)[:, None] & mask_c[None, :])
-
-    part = bb * tl.num_programs(0) + pid_g                                      # this program's partial row
-    tl.store(dw_part_ptr + (part * TAPS + kk.to(tl.int64))[:, None] * dim + offs_c[None, :],
-             dw_acc, mask=(kk < TAPS)[:, None] & mask_c[None, :])
-    if HAS_BIAS:
-        tl.store(db_part_ptr + part * dim + offs_c, db_acc, mask=mask_c)
-
-
-def conv1d_bwd(dout, xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=None, need_dhalo=True, silu=True,
-               dx=None):
-    """Gradients of conv1d_fwd: (dxBC, dhalo, dweight, dbias).
-
-    dxBC (b, l, dim) in xBC's dtype (or written into `dx`, any strides: a channel slice of the
-    caller's gradient buffer, say); dhalo (b, d_conv-1, dim) fp32, None without a halo or with
-    need_dhalo=False; dweight (dim, d_conv) fp32; dbias (dim,) fp32, None without bias.
-    Deterministic: no atomics, partial sums are reduced by torch in a fixed order.
-    """
-    b, l, dim, d = _check_conv_inputs(xBC, weight, bias, halo, seq_idx, halo_seq)
-    _check_tensor(dout, "dout", (b, l, dim), xBC, dtypes=_FLOATS, allow_none=False)
-    flags = _conv_flags(bias, halo, seq_idx, silu)
-    halo_seq = halo_seq.to(seq_idx.dtype) if flags["HAS_HALO_SEQ"] else None   # one id type in the kernel
-    need_dhalo = bool(need_dhalo) and halo is not None
-    shift = d - 1 if halo is not None else 0    # tiles start at the halo: its rows feed dweight
-    t = tuning()
-    BT, BC = _conv_blocks(shift + l, dim, t.conv_bwd_blocks)
-    HB = max(2, _next_pow2(d - 1))  # rows of g past a tile that the tile needs
-    n_tb, n_cb = _cdiv(shift + l, BT), _cdiv(dim, BC)
-    n_inner = min(n_tb, max(1, _cdiv(n_tb * n_cb * b, t.conv_bwd_programs)))   # token blocks per program
-    n_groups = _cdiv(n_tb, n_inner)
-
-    if dx is None:
-        dx = torch.empty((b, l, dim), device=xBC.device, dtype=xBC.dtype)
-    _check_tensor(dx, "dx", (b, l, dim), xBC, dtypes=(xBC.dtype,))
-    dhalo = torch.empty((b, d - 1, dim), device=xBC.device, dtype=torch.float32) if need_dhalo else None
-    dw_part = torch.empty((b, n_groups, d, dim), device=xBC.device, dtype=torch.float32)
-    db_part = torch.empty((b, n_groups, dim), device=xBC.device, dtype=torch.float32) \
-        if bias is not None else None
-    scratch = torch.empty((b, n_groups, n_cb, BT + HB, BC), device=xBC.device, dtype=torch.float32)
-    grid = (n_groups, n_cb, b)
-    _conv_bwd_kernel[grid](
-        dout, xBC, weight, _stand_in(bias, xBC), _stand_in(halo, xBC), _stand_in(seq_idx, xBC),
-        _stand_in(halo_seq, xBC),
-        dx, _stand_in(dhalo, dw_part), dw_part, _stand_in(db_part, dw_part), scratch,
-        l, dim, n_inner, _BLC(*dout.stride()), _BLC(*xBC.stride()), _CK(*weight.stride()),
-        0 if bias is None else bias.stride(0), _strides_of(halo, _BLC), _strides_of(seq_idx, _BL),
-        _strides_of(halo_seq, _BL), _BLC(*dx.stride()),
-        TAPS=d, BT=BT, BC=BC, HB=HB, DP=_next_pow2(d), SHIFT=shift,
-        NEED_DHALO=need_dhalo, num_warps=t.conv_bwd_warps, **flags)
-    dweight = dw_part.sum(dim=(0, 1)).t().contiguous()                          # (dim, d)
-    dbias = db_part.sum(dim=(0, 1)) if bias is not None else None               # (dim,)
-    return dx, dhalo, dweight, dbias
-
-
-# ---------------------------------------------------------------------------------------------
-# 10. The fused Conv1d + SSD with state-passing CP: mamba_conv1d_ssd_cp
-# ---------------------------------------------------------------------------------------------
-
-
-def _conv_channels(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, ch, silu):
-    """The conv of channels `ch` (a slice) alone, (rows, s, channels)."""
-    return conv1d_fwd(xBC[..., ch], conv_weight[ch], None if conv_bias is None else conv_bias[ch],
-                      None if halo is None else halo[..., ch], seq_idx, halo_seq, silu=silu)
-
-
-def _split_xBC(u, cfg):
-    """Views of the conv output (rows, s, conv_dim) as x (rows, s, h, p), B and C (rows, s, g, n)."""
-    rows, s, _ = u.shape
-    hp, gn = cfg.nheads * cfg.headdim, cfg.ngroups * cfg.dstate
-    x = u[..., :hp].unflatten(-1, (cfg.nheads, cfg.headdim))
-    B = u[..., hp:hp + gn].unflatten(-1, (cfg.ngroups, cfg.dstate))
-    C = u[..., hp + gn:].unflatten(-1, (cfg.ngroups, cfg.dstate))
-    return x, B, C
-
-
-def _cp_config(xBC, dt, conv_weight, group, load_balancing, exchange, batch, chunk_size, headdim, ngroups,
-               dt_limit):
-    """The _CPConfig of an op's call: xBC and dt hold one segment per row."""
-    group = _resolve_group(group)
-    rank, world = (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
-    return _CPConfig(xBC, dt, conv_weight, chunk_size, headdim, ngroups, group, rank, world, load_balancing,
-                     dt_limit, batch=batch, exchange=exchange)
+def _empty_if_none(t, ref, dtype=None):
+    return ref.new_empty(0, dtype=dtype or ref.dtype) if t is None else t
 
 
 @torch.library.custom_op("mamba_cp::conv1d_ssd_cp_fwd", mutates_args=())
-def _conv1d_ssd_cp_fwd(xBC: Tensor, dt: Tensor, conv_weight: Tensor, conv_bias: Optional[Tensor],
-                       dt_bias: Optional[Tensor], A: Tensor, D: Optional[Tensor], initial_states: Optional[Tensor],
-                       seq_idx: Optional[Tensor], group: str, load_balancing: str, exchange: str, batch: int,
-                       chunk_size: int, headdim: int, ngroups: int, dt_min: float, dt_max: float, silu: bool,
-                       state_dtype: Optional[torch.dtype], agree: bool) -> list[Tensor]:
-    """Forward of one causal segment per row: xBC (rows, s, conv_dim), dt (rows, s, h), seq_idx
-    (rows, s). Returns [y, final state, and what backward needs: halo, halo_seq, entries, a_kept,
-    cont] (absent ones empty): a and cont of every segment (b, K, h) and (b, K) with the
-    all-gather exchange, of this rank's (rows, h) and (rows,) with the scan. With agree (a
-    compiled call), the checks that read device values and the ranks' agreement run here first,
-    where an eager call has run them before.
-
-    Halo exchange, conv of the x and B channels, the state pass from a zero entry (the segment's
-    summary), the summary all-gather (overlapped with the conv of the C channels, which the
-    summary does not need; in a world of one all channels are convolved at once) and exclusive
-    scan (true entry states and the global final state), the outputs with the entry state folded
-    in. Nothing kept for backward grows with length beyond the inputs."""
-    cfg = _cp_config(xBC, dt, conv_weight, group, load_balancing, exchange, batch, chunk_size, headdim, ngroups,
-                     (dt_min, dt_max))
+def _conv1d_ssd_cp_fwd_op(xBC: Tensor, dt: Tensor, conv_weight: Tensor, conv_bias: Optional[Tensor],
+                          dt_bias: Optional[Tensor], A: Tensor, D: Optional[Tensor], initial_states: Optional[Tensor],
+                          seq_idx: Optional[Tensor], group_name: str, load_balancing: str, exchange: str, batch: int,
+                          chunk_size: int, headdim: int, ngroups: int, dt_min: float, dt_max: float, silu: bool,
+                          state_dtype: Optional[torch.dtype], agree: bool) -> list[Tensor]:
+    """_conv1d_ssd_cp_forward as one op. With agree (a compiled call in a world of several), the
+    checks that read device values and the ranks' agreement run here first, where an eager call
+    has run them before."""
     if agree:
-        _validate_everywhere(lambda: _check_document_values(seq_idx), cfg.group, cfg.world, xBC,
+        group = _resolve_group(group_name)
+        _validate_everywhere(lambda: _check_document_values(seq_idx), group, _rank_and_world(group)[1], xBC,
                              **_op_signature(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx,
                                              chunk_size, headdim, ngroups))
-    # a single segment in all (a world of one, contiguous) has nothing before it: no halo,
-    # which spares every conv tile the halo's masked loads
-    halo, halo_seq = _exchange_halo(xBC, seq_idx, cfg) if cfg.segs.count > 1 else (None, None)
-    x_ch, B_ch = cfg.nheads * cfg.headdim, cfg.ngroups * cfg.dstate
-    overlap = cfg.world > 1 and cfg.exchange == "all_gather"
-    if overlap:   # the summaries need x and B only: C's conv runs while they travel
-        uxB = _conv_channels(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, slice(0, x_ch + B_ch), silu)
-        x = uxB[..., :x_ch].unflatten(-1, (cfg.nheads, cfg.headdim))
-        B = uxB[..., x_ch:].unflatten(-1, (cfg.ngroups, cfg.dstate))
-    else:
-        u = conv1d_fwd(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, silu=silu)  # (rows, s, conv_dim)
-        x, B, C = _split_xBC(u, cfg)
-    plan = _LaunchPlan(x, B, min(cfg.chunk, tuning().chunk_fwd), dt_bias, True, cfg.dt_limit, seq_idx, state_dtype)
-    inp = _SSDInputs(x, dt, A, B, None if overlap else C, D, dt_bias, seq_idx)
-    summary = Summary(inp, plan)
-    S_ext, a = summary.affine()                                                 # (rows, h, p, n), (rows, h)
-    if cfg.exchange == "scan":
-        entries, final, a_kept, cont = _scan_summaries(S_ext, a, seq_idx, initial_states, cfg)
-    else:
-        every, work = _gather_summaries(S_ext, a, seq_idx, cfg)
-        if overlap:
-            C = _conv_channels(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, slice(x_ch + B_ch, None), silu)
-            inp = inp._replace(C=C.unflatten(-1, (cfg.ngroups, cfg.dstate)))
-            work.wait()
-        entries, final, a_kept, cont = _scan_shards(every, initial_states, seq_idx is not None, cfg)
-    y, _ = ssd_output(inp, summary, entries)
-    f32 = dict(device=xBC.device, dtype=torch.float32)
-    rows = xBC.shape[0]
-    return [y, final, xBC.new_empty((rows, 0, xBC.shape[2])) if halo is None else halo.clone(),
-            torch.empty((rows, 0) if seq_idx is not None else 0, device=xBC.device, dtype=torch.int32)
-            if halo_seq is None else halo_seq.clone(),
-            entries.contiguous(), a_kept.clone(), torch.empty(0, **f32) if cont is None else cont]
+    return _conv1d_ssd_cp_forward(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, group_name,
+                                  load_balancing, exchange, batch, chunk_size, headdim, ngroups, dt_min, dt_max, silu,
+                                  state_dtype)
 
 
-@_conv1d_ssd_cp_fwd.register_fake
-def _conv1d_ssd_cp_fwd_fake(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, group,
+@_conv1d_ssd_cp_fwd_op.register_fake
+def _conv1d_ssd_cp_fwd_fake(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, group_name,
                             load_balancing, exchange, batch, chunk_size, headdim, ngroups, dt_min, dt_max, silu,
                             state_dtype, agree):
-    cfg = _cp_config(xBC, dt, conv_weight, group, load_balancing, exchange, batch, chunk_size, headdim, ngroups,
+    cfg = _cp_config(xBC, dt, conv_weight, group_name, load_balancing, exchange, batch, chunk_size, headdim, ngroups,
                      (dt_min, dt_max))
     rows, s, conv_dim = xBC.shape
     h, p, n = cfg.state_shape
@@ -2639,69 +2687,40 @@ def _conv1d_ssd_cp_fwd_fake(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, init
 
 
 @torch.library.custom_op("mamba_cp::conv1d_ssd_cp_bwd", mutates_args=())
-def _conv1d_ssd_cp_bwd(dy: Tensor, dfinal: Optional[Tensor], xBC: Tensor, dt: Tensor, conv_weight: Tensor,
-                       conv_bias: Optional[Tensor], dt_bias: Optional[Tensor], A: Tensor, D: Optional[Tensor],
-                       initial_states: Optional[Tensor], seq_idx: Optional[Tensor], halo: Tensor, halo_seq: Tensor,
-                       entries: Tensor, a_kept: Tensor, cont: Tensor, group: str, load_balancing: str, exchange: str,
-                       batch: int,
-                       chunk_size: int, headdim: int, ngroups: int, dt_min: float, dt_max: float, silu: bool,
-                       state_dtype: Optional[torch.dtype]) -> list[Tensor]:
-    """[dxBC, ddt, dconv_weight, dconv_bias, ddt_bias, dA, dD, dinitial_states] (absent ones empty)."""
+def _conv1d_ssd_cp_bwd_op(dy: Tensor, dfinal: Optional[Tensor], xBC: Tensor, dt: Tensor, conv_weight: Tensor,
+                          conv_bias: Optional[Tensor], dt_bias: Optional[Tensor], A: Tensor, D: Optional[Tensor],
+                          initial_states: Optional[Tensor], seq_idx: Optional[Tensor], halo: Tensor, halo_seq: Tensor,
+                          entries: Tensor, a_kept: Tensor, cont: Tensor, group_name: str, load_balancing: str,
+                          exchange: str, batch: int, chunk_size: int, headdim: int, ngroups: int, dt_min: float,
+                          dt_max: float, silu: bool, state_dtype: Optional[torch.dtype]) -> list[Tensor]:
+    """_conv1d_ssd_cp_backward as one op: [dxBC, ddt, dconv_weight, dconv_bias, ddt_bias, dA, dD,
+    dinitial_states] (absent ones empty)."""
     grads = _conv1d_ssd_cp_backward(dy, dfinal, xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states,
-                                   seq_idx, halo, halo_seq, entries, a_kept, cont, group, load_balancing, exchange,
-                                   batch, chunk_size, headdim, ngroups, dt_min, dt_max, silu, state_dtype)
+                                    seq_idx, halo, halo_seq, entries, a_kept, cont, group_name, load_balancing,
+                                    exchange, batch, chunk_size, headdim, ngroups, dt_min, dt_max, silu, state_dtype)
     return [_empty_if_none(g, xBC) for g in grads]
 
 
-def _conv1d_ssd_cp_backward(dy, dfinal, xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx,
-                            halo, halo_seq, entries, a_kept, cont, group, load_balancing, exchange, batch, chunk_size,
-                            headdim, ngroups, dt_min, dt_max, silu, state_dtype, dxBC_into=None, ddt_into=None):
-    """The backward op's body: [dxBC, ddt, dconv_weight, dconv_bias, ddt_bias, dA, dD,
-    dinitial_states], None where absent. Given dxBC_into (rows, s, conv_dim) and ddt_into (rows,
-    s, h), views into the caller's gradient buffer, dxBC and ddt are written there.
-
-    Recompute the conv; the reverse state pass from a zero exit gradient gives G; its all-gather
-    runs while the forward state pass is recomputed; the reverse scan gives each segment's exit
-    gradient; one fused chunk backward writes dx, dB, dC straight into the conv backward's input;
-    the halo's gradient goes back to its owner."""
-    cfg = _cp_config(xBC, dt, conv_weight, group, load_balancing, exchange, batch, chunk_size, headdim, ngroups,
-                     (dt_min, dt_max))
-    halo, halo_seq, cont = _none_if_empty(halo), _none_if_empty(halo_seq), _none_if_empty(cont)
-    u = conv1d_fwd(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, silu=silu)
-    x, B, C = _split_xBC(u, cfg)
-    plan = _LaunchPlan(x, B, min(cfg.chunk, tuning().chunk_bwd), dt_bias, True, cfg.dt_limit, seq_idx, state_dtype)
-    inp = _SSDInputs(x, dt, A, B, C, D, dt_bias, seq_idx)
-    grad_pass = GradPass(dy, inp, plan)
-    if cfg.exchange == "scan":
-        dexit, dinit = _scan_grads(grad_pass.G, dfinal, a_kept, cont, cfg)
-        summary = Summary(inp, plan)
-    else:
-        every, work = _gather_G(grad_pass.G, dfinal, cfg)
-        summary = Summary(inp, plan)                                              # overlaps the gather
-        if work is not None:
-            work.wait()
-        dexit, dinit = _scan_shards_bwd(every, a_kept, cont, cfg)
-
-    du = torch.empty_like(u)
-    dx, dB, dC = _split_xBC(du, cfg)
-    _, _, _, ddt, dA, dD, _ = ssd_grads(inp, summary, grad_pass, dy, entries, dexit, dx=dx, dB=dB, dC=dC)  # ddt fp32
-    dxBC, dhalo, dweight, dbias = conv1d_bwd(du, xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, silu=silu,
-                                             dx=dxBC_into)
-    if dhalo is not None:
-        _return_halo_grad(dxBC, dhalo, cfg)
-    dinit = dinit if cfg.holds_first else torch.zeros_like(dinit)               # one rank contributes it
-    return [dxBC, ddt.to(dt.dtype) if ddt_into is None else ddt_into.copy_(ddt), dweight.to(conv_weight.dtype),
-            None if conv_bias is None else dbias.to(conv_bias.dtype),
-            None if dt_bias is None else ddt.sum(dim=(0, 1)).to(dt_bias.dtype), dA.to(A.dtype),
-            None if D is None else dD.to(D.dtype), None if initial_states is None else dinit.to(initial_states.dtype)]
-
-
-@_conv1d_ssd_cp_bwd.register_fake
+@_conv1d_ssd_cp_bwd_op.register_fake
 def _(dy, dfinal, xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, halo, halo_seq, entries,
-      a_kept, cont, group, load_balancing, exchange, batch, chunk_size, headdim, ngroups, dt_min, dt_max, silu,
+      a_kept, cont, group_name, load_balancing, exchange, batch, chunk_size, headdim, ngroups, dt_min, dt_max, silu,
       state_dtype):
     like = (xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states)
     return [xBC.new_empty(0) if t is None else torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in like]
+
+
+def _world_of(group_name):
+    """The group's size, from its handle (_group_name)."""
+    return int(group_name.rsplit(":", 1)[1]) if group_name else 1
+
+
+def _conv1d_ssd_cp_fwd_agreeing(*args):
+    """The forward op; a call being compiled in a world of several agrees inside it (the eager
+    call has agreed before)."""
+    return _conv1d_ssd_cp_fwd_op(*args, torch.compiler.is_compiling() and _world_of(args[9]) > 1)
+
+
+_COMPILABLE = _CoreImpl(_conv1d_ssd_cp_fwd_agreeing, _conv1d_ssd_cp_bwd_op)
 
 
 class _CoreOptions(NamedTuple):
@@ -2724,145 +2743,10 @@ class _CoreOptions(NamedTuple):
         b, chunk, p, g, dt_min, dt_max, silu = numbers
         return cls(int(b), int(chunk), int(p), int(g), dt_min, dt_max, bool(silu))
 
-    def core_args(self, group, load_balancing, exchange, state_dtype):
-        """The trailing arguments of the fused core's ops (_conv1d_ssd_cp_fwd and its backward)."""
-        return (group, load_balancing, exchange, self.batch, self.chunk, self.headdim, self.ngroups, self.dt_min,
+    def core_args(self, group_name, load_balancing, exchange, state_dtype):
+        """The trailing arguments of the fused core's functions (_conv1d_ssd_cp_forward, its backward, their ops)."""
+        return (group_name, load_balancing, exchange, self.batch, self.chunk, self.headdim, self.ngroups, self.dt_min,
                 self.dt_max, self.silu, state_dtype)
-
-
-class _Conv1dSSDCPFn(torch.autograd.Function):
-    """The fused conv1d + SSD with state-passing CP, one causal segment per row (the ops above)."""
-
-    @staticmethod
-    def forward(ctx, xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, group, load_balancing,
-                exchange, batch, chunk_size, headdim, ngroups, dt_limit, silu, state_dtype, agree):
-        opts = _CoreOptions(batch, chunk_size, headdim, ngroups, dt_limit[0], dt_limit[1], silu).core_args(
-            group, load_balancing, exchange, state_dtype)
-        y, final, halo, halo_seq, entries, a_kept, cont = _conv1d_ssd_cp_fwd(
-            xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, *opts, agree)
-        ctx.save_for_backward(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx,
-                              halo, halo_seq, entries, a_kept, cont)
-        ctx.opts = opts
-        return y, final
-
-    @staticmethod
-    def backward(ctx, dy, dfinal):
-        grads = _conv1d_ssd_cp_bwd(dy, dfinal, *ctx.saved_tensors, *ctx.opts)
-        return (*(_none_if_empty(g) for g in grads), *([None] * 12))
-
-
-class _CPConfig:
-    """What the CP function derives once per call from its arguments and the group."""
-
-    def __init__(self, xBC, dt, conv_weight, chunk_size, headdim, ngroups, cp_group, rank, world,
-                 load_balancing, dt_limit, batch=None, exchange="all_gather"):
-        self.group, self.rank, self.world = cp_group, rank, world
-        self.load_balancing = load_balancing
-        self.exchange = exchange                    # of the summaries and halos: "all_gather" or "scan"
-        self.segs = _Segments(rank, world, load_balancing)
-        self.holds_first = 0 in self.segs.ids
-        self.batch = xBC.shape[0] if batch is None else batch
-        self.d_conv = conv_weight.shape[1]
-        self.chunk = chunk_size
-        self.nheads, self.headdim, self.ngroups = dt.shape[2], headdim, ngroups
-        self.dstate = (xBC.shape[2] - self.nheads * headdim) // (2 * ngroups)
-        self.state_shape = (self.nheads, headdim, self.dstate)
-        self.dt_limit = tuple(dt_limit)
-
-
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64)
-
-
-def _signature(**tensors_and_options):
-    """A fixed-length integer description of every argument (-1 where absent), for _agree."""
-    values, names = [], []
-    for name, v in tensors_and_options.items():
-        if isinstance(v, torch.Tensor) or v is None:
-            shape = list(v.shape) if v is not None else []
-            dims = ([v.dim()] if v is not None else [-1]) + (shape + [-1] * 5)[:5]
-            code = _DTYPES.index(v.dtype) if v is not None and v.dtype in _DTYPES else -1
-            values += dims + [code]
-            names += [f"{name} rank"] + [f"{name}.shape[{i}]" for i in range(5)] + [f"{name} dtype"]
-        else:
-            values.append(int(v))
-            names.append(name)
-    return values, names
-
-
-def _op_signature(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, chunk_size, headdim,
-                  ngroups):
-    """What the ranks of a compiled call agree on inside the forward op (rows of segments)."""
-    return dict(xBC=xBC, dt=dt, conv_weight=conv_weight, conv_bias=conv_bias, dt_bias=dt_bias, A=A, D=D,
-                seq_idx=seq_idx, initial_states=initial_states, chunk_size=chunk_size, headdim=headdim,
-                ngroups=ngroups)
-
-
-def _call_signature(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size, headdim, ngroups, seq_idx,
-                    initial_states, load_balancing, return_final_states, summary_exchange="auto"):
-    def t(v):
-        return v if isinstance(v, torch.Tensor) else None
-
-    def i(v):
-        return v if isinstance(v, int) else -1
-
-    return dict(xBC=t(xBC), dt=t(dt), conv_weight=t(conv_weight), conv_bias=t(conv_bias), dt_bias=t(dt_bias),
-                A=t(A), D=t(D), seq_idx=t(seq_idx), initial_states=t(initial_states), chunk_size=i(chunk_size),
-                headdim=i(headdim), ngroups=i(ngroups),
-                load_balancing=LAYOUTS.index(load_balancing) if load_balancing in LAYOUTS else -1,
-                return_final_states=bool(return_final_states),
-                summary_exchange=(SUMMARY_EXCHANGES.index(summary_exchange) if isinstance(summary_exchange, str)
-                                  and summary_exchange in SUMMARY_EXCHANGES else -1))
-
-
-_ACTIVATIONS = ("silu", "swish", None)
-
-
-def _check_cp_inputs(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size, headdim, ngroups,
-                     seq_idx, initial_states, load_balancing, dt_limit, activation="silu", state_dtype=None,
-                     summary_exchange="auto"):
-    _check_layout(load_balancing)
-    _expect(isinstance(summary_exchange, str) and summary_exchange in SUMMARY_EXCHANGES, "summary_exchange",
-            repr(summary_exchange), f"one of {SUMMARY_EXCHANGES}")
-    _expect(activation in _ACTIVATIONS, "activation", repr(activation), f"one of {_ACTIVATIONS}")
-    _expect(state_dtype in _STATE_DTYPES, "state_dtype", state_dtype, f"one of {_STATE_DTYPES}")
-    per_row = 1 if load_balancing == "none" else 2
-    _expect(isinstance(xBC, torch.Tensor) and xBC.dim() == 3, "xBC",
-            tuple(xBC.shape) if isinstance(xBC, torch.Tensor) else type(xBC).__name__,
-            "a 3-dim tensor (batch, seqlen_local, nheads*headdim + 2*ngroups*dstate)")
-    _check_tensor(xBC, "xBC", (None, None, None), xBC, dtypes=(torch.float32, torch.float16, torch.bfloat16))
-    b, l, conv_dim = xBC.shape
-    _expect(isinstance(dt, torch.Tensor) and dt.dim() == 3, "dt",
-            tuple(dt.shape) if isinstance(dt, torch.Tensor) else type(dt).__name__, f"({b}, {l}, nheads)")
-    h = dt.shape[2]
-    _check_tensor(dt, "dt", (b, l, h), xBC)
-    _expect(isinstance(headdim, int) and headdim >= 1, "headdim", headdim, "a positive int")
-    _expect(isinstance(ngroups, int) and ngroups >= 1 and h % ngroups == 0, "ngroups", ngroups,
-            f"a positive divisor of nheads={h}")
-    rest = conv_dim - h * headdim
-    _expect(rest > 0 and rest % (2 * ngroups) == 0, "xBC", f"{conv_dim} channels",
-            f"nheads*headdim + 2*ngroups*dstate = {h}*{headdim} + 2*{ngroups}*dstate channels")
-    n = rest // (2 * ngroups)
-    _expect(isinstance(conv_weight, torch.Tensor) and conv_weight.dim() == 2, "conv_weight",
-            tuple(conv_weight.shape) if isinstance(conv_weight, torch.Tensor) else type(conv_weight).__name__,
-            f"({conv_dim}, d_conv)")
-    _check_tensor(conv_weight, "conv_weight", (conv_dim, None), xBC)
-    d_conv = conv_weight.shape[1]
-    _expect(2 <= d_conv <= 8, "conv_weight", f"d_conv={d_conv}", "2 <= d_conv <= 8")
-    _check_tensor(conv_bias, "conv_bias", (conv_dim,), xBC)
-    _check_tensor(dt_bias, "dt_bias", (h,), xBC)
-    _check_tensor(A, "A", (h,), xBC, allow_none=False)
-    if D is not None:
-        _check_tensor(D, "D", (h,) if D.dim() == 1 else (h, headdim), xBC)
-    _expect(n <= 256 and headdim <= 256, "xBC", f"headdim {headdim}, dstate {n}", "headdim and dstate <= 256")
-    _check_tensor(initial_states, "initial_states", (b, h, headdim, n), xBC)
-    _check_options(chunk_size, seq_idx, dt_limit, (b, l), xBC)
-    if not torch.compiler.is_compiling():   # compiled, the forward op checks them when it runs
-        _check_document_values(seq_idx)
-    _expect(l % per_row == 0, "xBC", f"local length {l}",
-            f"a multiple of {per_row} (load_balancing={load_balancing!r} holds {per_row} equal pieces)")
-    seg = l // 2 if load_balancing == "virtual" else l     # the permute layouts compute one segment
-    _expect(seg >= max(1, d_conv - 1), "xBC", f"segments of {seg} tokens",
-            f"at least d_conv - 1 = {d_conv - 1} tokens per segment (the conv halo comes from one neighbour)")
 
 
 def mamba_conv1d_ssd_cp(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size, *, headdim, ngroups,
@@ -2894,38 +2778,25 @@ def mamba_conv1d_ssd_cp(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_si
         cp_group, world, ref, **_call_signature(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size, headdim,
                                                 ngroups, seq_idx, initial_states, load_balancing, return_final_states,
                                                 summary_exchange))
-    cfg = _CPConfig(xBC, dt, conv_weight, chunk_size, headdim, ngroups, cp_group, rank, world,
-                    load_balancing, dt_limit)
-    exchange = _chosen_exchange(summary_exchange, world, load_balancing, cfg.batch, cfg.state_shape,
-                                xBC.shape[2], cfg.d_conv)
-    if seq_idx is not None:
-        seq_idx = seq_idx.to(torch.int32)
+    h = dt.shape[2]
+    exchange = _chosen_exchange(summary_exchange, world, load_balancing, xBC.shape[0], (h, headdim, (
+        xBC.shape[2] - h * headdim) // (2 * ngroups)), xBC.shape[2], conv_weight.shape[1])
     permuted = load_balancing.startswith("permute") and world > 1
     if permuted:
         xBC, dt = (_PermuteFn.apply(t, cp_group, load_balancing, True) for t in (xBC, dt))
-        seq_idx = None if seq_idx is None else _permute_op(seq_idx, _group_name(cp_group), load_balancing, True)
-    rows = cfg.segs.to_rows
-    y, final = _Conv1dSSDCPFn.apply(
-        rows(xBC), rows(dt), conv_weight, conv_bias, dt_bias, A, D, initial_states,
-        None if seq_idx is None else rows(seq_idx).contiguous(), _group_name(cp_group), load_balancing, exchange,
-        cfg.batch, chunk_size, headdim, ngroups, tuple(dt_limit), activation is not None, state_dtype,
-        world > 1 and torch.compiler.is_compiling())
-    y = cfg.segs.from_rows(y, cfg.batch)
+        seq_idx = None if seq_idx is None else _permute_op(seq_idx.to(torch.int32), _group_name(cp_group),
+                                                           load_balancing, True)
+    y, final = _conv1d_ssd_cp(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size, headdim, ngroups, cp_group,
+                              load_balancing, seq_idx, initial_states, dt_limit, activation is not None, state_dtype,
+                              exchange, _COMPILABLE)
     if permuted:
         y = _PermuteFn.apply(y, cp_group, load_balancing, False)
     return (y, final) if return_final_states else y
 
 
 # ---------------------------------------------------------------------------------------------
-# 11. The mixer entry: mamba_split_conv1d_scan_combined
-#    mamba_ssm's fused entry, the one Mamba2 mixers call.
-#
-# zxbcdt = [z0 | x0 | z | xBC | dt] (widths d_nonssm, d_nonssm, dim, conv_dim, nheads). The core
-# (conv + SSD, with CP) runs on the xBC and dt channels; everything else is per token and stays
-# local: the gate y * silu(z) or the gated RMSNorm, the SwiGLU channels silu(z0) * x0 in front,
-# the out projection. One autograd function for all of it, so the gradient of zxbcdt is one
-# buffer whose channel slices are filled in place (autograd would otherwise add a zxbcdt-sized
-# zero buffer per slice).
+# 14. The gate and the gated RMSNorm
+#    y * silu(z), or the gated RMSNorm, as the mixer entry and the single-device function apply it.
 #
 # Gated RMSNorm over groups of c = dim / ngroups channels, r = (mean_group(v^2) + eps)^-1/2:
 #     norm_before_gate: out = (y r) w silu(z)          else: v = y silu(z), out = (v r) w
@@ -3055,6 +2926,245 @@ class _GateNorm:
 _Z_GATE = _GateNorm(None, 0.0, 0, True)   # the plain gate y * silu(z), also mamba_chunk_scan_combined's
 
 
+# ---------------------------------------------------------------------------------------------
+# 15. The single-device function: mamba_chunk_scan_combined, and the packed documents' states
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _document_end_state_kernel(
+    x_ptr, B_ptr, dt_ptr, dt_bias_ptr, A_ptr, cu_ptr, entries, out_ptr,
+    seqlen, nheads, headdim, dstate, heads_per_group, chunks_per_seg, n_n_tiles, dt_min, dt_max,
+    stride_x, stride_B, stride_dt,
+    Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
+    HAS_ENTRY: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """The state after the last token e of one packed document (batch row 0), for one (head,
+    state tile): the chunk c holding e is entered with S_in (its stored state from a zero segment
+    entry, plus gamma(c) times the segment's entry state), so
+        S_e = exp(cs_e) S_in [if it reaches e]  +  sum_j exp(cs_e - cs_j) dt'_j x_j B_j^T
+    over the document's tokens j <= e of chunk c. The same arithmetic as the state pass, stopped
+    at e. out is (num_docs, nheads, headdim, dstate), contiguous."""
+    d = tl.program_id(0)
+    h = tl.program_id(1)
+    pid_p = tl.program_id(2) // n_n_tiles
+    pid_n = tl.program_id(2) % n_n_tiles
+    g = h // heads_per_group
+    zero = tl.zeros((), dtype=tl.int32)                                          # batch row 0
+    first = tl.load(cu_ptr + d).to(tl.int32)
+    last = tl.load(cu_ptr + d + 1).to(tl.int32) - 1
+    c = last // Q
+    start = c * Q
+    offs_q = tl.arange(0, Q)
+    offs_p = pid_p * BP + tl.arange(0, BP)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    mask_pn = (offs_p[:, None] < headdim) & (offs_n[None, :] < dstate)
+
+    dt, dA, slope = _chunk_dt(dt_ptr, dt_bias_ptr, A_ptr, zero, h, start, seqlen, stride_dt,
+                              Q, HAS_DT_BIAS, DT_SOFTPLUS, dt_min, dt_max)
+    cs = tl.cumsum(dA.to(tl.float64), axis=0)                                    # (Q,) float64
+    cs_e = tl.sum(tl.where(offs_q == last - start, cs, 0.0), axis=0)
+    t = start + offs_q
+    mine = (t >= first) & (t <= last)                                            # the document's tokens in c
+    w = tl.where(mine, tl.exp((cs_e - cs).to(tl.float32)) * dt, 0.0)             # (Q,)
+    t64 = t.to(tl.int64)
+    x = tl.load(x_ptr + t64[:, None] * stride_x.l + h * stride_x.h + offs_p[None, :] * stride_x.p,
+                mask=mine[:, None] & (offs_p[None, :] < headdim), other=0.0)    # (Q, BP)
+    Bm = tl.load(B_ptr + t64[:, None] * stride_B.l + g * stride_B.g + offs_n[None, :] * stride_B.n,
+                 mask=mine[:, None] & (offs_n[None, :] < dstate), other=0.0)    # (Q, BN)
+    xw = (x.to(tl.float32) * w[:, None]).to(x.dtype)
+    S = tl.dot(tl.trans(xw), Bm, input_precision=DOT_PRECISION)                 # (BP, BN)
+    if (first < start) | (first == 0):   # c's entry state reaches e (initial_states reach document 0)
+        chunk_row, seg_row = _chunk_rows(zero, c, seqlen, chunks_per_seg, Q)
+        S_in = _true_chunk_edge(entries, chunk_row, seg_row, h, offs_p, offs_n, mask_pn, nheads, headdim, dstate,
+                                HAS_ENTRY)
+        S += tl.exp(cs_e.to(tl.float32)) * S_in
+    tl.store(out_ptr + _state_tile(d, h, offs_p, offs_n, nheads, headdim, dstate), S, mask=mask_pn)
+
+
+def document_end_states(inp, summary, cu_seqlens, entry=None):
+    """The float32 state after each packed document of batch row 0, (num_docs, h, p, n), given
+    the documents' bounds cu_seqlens (num_docs + 1,) and the sequence's entry state (or None)."""
+    x, dt, A, B, dt_bias = inp.x, inp.dt, inp.A, inp.B, inp.dt_bias
+    plan = summary.plan
+    seg_entry, _ = summary.segment_entries(entry)
+    ndocs = cu_seqlens.shape[0] - 1
+    out = torch.empty(ndocs, plan.nheads, plan.headdim, plan.dstate, device=x.device, dtype=torch.float32)
+    gamma = summary.gamma
+    _document_end_state_kernel[(ndocs, plan.nheads, plan.n_p_tiles * plan.n_n_tiles)](
+        x, B, dt, dt_bias, A, cu_seqlens, _ChunkEdge(summary.states, gamma, _stand_in(seg_entry, gamma)), out,
+        plan.seqlen, plan.nheads, plan.headdim, plan.dstate, plan.heads_per_group, plan.chunks_per_seg,
+        plan.n_n_tiles, plan.dt_min, plan.dt_max,
+        _BLHP(*x.stride()), _BLGN(*B.stride()), _BLH(*dt.stride()),
+        Q=plan.Q, BP=plan.BP_state, BN=plan.BN_state, HAS_ENTRY=seg_entry is not None, DOT_PRECISION=plan.precision,
+        **{f: v for f, v in plan.flags.items() if f != "HAS_SEQ"})
+    return out
+
+
+def _flat_heads(t):
+    """(b, l, h, p) as (b, l, h*p) with a unit channel stride, as the gate's kernels read it (a
+    view where the strides allow one)."""
+    return (t if t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] else t.contiguous()).flatten(-2)
+
+
+@torch.library.custom_op("mamba_cp::chunk_scan_fwd", mutates_args=())
+def _chunk_scan_fwd(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size: int, D: Optional[Tensor],
+                    z: Optional[Tensor], dt_bias: Optional[Tensor], initial_states: Optional[Tensor],
+                    seq_idx: Optional[Tensor], dt_softplus: bool, dt_min: float, dt_max: float, need_final: bool,
+                    state_dtype: Optional[torch.dtype], cu_seqlens: Optional[Tensor],
+                    need_doc_states: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The output (gated with z), the final state (empty unless need_final), each packed
+    document's end state (empty unless need_doc_states), and y before the gate (empty without z).
+
+    The gate y * silu(z) runs as its own kernel (section 14's) on y, which is kept for the
+    backward, as mamba_ssm keeps it: folded into the SSD kernels it cost less in the forward but
+    more in the backward, which had to load z in three kernels and recompute y in one (README
+    "The launch choices")."""
+    _check_document_values(seq_idx, cu_seqlens)
+    plan = _LaunchPlan(x, B, min(chunk_size, tuning().chunk_fwd), dt_bias, dt_softplus, (dt_min, dt_max), seq_idx,
+                       state_dtype)
+    entry = None if initial_states is None else initial_states.float()
+    inp = _SSDInputs(x, dt, A, B, C, D, dt_bias, seq_idx)
+    summary = Summary(inp, plan)
+    y, final = ssd_output(inp, summary, entry, need_exit=need_final)
+    doc_states = document_end_states(inp, summary, cu_seqlens, entry) if need_doc_states else None
+    out, y_kept = y, y.new_empty(0)
+    if z is not None:
+        out, y_kept = torch.empty_like(y), y
+        _Z_GATE.forward(_flat_heads(y), _flat_heads(z), out.flatten(-2))
+    return out, _empty_if_none(final, y, torch.float32), _empty_if_none(doc_states, y, torch.float32), y_kept
+
+
+@_chunk_scan_fwd.register_fake
+def _(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_softplus, dt_min, dt_max, need_final,
+      state_dtype, cu_seqlens, need_doc_states):
+    b, _, h, p = x.shape
+    n = B.shape[3]
+    f32 = dict(device=x.device, dtype=torch.float32)
+    return (torch.empty(x.shape, device=x.device, dtype=x.dtype), torch.empty((b, h, p, n) if need_final else 0, **f32),
+            torch.empty((cu_seqlens.shape[0] - 1, h, p, n) if need_doc_states else 0, **f32),
+            torch.empty(x.shape if z is not None else 0, device=x.device, dtype=x.dtype))
+
+
+@torch.library.custom_op("mamba_cp::chunk_scan_bwd", mutates_args=())
+def _chunk_scan_bwd(dout: Tensor, dfinal: Optional[Tensor], x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
+                    chunk_size: int, D: Optional[Tensor], z: Optional[Tensor], y: Tensor, dt_bias: Optional[Tensor],
+                    initial_states: Optional[Tensor], seq_idx: Optional[Tensor], dt_softplus: bool, dt_min: float,
+                    dt_max: float, state_dtype: Optional[torch.dtype]) -> list[Tensor]:
+    """[dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinitial_states], absent ones empty. y: the
+    output before the gate (empty without z)."""
+    dy, dz = dout, None
+    if z is not None:                                  # through the gate first
+        dz = torch.empty(z.shape, device=z.device, dtype=z.dtype)
+        dy, _ = _Z_GATE.backward(_flat_heads(dout), _flat_heads(y), _flat_heads(z), dz.flatten(-2))
+        dy = dy.unflatten(-1, x.shape[2:])
+    plan = _LaunchPlan(x, B, min(chunk_size, tuning().chunk_bwd), dt_bias, dt_softplus, (dt_min, dt_max), seq_idx,
+                       state_dtype)
+    entry = None if initial_states is None else initial_states.float()
+    inp = _SSDInputs(x, dt, A, B, C, D, dt_bias, seq_idx)
+    grad_pass = GradPass(dy, inp, plan)
+    summary = Summary(inp, plan)
+    dx, dB, dC, ddt, dA, dD, dinit = ssd_grads(inp, summary, grad_pass, dy, entry, dfinal)
+    ddt_bias = ddt.sum(dim=(0, 1)).to(dt_bias.dtype) if dt_bias is not None else None
+    grads = [dx, ddt.to(dt.dtype), dA.to(A.dtype), dB, dC, None if D is None else dD.to(D.dtype), dz, ddt_bias,
+             None if initial_states is None else dinit.to(initial_states.dtype)]
+    return [_empty_if_none(g, x) for g in grads]
+
+
+@_chunk_scan_bwd.register_fake
+def _(dout, dfinal, x, dt, A, B, C, chunk_size, D, z, y, dt_bias, initial_states, seq_idx, dt_softplus, dt_min,
+      dt_max, state_dtype):
+    like = (x, dt, A, B, C, D, z, dt_bias, initial_states)
+    return [x.new_empty(0) if t is None else torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in like]
+
+
+class _ChunkScanFn(torch.autograd.Function):
+    """Single device: the whole sequence is one CP shard whose entry state is initial_states.
+    Backward recomputes the chunk states (they are as large as x, so they are not kept); with
+    z it reads y before the gate, kept by the forward.
+    Parameter gradients are per-chunk partials summed in fixed order: two identical calls give
+    bitwise identical results. The packed documents' end states (with cu_seqlens) are forward
+    only, as in mamba_ssm: a gradient arriving at them is an error, not silently dropped."""
+
+    @staticmethod
+    def forward(ctx, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_softplus, dt_limit,
+                need_final, state_dtype, cu_seqlens, need_doc_states):
+        out, final, doc_states, y = _chunk_scan_fwd(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states,
+                                                    seq_idx, dt_softplus, dt_limit[0], dt_limit[1], need_final,
+                                                    state_dtype, cu_seqlens, need_doc_states)
+        ctx.save_for_backward(x, dt, A, B, C, D, z, y, dt_bias, initial_states, seq_idx)
+        ctx.args = (chunk_size, dt_softplus, dt_limit, state_dtype)
+        ctx.set_materialize_grads(False)      # an unused output's gradient stays None
+        return out, final, doc_states
+
+    @staticmethod
+    def backward(ctx, dout, dfinal, ddoc_states):
+        if _none_if_empty(ddoc_states) is not None:   # compiled, an absent output's gradient is empty, not None
+            raise RuntimeError("mamba_chunk_scan_combined: the states returned with return_varlen_states=True have "
+                               "no backward (as in mamba_ssm); detach them before they reach the loss")
+        x, dt, A, B, C, D, z, y, dt_bias, initial_states, seq_idx = ctx.saved_tensors
+        chunk_size, dt_softplus, dt_limit, state_dtype = ctx.args
+        dout = torch.zeros_like(x) if dout is None else dout
+        grads = _chunk_scan_bwd(dout, _none_if_empty(dfinal), x, dt, A, B, C, chunk_size, D, z, y, dt_bias,
+                                initial_states, seq_idx, dt_softplus, dt_limit[0], dt_limit[1], state_dtype)
+        dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinit = (_none_if_empty(g) for g in grads)
+        return (dx, ddt, dA, dB, dC, None, dD, dz, ddt_bias, dinit, None, None, None, None, None, None, None)
+
+
+def _check_varlen(cu_seqlens, return_varlen_states, seq_idx, x):
+    """cu_seqlens (num_docs + 1,) in one batch row, with seq_idx (their values: in the op)."""
+    _expect(cu_seqlens is not None or not return_varlen_states, "cu_seqlens", "None with return_varlen_states=True",
+            "the packed documents' bounds, an integer tensor (num_docs + 1,)")
+    if cu_seqlens is None:
+        return
+    _check_tensor(cu_seqlens, "cu_seqlens", (None,), x, dtypes=_INTS)
+    _expect(cu_seqlens.shape[0] >= 2, "cu_seqlens", f"shape {tuple(cu_seqlens.shape)}", "(num_docs + 1,), num_docs >= 1")
+    _expect(x.shape[0] == 1, "x", f"batch {x.shape[0]} with cu_seqlens", "batch 1 (cu_seqlens packs the documents "
+            "into one row)")
+    _expect(seq_idx is not None, "seq_idx", "None with cu_seqlens", "the documents of cu_seqlens as ids (1, seqlen)")
+
+
+def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
+                              initial_states=None, seq_idx=None, cu_seqlens=None, dt_softplus=False,
+                              dt_limit=(0.0, float("inf")), return_final_states=False,
+                              return_varlen_states=False, state_dtype=None):
+    """Single-device chunked SSD, a drop-in for mamba_ssm's function of the same name.
+
+    x (b, l, h, p); dt (b, l, h); A (h,); B, C (b, l, g, n); D (h,) or (h, p); z like x;
+    dt_bias (h,); initial_states (b, h, p, n); seq_idx (b, l) integer document ids.
+    Returns y like x; with return_final_states also the fp32 final state (b, h, p, n); with
+    return_varlen_states (batch 1, cu_seqlens (num_docs + 1,) bounding the documents that seq_idx
+    marks) also the fp32 state after each document (num_docs, h, p, n), forward only. Return
+    order as in mamba_ssm: y, then final states, then varlen states.
+    state_dtype: the dtype of the chunk entry states stored between kernels (default: x's dtype;
+    float32 for float32 x). float32 with bf16 inputs doubles that buffer for a little accuracy.
+    """
+    _check_ssd_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_limit)
+    _expect(state_dtype in _STATE_DTYPES, "state_dtype", state_dtype, f"one of {_STATE_DTYPES}")
+    _check_varlen(cu_seqlens, return_varlen_states, seq_idx, x)
+    if seq_idx is not None:
+        seq_idx = seq_idx.to(torch.int32)
+    y, final, doc_states = _ChunkScanFn.apply(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
+                                              dt_softplus, tuple(dt_limit), return_final_states, state_dtype,
+                                              cu_seqlens, return_varlen_states)
+    out = (y,) + ((final,) if return_final_states else ()) + ((doc_states,) if return_varlen_states else ())
+    return out[0] if len(out) == 1 else out
+
+
+# ---------------------------------------------------------------------------------------------
+# 16. The mixer entry: mamba_split_conv1d_scan_combined
+#    mamba_ssm's fused entry, the one Mamba2 mixers call.
+#
+# zxbcdt = [z0 | x0 | z | xBC | dt] (widths d_nonssm, d_nonssm, dim, conv_dim, nheads). The core
+# (conv + SSD, with CP) runs on the xBC and dt channels; everything else is per token and stays
+# local: the gate y * silu(z) or the gated RMSNorm, the SwiGLU channels silu(z0) * x0 in front,
+# the out projection. One autograd function for all of it, so the gradient of zxbcdt is one
+# buffer whose channel slices are filled in place (autograd would otherwise add a zxbcdt-sized
+# zero buffer per slice).
+# ---------------------------------------------------------------------------------------------
+
+
 def _swiglu(z0, x0):
     return (z0.float() * torch.sigmoid(z0.float()) * x0.float())
 
@@ -3065,26 +3175,36 @@ def _swiglu_grad(ds, z0, x0):
     return ds * x0f * sig * (1.0 + z0f * (1.0 - sig)), ds * z0f * sig
 
 
+def _split_output(y, z, z0, x0, gate_norm, widths):
+    """[silu(z0) x0 | the gate or the gated RMSNorm of y], (b, l, d_nonssm + dim) in y's dtype."""
+    d_nonssm = widths[0]
+    out = torch.empty((*y.shape[:2], d_nonssm + y.shape[2]), device=y.device, dtype=y.dtype)
+    if d_nonssm:
+        out[..., :d_nonssm] = _swiglu(z0, x0)
+    gate_norm.forward(y, z, out[..., d_nonssm:])
+    return out
+
+
 @torch.library.custom_op("mamba_cp::split_conv1d_scan_fwd", mutates_args=())
 def _split_conv1d_scan_fwd(zxbcdt: Tensor, conv_weight: Tensor, conv_bias: Optional[Tensor], dt_bias: Optional[Tensor],
                            A: Tensor, D: Optional[Tensor], initial_states: Optional[Tensor],
                            rmsnorm_weight: Optional[Tensor], outproj_weight: Optional[Tensor],
                            outproj_bias: Optional[Tensor], seq_idx: Optional[Tensor], widths: list[int],
-                           core_opts: list[float], group: str, load_balancing: str, exchange: str,
+                           core_opts: list[float], group_name: str, load_balancing: str, exchange: str,
                            state_dtype: Optional[torch.dtype], agree: bool, eps: float, group_size: int, norm_before_gate: bool,
                            permute: bool) -> list[Tensor]:
     """[out, final state, y (b, l, dim) before the gate, the permuted xBC and dt rows (empty
     unless permute), and the core's saved tensors]. core_opts: _CoreOptions.numbers()."""
     core = _CoreOptions.of(core_opts)
     z0, x0, z, xBC, dt = zxbcdt.split(widths, dim=-1)
-    rows = _Segments(*_rank_world(group), load_balancing).to_rows
+    rows = _Segments(*_rank_and_world(_resolve_group(group_name)), load_balancing).to_rows
     if permute:
-        xBC, dt = (_permute(t, _resolve_group(group), load_balancing, True) for t in (xBC, dt))
-    y, final, *saved = _conv1d_ssd_cp_fwd(rows(xBC), rows(dt), conv_weight, conv_bias, dt_bias, A, D, initial_states,
-                                          seq_idx, *core.core_args(group, load_balancing, exchange, state_dtype), agree)
+        xBC, dt = (_permute(t, _resolve_group(group_name), load_balancing, True) for t in (xBC, dt))
+    y, final, *saved = _conv1d_ssd_cp_fwd_op(rows(xBC), rows(dt), conv_weight, conv_bias, dt_bias, A, D, initial_states,
+                                          seq_idx, *core.core_args(group_name, load_balancing, exchange, state_dtype), agree)
     y = y.reshape(core.batch, -1, y.shape[2] * y.shape[3])                      # (b, l, dim)
     if permute:
-        y = _permute(y, _resolve_group(group), load_balancing, False)
+        y = _permute(y, _resolve_group(group_name), load_balancing, False)
     out = _split_output(y, z, z0, x0, _GateNorm(rmsnorm_weight, eps, group_size, norm_before_gate), widths)
     if outproj_weight is not None:
         out = F.linear(out.to(outproj_weight.dtype), outproj_weight, outproj_bias)
@@ -3094,14 +3214,14 @@ def _split_conv1d_scan_fwd(zxbcdt: Tensor, conv_weight: Tensor, conv_bias: Optio
 
 @_split_conv1d_scan_fwd.register_fake
 def _(zxbcdt, conv_weight, conv_bias, dt_bias, A, D, initial_states, rmsnorm_weight, outproj_weight, outproj_bias,
-      seq_idx, widths, core_opts, group, load_balancing, exchange, state_dtype, agree, eps, group_size, norm_before_gate,
+      seq_idx, widths, core_opts, group_name, load_balancing, exchange, state_dtype, agree, eps, group_size, norm_before_gate,
       permute):
     core = _CoreOptions.of(core_opts)
-    segs = _Segments(*_rank_world(group), load_balancing)
+    segs = _Segments(*_rank_and_world(_resolve_group(group_name)), load_balancing)
     b, l, _ = zxbcdt.shape
     xBC, dt = (segs.to_rows(torch.empty((b, l, w), device=zxbcdt.device, dtype=zxbcdt.dtype)) for w in widths[3:])
     y, final, *saved = _conv1d_ssd_cp_fwd_fake(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx,
-                                               *core.core_args(group, load_balancing, exchange, state_dtype), agree)
+                                               *core.core_args(group_name, load_balancing, exchange, state_dtype), agree)
     d_out = outproj_weight.shape[0] if outproj_weight is not None else widths[0] + widths[2]
     out_dtype = outproj_weight.dtype if outproj_weight is not None else zxbcdt.dtype
     kept = (xBC, dt) if permute else (zxbcdt.new_empty(0), zxbcdt.new_empty(0))
@@ -3116,13 +3236,13 @@ def _split_conv1d_scan_bwd(dout: Tensor, dfinal: Optional[Tensor], zxbcdt: Tenso
                            outproj_weight: Optional[Tensor], outproj_bias: Optional[Tensor], seq_idx: Optional[Tensor],
                            y: Tensor, xBC_rows: Tensor, dt_rows: Tensor, halo: Tensor, halo_seq: Tensor,
                            entries: Tensor, a_kept: Tensor, cont: Tensor, widths: list[int], core_opts: list[float],
-                           group: str, load_balancing: str, exchange: str, state_dtype: Optional[torch.dtype], eps: float,
+                           group_name: str, load_balancing: str, exchange: str, state_dtype: Optional[torch.dtype], eps: float,
                            group_size: int, norm_before_gate: bool, permute: bool) -> list[Tensor]:
     """[dzxbcdt, dconv_weight, dconv_bias, ddt_bias, dA, dD, dinitial_states, drmsnorm_weight,
     doutproj_weight, doutproj_bias] (absent ones empty); dzxbcdt is one buffer, its channel
     slices written in place (the gate's kernel writes dz there directly)."""
     core = _CoreOptions.of(core_opts)
-    segs = _Segments(*_rank_world(group), load_balancing)
+    segs = _Segments(*_rank_and_world(_resolve_group(group_name)), load_balancing)
     dout = dout.contiguous()                       # the gate's kernels take unit channel strides
     z0, x0, z, xBC, dt = zxbcdt.split(widths, dim=-1)
     if not permute:
@@ -3142,20 +3262,20 @@ def _split_conv1d_scan_bwd(dout: Tensor, dfinal: Optional[Tensor], zxbcdt: Tenso
             part.copy_(g)
     dy, dw = gate_norm.backward(dout[..., d_nonssm:], y, z, dz)                # dz written into dzxbcdt
     if permute:
-        dy = _permute(dy, _resolve_group(group), load_balancing, True)
+        dy = _permute(dy, _resolve_group(group_name), load_balancing, True)
     dy = segs.to_rows(dy.unflatten(-1, (widths[4], -1)))
     # the core writes dxBC and ddt into dzxbcdt, unless the rows travel (permute) or its
     # strides allow no per-segment view: then they are copied in once
     into = (None, None) if permute else (segs.rows_view(dxBC_out), segs.rows_view(ddt_out))
     grads = _conv1d_ssd_cp_backward(dy, dfinal, xBC_rows, dt_rows, conv_weight, conv_bias, dt_bias, A, D,
                                     initial_states, seq_idx, halo, halo_seq, entries, a_kept, cont,
-                                    *core.core_args(group, load_balancing, exchange, state_dtype),
+                                    *core.core_args(group_name, load_balancing, exchange, state_dtype),
                                     dxBC_into=into[0], ddt_into=into[1])
     dxBC, ddt, dconv_w, dconv_b, ddt_bias, dA, dD, dinit = grads
     for rows_grad, view, out in ((dxBC, into[0], dxBC_out), (ddt, into[1], ddt_out)):
         if view is None:
             full = segs.from_rows(rows_grad, core.batch)
-            out.copy_(_permute(full, _resolve_group(group), load_balancing, False) if permute else full)
+            out.copy_(_permute(full, _resolve_group(group_name), load_balancing, False) if permute else full)
     return [dzxbcdt, *(_empty_if_none(g, zxbcdt) for g in (dconv_w, dconv_b, ddt_bias, dA, dD, dinit)),
             _empty_if_none(None if dw is None else dw.to(rmsnorm_weight.dtype), zxbcdt),
             _empty_if_none(dW, zxbcdt), _empty_if_none(db, zxbcdt)]
@@ -3163,7 +3283,7 @@ def _split_conv1d_scan_bwd(dout: Tensor, dfinal: Optional[Tensor], zxbcdt: Tenso
 
 @_split_conv1d_scan_bwd.register_fake
 def _(dout, dfinal, zxbcdt, conv_weight, conv_bias, dt_bias, A, D, initial_states, rmsnorm_weight, outproj_weight,
-      outproj_bias, seq_idx, y, xBC_rows, dt_rows, halo, halo_seq, entries, a_kept, cont, widths, core_opts, group,
+      outproj_bias, seq_idx, y, xBC_rows, dt_rows, halo, halo_seq, entries, a_kept, cont, widths, core_opts, group_name,
       load_balancing, exchange, state_dtype, eps, group_size, norm_before_gate, permute):
     like = (zxbcdt, conv_weight, conv_bias, dt_bias, A, D, initial_states, rmsnorm_weight, outproj_weight, outproj_bias)
     return [zxbcdt.new_empty(0) if t is None else torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in like]
@@ -3189,21 +3309,6 @@ class _SplitConv1dScanFn(torch.autograd.Function):
         grads = _split_conv1d_scan_bwd(dout, dfinal, *ctx.saved_tensors, widths, core_opts, *names, *epilogue_opts,
                                        permute)
         return (*(_none_if_empty(g) for g in grads), *([None] * 7))
-
-
-def _split_output(y, z, z0, x0, gate_norm, widths):
-    """[silu(z0) x0 | the gate or the gated RMSNorm of y], (b, l, d_nonssm + dim) in y's dtype."""
-    d_nonssm = widths[0]
-    out = torch.empty((*y.shape[:2], d_nonssm + y.shape[2]), device=y.device, dtype=y.dtype)
-    if d_nonssm:
-        out[..., :d_nonssm] = _swiglu(z0, x0)
-    gate_norm.forward(y, z, out[..., d_nonssm:])
-    return out
-
-
-def _rank_world(group_name):
-    group = _resolve_group(group_name)
-    return (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
 
 
 def _split_widths(zxbcdt, conv1d_weight, A, D, headdim, ngroups):
@@ -3300,9 +3405,44 @@ def mamba_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias
 
 
 # ---------------------------------------------------------------------------------------------
-# 12. The all-to-all baseline
+# 17. The all-to-all baseline
 #    The head-parallel CP it replaces.
 # ---------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("mamba_cp::all_to_all", mutates_args=())
+def _all_to_all_op(t: Tensor, group_name: str) -> Tensor:
+    """Equal-block all_to_all_single along dim 0."""
+    out = torch.empty(t.shape, device=t.device, dtype=t.dtype)
+    dist.all_to_all_single(out, t.contiguous(), group=_resolve_group(group_name))
+    return out
+
+
+@_all_to_all_op.register_fake
+def _(t, group_name):
+    return torch.empty(t.shape, device=t.device, dtype=t.dtype)
+
+
+@torch.library.custom_op("mamba_cp::all_gather", mutates_args=())
+def _all_gather_op(t: Tensor, group_name: str) -> Tensor:
+    return _all_gather(t, _resolve_group(group_name))
+
+
+@_all_gather_op.register_fake
+def _(t, group_name):
+    return t.new_empty((dist.get_world_size(_resolve_group(group_name)), *t.shape))
+
+
+@torch.library.custom_op("mamba_cp::all_reduce", mutates_args=())
+def _all_reduce_op(t: Tensor, group_name: str) -> Tensor:
+    out = t.contiguous().clone()
+    dist.all_reduce(out, group=_resolve_group(group_name))
+    return out
+
+
+@_all_reduce_op.register_fake
+def _(t, group_name):
+    return torch.empty(t.shape, device=t.device, dtype=t.dtype)
 
 
 class _AllToAllFn(torch.autograd.Function):
@@ -3310,12 +3450,12 @@ class _AllToAllFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, t, group):
-        ctx.group = _group_name(group)
-        return _all_to_all_op(t, ctx.group)
+        ctx.group_name = _group_name(group)
+        return _all_to_all_op(t, ctx.group_name)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_to_all_op(grad, ctx.group), None
+        return _all_to_all_op(grad, ctx.group_name), None
 
 
 class _GatherHeadsFn(torch.autograd.Function):
@@ -3324,13 +3464,13 @@ class _GatherHeadsFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, block, group, rank):
-        ctx.group, ctx.rank, ctx.world = _group_name(group), rank, dist.get_world_size(group)
-        every = _all_gather_op(block, ctx.group)                                   # (W, b, hW, p, n)
+        ctx.group_name, ctx.rank, ctx.world = _group_name(group), rank, dist.get_world_size(group)
+        every = _all_gather_op(block, ctx.group_name)                                   # (W, b, hW, p, n)
         return torch.cat(list(every.unbind(0)), dim=1)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce_op(grad, ctx.group).chunk(ctx.world, dim=1)[ctx.rank], None, None
+        return _all_reduce_op(grad, ctx.group_name).chunk(ctx.world, dim=1)[ctx.rank], None, None
 
 
 def _a2a_heads(nheads, ngroups, world, rank):
@@ -3364,11 +3504,11 @@ def _a2a_channels(cfg, heads, groups):
 _A2A_CHANNELS = {}
 
 
-def _a2a_channel_index(cfg, plan, device):
+def _a2a_channel_index(cfg, head_split, device):
     key = (cfg.nheads, cfg.headdim, cfg.ngroups, cfg.dstate, cfg.world, str(device))
     if key not in _A2A_CHANNELS:
         _A2A_CHANNELS[key] = [torch.tensor(_a2a_channels(cfg, *heads_groups), device=device)
-                              for heads_groups in plan]
+                              for heads_groups in head_split]
     return _A2A_CHANNELS[key]
 
 
@@ -3414,16 +3554,16 @@ def mamba_conv1d_ssd_a2a(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_s
                                    activation=activation, state_dtype=state_dtype)
 
     # forward all-to-all: block j of what this rank sends holds rank j's channels of its tokens
-    plan = [_a2a_heads(nheads, ngroups, world, r) for r in range(world)]
-    chan = _a2a_channel_index(cfg, plan, xBC.device)
+    head_split = [_a2a_heads(nheads, ngroups, world, r) for r in range(world)]
+    chan = _a2a_channel_index(cfg, head_split, xBC.device)
     send_x = torch.stack([xBC.index_select(2, chan[r]) for r in range(world)])     # (W, b, l, c_loc)
-    send_dt = torch.stack([dt[..., plan[r][0][0]:plan[r][0][-1] + 1] for r in range(world)])
+    send_dt = torch.stack([dt[..., head_split[r][0][0]:head_split[r][0][-1] + 1] for r in range(world)])
     xBC_mine = _to_global_order(_AllToAllFn.apply(send_x, cp_group), cfg)        # (b, L, c_loc)
     dt_mine = _to_global_order(_AllToAllFn.apply(send_dt, cp_group), cfg)        # (b, L, hW)
     seq_full = None if seq_idx is None else _to_global_order(_all_gather_op(seq_idx.to(torch.int32),
                                                                             _group_name(cp_group)), cfg)
 
-    heads, groups = plan[rank]
+    heads, groups = head_split[rank]
     h0, h1 = heads[0], heads[-1] + 1
     D_mine = None if D is None else D[h0:h1]
     init_mine = None if initial_states is None else initial_states[:, h0:h1]
@@ -3440,57 +3580,6 @@ def mamba_conv1d_ssd_a2a(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_s
     if not return_final_states:
         return y
     return y, _GatherHeadsFn.apply(final_mine.contiguous(), cp_group, rank)
-
-
-# ---------------------------------------------------------------------------------------------
-# 13. A worked example
-#    `python mamba_cp.py` runs two gloo ranks on this machine over a handful of tokens and
-#    prints each step of state passing, checked against the float64 oracle.
-# ---------------------------------------------------------------------------------------------
-
-
-def _worked_example(rank, world, port):
-    import reference_ssd  # the oracle lives beside this file in the repository
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    torch.set_printoptions(precision=4, sci_mode=False)
-    say = (lambda *a: print(f"[rank {rank}]", *a, flush=True))
-    g = torch.Generator().manual_seed(0)
-    b, L, h, p, n, d_conv = 1, 12, 1, 2, 2, 2                       # one head: x (p=2), state 2x2
-    conv_dim = h * p + 2 * n
-    xBC = torch.randn(b, L, conv_dim, generator=g)
-    dt = torch.randn(b, L, h, generator=g) - 1.0
-    w, bias = torch.randn(conv_dim, d_conv, generator=g) * 0.5, torch.zeros(conv_dim)
-    dt_bias, A, D = torch.zeros(h), -torch.ones(h), torch.ones(h)
-    cfg = _CPConfig(xBC, dt, w, 16, p, 1, dist.group.WORLD, rank, world, "none", (0.0, float("inf")))
-    x_loc, dt_loc = shard(xBC, rank, world), shard(dt, rank, world)    # 6 tokens each
-
-    # 1. the conv, fed by the halo: the last d_conv - 1 pre-conv tokens of the previous rank
-    halo, _ = _exchange_halo(x_loc, None, cfg)
-    u = conv1d_fwd(x_loc, w, bias, halo)
-    x, B, C = _split_xBC(u, cfg)
-    # 2. this rank's summary, from a zero entry state: S_out = a * S_in + S_ext
-    plan = _LaunchPlan(x, B, 16, dt_bias, True, (0.0, float("inf")), None)
-    inp = _SSDInputs(x, dt_loc, A, B, C, D, dt_bias, None)
-    summary = Summary(inp, plan)
-    S_ext, a = summary.affine()
-    say(f"summary: a = {a.flatten().tolist()}, S_ext =\n{S_ext[0, 0]}")
-    # 3. all-gather the summaries and scan: S_in(0) = 0, S_in(1) = a_0 S_in(0) + S_ext(0)
-    every, work = _gather_summaries(S_ext, a, None, cfg)
-    work.wait()
-    entries, final, _, _ = _scan_shards(every, None, False, cfg)
-    say(f"entry state after the scan =\n{entries[0, 0]}")
-    # 4. the outputs with the entry state folded in, against the oracle on the whole sequence
-    y, _ = ssd_output(inp, summary, entries)
-    y_ref, final_ref = reference_ssd.conv1d_ssd_reference(xBC, dt, w, bias, dt_bias, A, D, headdim=p, ngroups=1)
-    err = (y - shard(y_ref, rank, world)).abs().max().item()
-    say(f"y (this rank's 6 tokens) = {y.flatten(1).tolist()[0][:4]}...; max |y - oracle| = {err:.1e}; "
-        f"max |final - oracle| = {(final - final_ref).abs().max().item():.1e}")
-    # 5. the public function does all of the above (and the backward)
-    y_api = mamba_conv1d_ssd_cp(x_loc, dt_loc, w, bias, dt_bias, A, D, 16, headdim=p, ngroups=1,
-                                cp_group=dist.group.WORLD)
-    say(f"mamba_conv1d_ssd_cp gives the same y: {torch.equal(y_api, y)}")
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

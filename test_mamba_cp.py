@@ -16,12 +16,12 @@ tests in the order of mamba_cp.py's sections, the torchrun mode last.
     Helpers: one call against the oracle
     Helpers: the process harness (@check, world_check; main runs the same checks)
     The oracle checks itself
-    mamba_cp sections 1-4 and 6: the single-device SSD, forward and backward
-    mamba_cp section 5: bad input
-    mamba_cp sections 7 and 8: layouts and communication
-    mamba_cp section 9: the causal conv1d
-    mamba_cp sections 10 and 12: the fused conv1d + SSD under CP, and the all-to-all baseline
-    mamba_cp section 11: mamba_split_conv1d_scan_combined
+    mamba_cp sections 1-4 and 15: the single-device SSD, forward and backward
+    mamba_cp section 11: bad input
+    mamba_cp sections 5, 6, 10 and 12: layouts and communication
+    mamba_cp section 7: the causal conv1d
+    mamba_cp sections 8, 13 and 17: the fused conv1d + SSD under CP, and the all-to-all baseline
+    mamba_cp sections 14 and 16: mamba_split_conv1d_scan_combined
     torch.compile
     Vendoring: a tiny mixer trained under CP; Hugging Face transformers
     GPU only
@@ -959,7 +959,7 @@ def test_state_passing_reference_world_range():
 
 
 # ---------------------------------------------------------------------------------------------
-# mamba_cp sections 1-4 and 6: the single-device SSD against the oracle, forward and backward
+# mamba_cp sections 1-4 and 15: the single-device SSD against the oracle, forward and backward
 # (section 2's tuning too)
 # ---------------------------------------------------------------------------------------------
 
@@ -1185,7 +1185,7 @@ def test_varlen_states_have_no_backward():
 
 
 # ---------------------------------------------------------------------------------------------
-# mamba_cp section 5: bad input, a ValueError naming the argument
+# mamba_cp section 11: bad input, a ValueError naming the argument
 # ---------------------------------------------------------------------------------------------
 
 def _bad_cases():
@@ -1244,7 +1244,7 @@ def test_bad_input_raises(case):
 
 
 # ---------------------------------------------------------------------------------------------
-# mamba_cp sections 7 and 8: layouts and communication. The layouts by hand; the zigzag
+# mamba_cp sections 5, 6, 10 and 12: layouts and communication. The layouts by hand; the zigzag
 # permutation each way (a case of the fused core's check); the prefix scan over ranks (summary_exchange="scan")
 # alone, on random summaries of every global segment: against the float64 recurrence
 # (forward) and its autograd (backward), and bitwise against the same compositions in the
@@ -1371,8 +1371,9 @@ def scan_in_one_process(s, layout, world, rank):
 
 @check("summary scan alone", 1e-6)
 def scan_helper_errors(rank, world, group, device, gpu=False):
-    """_scan_summaries and _scan_grads on random summaries, both layouts, with documents: within
-    float32 (1e-6) of the float64 recurrence and its gradient, bitwise where promised."""
+    """_entries_by_prefix_scan and _exit_grads_by_prefix_scan on random summaries, both layouts,
+    with documents: within float32 (1e-6) of the float64 recurrence and its gradient, bitwise
+    where promised."""
     results = {}
     for layout in ("none", "virtual"):
         s = random_summaries(world, layout)
@@ -1382,15 +1383,15 @@ def scan_helper_errors(rank, world, group, device, gpu=False):
         ids = cfg.segs.ids
         rows = lambda t: t[:, ids].reshape(-1, *t.shape[2:])                   # noqa: E731
         seq = torch.stack([rows(s["first"]), rows(s["last"])], dim=1)          # (rows, 2): first, last
-        entries, final, a, cont = mamba_cp._scan_summaries(rows(s["S"]), rows(s["a"]), seq, s["init"], cfg)
-        dexit, dinit = mamba_cp._scan_grads(rows(s["G"]), s["dfinal"][rank], a, cont, cfg)
+        entries, final, a, cont = mamba_cp._entries_by_prefix_scan(rows(s["S"]), rows(s["a"]), seq, s["init"], cfg)
+        dexit, dinit = mamba_cp._exit_grads_by_prefix_scan(rows(s["G"]), s["dfinal"][rank], a, cont, cfg)
         errs = {"entries": rel_rms(entries, rows(want["entries"])), "final": rel_rms(final, want["final"]),
                 "cont": float((cont.double() != rows(want["cont"])).sum()), "dexit": rel_rms(dexit, rows(want["dexit"])),
                 "dinit": rel_rms(dinit, want["dinit"]) if cfg.holds_first else float(dinit.abs().max())}
         # bitwise: the all-reduce of dfinal sums in an order of its own, so here only the last
         # rank's copy has a gradient (x + 0 is exact)
         s["dfinal"][:-1] = 0.0
-        dexit, dinit = mamba_cp._scan_grads(rows(s["G"]), s["dfinal"][rank], a, cont, cfg)
+        dexit, dinit = mamba_cp._exit_grads_by_prefix_scan(rows(s["G"]), s["dfinal"][rank], a, cont, cfg)
         e1, f1, d1, i1 = scan_in_one_process(s, layout, world, rank)
         bitwise = (torch.equal(entries, e1.reshape(entries.shape)) and torch.equal(final, f1)
                    and torch.equal(dexit, d1.reshape(dexit.shape)) and torch.equal(dinit, i1))
@@ -1503,7 +1504,7 @@ def test_cp_bad_input_raises_on_every_rank():
 
 
 # ---------------------------------------------------------------------------------------------
-# mamba_cp section 9: the causal conv1d with its halo, against causal_conv1d_reference. The
+# mamba_cp section 7: the causal conv1d with its halo, against causal_conv1d_reference. The
 # reference has no halo: it runs on [halo, xBC] (ids [halo_seq, seq_idx]) and its first d-1
 # outputs are dropped; the halo's gradient is the gradient w.r.t. those first d-1 rows.
 # ---------------------------------------------------------------------------------------------
@@ -1656,7 +1657,7 @@ def test_conv_bad_inputs():
 
 
 # ---------------------------------------------------------------------------------------------
-# mamba_cp sections 10 and 12: the fused conv1d + SSD with context parallelism, and the
+# mamba_cp sections 8, 13 and 17: the fused conv1d + SSD with context parallelism, and the
 # all-to-all baseline, rank by rank against the oracle on the full sequence. Every rank builds
 # the full inputs from one seed, runs the float64 oracle on the whole sequence, and compares
 # its local output shard, its local input gradients, and the parameter gradients summed over
@@ -1736,7 +1737,7 @@ def test_cp_against_oracle(world):
 
 
 # ---------------------------------------------------------------------------------------------
-# mamba_cp section 11: mamba_split_conv1d_scan_combined. zxbcdt = [z0 | x0 | z | xBC | dt] in,
+# mamba_cp sections 14 and 16: mamba_split_conv1d_scan_combined. zxbcdt = [z0 | x0 | z | xBC | dt] in,
 # the gated (or gated-RMSNorm'd, optionally out-projected) output out, against the float64
 # oracle on the whole sequence, rank by rank.
 # ---------------------------------------------------------------------------------------------
@@ -2606,6 +2607,59 @@ def test_module_map_is_the_section_list():
     doc, headers = _reading_order()
     assert len(headers) >= 10 and [n for n, _ in headers] == list(range(1, len(headers) + 1)), headers
     assert doc == headers, f"docstring map {doc} differs from the section headers {headers}"
+
+
+def _top_level(src):
+    """[(node, names it binds, names it reads)] for the top-level statements of a module's source."""
+    import ast
+    out = []
+    for node in ast.parse(src).body:
+        bound = {node.name} if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else set()
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for target in (node.targets if isinstance(node, ast.Assign) else [node.target]):
+                if isinstance(target, (ast.Name, ast.Tuple)):
+                    bound |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound = {(a.asname or a.name).split(".")[0] for a in node.names}
+        read = {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+        out.append((node, bound, read))
+    return out
+
+
+def _boundary_violations(src):
+    """Part I's uses of names that only Part II defines, and every use of a module-level name
+    above its definition: [(line, user, name)]."""
+    split = src[:src.index("\n# PART II.")].count("\n") + 1
+    nodes = _top_level(src)
+    part_one = set().union(*(b for n, b, _ in nodes if n.lineno < split))
+    part_two = set().union(*(b for n, b, _ in nodes if n.lineno > split)) - part_one
+    first_line = {}
+    for node, bound, _ in nodes:
+        for name in bound:
+            first_line.setdefault(name, node.lineno)
+    bad = []
+    for node, bound, read in nodes:
+        who = getattr(node, "name", None) or sorted(bound) or node.lineno
+        for name in sorted(read - bound):
+            if node.lineno < split and name in part_two:
+                bad.append((node.lineno, who, f"{name} (Part II) in Part I"))
+            elif first_line.get(name, 0) > node.lineno:
+                bad.append((node.lineno, who, f"{name} before its definition (line {first_line[name]})"))
+    return bad
+
+
+def test_part_one_stands_alone():
+    """Part I of mamba_cp.py (the method) uses no name that Part II defines, and nothing in the
+    file is used above its definition. The probe at the end shows the check failing: a Part I
+    function given a use of _check_cp_inputs (Part II)."""
+    with open(mamba_cp.__file__) as f:
+        src = f.read()
+    assert "\n# PART I. THE METHOD" in src and "\n# PART II." in src
+    assert _boundary_violations(src) == []
+    part_one_end = src.index("\n# PART II.")
+    probe = src.replace("def _rank_and_world(group):\n", "def _rank_and_world(group):\n    _check_cp_inputs\n", 1)
+    assert probe != src and src.index("def _rank_and_world") < part_one_end
+    assert [v[2] for v in _boundary_violations(probe)] == ["_check_cp_inputs (Part II) in Part I"]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,6 +1,12 @@
 """Benchmark of mamba_cp (README "Tests and benchmark"): the single-device SSD, the context-parallel
 paths side by side, and the bytes each path communicates.
 
+It calls mamba_cp's public functions, and five documented internals where the model of the bytes
+and the tuning flags need the module's own answer: _agreement_ints (what the input agreement
+sends), _a2a_heads (how the all-to-all baseline splits heads), _chosen_exchange (what
+summary_exchange="auto" picks), _KERNELS (the chunk kernels that take launch options) and the
+Tuning fields set_tuning takes.
+
 Three measurements, dispatched by main():
 
 1. `python bench.py` (one device, no torchrun): the single-device chunked SSD.
@@ -557,7 +563,10 @@ def unfused_call(t, args):
     """The same layer without CP and without fusion: conv1d, then mamba_chunk_scan_combined on
     the split channels (state passing skipped altogether)."""
     u = ConvFn.apply(t["xBC"], t["conv_weight"], t["conv_bias"])
-    x, B, C = mamba_cp._split_xBC(u, args)         # args names nheads, headdim, ngroups, dstate as cfg does
+    hp, gn = args.nheads * args.headdim, args.ngroups * args.dstate
+    x, B, C = u.split([hp, gn, gn], dim=-1)
+    x = x.unflatten(-1, (args.nheads, args.headdim))
+    B, C = (t.unflatten(-1, (args.ngroups, args.dstate)) for t in (B, C))
     return mamba_cp.mamba_chunk_scan_combined(x, t["dt"], t["A"], B, C, args.chunk, D=t["D"],
                                               dt_bias=t["dt_bias"], dt_softplus=True)
 
@@ -581,7 +590,7 @@ def make_cp_step(path, leaves, grad_y, args, group):
 # communication volume, from the shapes
 # ---------------------------------------------------------------------------------------------
 
-VALIDATION_INTS = 9 * 7 + 6 + 1   # mamba_cp._agree: 9 tensor args x (ndim + 5 dims + dtype), 6 options, verdict
+VALIDATION_INTS = mamba_cp._agreement_ints()   # int64s each rank all-gathers to agree on the inputs
 
 
 def permuted_pieces(W):

@@ -17,7 +17,7 @@ rank summarises its shard as (S_ext, a), the summaries are exchanged (all-gather
 prefix scan over the ranks in log2 W rounds), and an exclusive scan over them gives every rank
 its true entry state (README walkthrough c, d).
 
-The same method in forty lines of plain torch, W ranks simulated in one process, is
+The same method in about fifty lines of plain torch, W ranks simulated in one process, is
 reference_ssd.state_passing_reference: the shortest way to see it.
 
 The file has two parts. Part I is the method, in the order it runs, and is complete on its own:
@@ -282,30 +282,9 @@ def _stand_in(t, placeholder):
 
 # Every bad argument gets a ValueError naming it, what was seen, and what was expected.
 
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-_INTS = (torch.int32, torch.int64)
-
-
 def _expect(cond, name, seen, expected):
     if not cond:
         raise ValueError(f"{name}: got {seen}, expected {expected}")
-
-
-def _check_tensor(t, name, shape, ref, *, dtypes=None, allow_none=True):
-    """Shape (None entries are free), device of `ref`, floating dtype (or one of `dtypes`)."""
-    if t is None:
-        _expect(allow_none, name, "None", "a tensor")
-        return
-    _expect(isinstance(t, torch.Tensor), name, type(t).__name__, "a torch.Tensor")
-    _expect(t.dim() == len(shape), name, f"shape {tuple(t.shape)} ({t.dim()} dims)",
-            f"{len(shape)} dims {tuple('*' if s is None else s for s in shape)}")
-    ok = all(s is None or s == d for s, d in zip(shape, t.shape))
-    _expect(ok, name, f"shape {tuple(t.shape)}", f"shape {tuple('*' if s is None else s for s in shape)}")
-    _expect(t.device == ref.device, name, f"device {t.device}", f"device {ref.device} (like x)")
-    if dtypes is None:
-        _expect(t.is_floating_point(), name, f"dtype {t.dtype}", "a floating dtype")
-    else:
-        _expect(t.dtype in dtypes, name, f"dtype {t.dtype}", f"one of {[str(d) for d in dtypes]}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1193,13 +1172,6 @@ class _Segments:
         """(b, per_row * s, ...) -> (b * per_row, s, ...): one row per segment."""
         return t.reshape(t.shape[0] * self.per_row, t.shape[1] // self.per_row, *t.shape[2:])
 
-    def rows_view(self, t):
-        """to_rows as a view of t (writes into it land in t), or None where strides forbid one."""
-        try:
-            return t.view(t.shape[0] * self.per_row, t.shape[1] // self.per_row, *t.shape[2:])
-        except RuntimeError:
-            return None
-
     def from_rows(self, t, batch):
         return t.reshape(batch, t.shape[0] // batch * t.shape[1], *t.shape[2:])
 
@@ -1546,27 +1518,6 @@ def _conv_fwd_kernel(
              out.to(out_ptr.dtype.element_ty), mask=(rows < seqlen)[:, None] & mask_c[None, :])
 
 
-def _check_conv_inputs(xBC, weight, bias, halo, seq_idx, halo_seq):
-    _expect(isinstance(xBC, torch.Tensor) and xBC.dim() == 3, "xBC",
-            tuple(xBC.shape) if isinstance(xBC, torch.Tensor) else type(xBC).__name__,
-            "a 3-dim tensor (batch, seqlen, dim)")
-    _check_tensor(xBC, "xBC", (None, None, None), xBC, dtypes=_FLOATS)
-    b, l, dim = xBC.shape
-    _expect(l >= 1 and dim >= 1 and b >= 1, "xBC", f"shape {tuple(xBC.shape)}", "no empty dimension")
-    _check_tensor(weight, "weight", (dim, None), xBC, dtypes=_FLOATS, allow_none=False)
-    d = weight.shape[1]
-    _expect(2 <= d <= 8, "weight", f"d_conv {d}", "2 <= d_conv <= 8")
-    _check_tensor(bias, "bias", (dim,), xBC, dtypes=_FLOATS)
-    _check_tensor(halo, "halo", (b, d - 1, dim), xBC, dtypes=_FLOATS)
-    _check_tensor(seq_idx, "seq_idx", (b, l), xBC, dtypes=_INTS)
-    _check_tensor(halo_seq, "halo_seq", (b, d - 1), xBC, dtypes=_INTS)
-    _expect(halo_seq is None or seq_idx is not None, "halo_seq", "a tensor with seq_idx=None",
-            "None when seq_idx is None")
-    _expect(halo is None or seq_idx is None or halo_seq is not None, "halo_seq", "None",
-            "the halo's document ids (b, d_conv-1) when both halo and seq_idx are given")
-    return b, l, dim, d
-
-
 def _conv_blocks(l, dim, blocks):
     """(tokens, channels) of a conv program: the tuning's, no larger than the tensor needs."""
     BT, BC = blocks
@@ -1579,21 +1530,14 @@ def _conv_flags(bias, halo, seq_idx, silu):
                 HAS_HALO_SEQ=has_seq and halo is not None, SILU=bool(silu))  # without a halo its ids don't matter
 
 
-def conv1d_fwd(xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=None, out=None, silu=True):
-    """silu(causal depthwise conv(xBC) + bias) (without silu: the conv alone), (b, l, dim) in
-    xBC's dtype (contiguous, or written into `out`, any strides: a channel slice of a larger
-    buffer, say).
-
-    xBC (b, l, dim) any strides; weight (dim, d_conv); bias (dim,); halo (b, d_conv-1, dim): the
-    d_conv-1 pre-conv tokens before the shard, None for zeros; seq_idx (b, l) and halo_seq
-    (b, d_conv-1) integer document ids (halo_seq needed when both halo and seq_idx are given).
-    """
-    b, l, dim, d = _check_conv_inputs(xBC, weight, bias, halo, seq_idx, halo_seq)
+def _conv1d_fwd(xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=None, out=None, silu=True):
+    """silu(causal depthwise conv(xBC) + bias), (b, l, dim) in xBC's dtype, or written into out.
+    The arguments as conv1d_fwd (section 11) takes and checks them."""
+    (b, l, dim), d = xBC.shape, weight.shape[1]
     flags = _conv_flags(bias, halo, seq_idx, silu)
     halo_seq = halo_seq.to(seq_idx.dtype) if flags["HAS_HALO_SEQ"] else None   # one id type in the kernel
     if out is None:
         out = torch.empty((b, l, dim), device=xBC.device, dtype=xBC.dtype)
-    _check_tensor(out, "out", (b, l, dim), xBC, dtypes=(xBC.dtype,))
     t = tuning()
     BT, BC = _conv_blocks(l, dim, t.conv_fwd_blocks)
     grid = (_cdiv(l, BT), _cdiv(dim, BC), b)
@@ -1695,17 +1639,10 @@ def _conv_bwd_kernel(
         tl.store(db_part_ptr + part * dim + offs_c, db_acc, mask=mask_c)
 
 
-def conv1d_bwd(dout, xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=None, need_dhalo=True, silu=True,
-               dx=None):
-    """Gradients of conv1d_fwd: (dxBC, dhalo, dweight, dbias).
-
-    dxBC (b, l, dim) in xBC's dtype (or written into `dx`, any strides: a channel slice of the
-    caller's gradient buffer, say); dhalo (b, d_conv-1, dim) fp32, None without a halo or with
-    need_dhalo=False; dweight (dim, d_conv) fp32; dbias (dim,) fp32, None without bias.
-    Deterministic: no atomics, partial sums are reduced by torch in a fixed order.
-    """
-    b, l, dim, d = _check_conv_inputs(xBC, weight, bias, halo, seq_idx, halo_seq)
-    _check_tensor(dout, "dout", (b, l, dim), xBC, dtypes=_FLOATS, allow_none=False)
+def _conv1d_bwd(dout, xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=None, need_dhalo=True, silu=True,
+                dx=None):
+    """Gradients of _conv1d_fwd: (dxBC, dhalo, dweight, dbias), as conv1d_bwd (section 11) says."""
+    (b, l, dim), d = xBC.shape, weight.shape[1]
     flags = _conv_flags(bias, halo, seq_idx, silu)
     halo_seq = halo_seq.to(seq_idx.dtype) if flags["HAS_HALO_SEQ"] else None   # one id type in the kernel
     need_dhalo = bool(need_dhalo) and halo is not None
@@ -1719,7 +1656,6 @@ def conv1d_bwd(dout, xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=N
 
     if dx is None:
         dx = torch.empty((b, l, dim), device=xBC.device, dtype=xBC.dtype)
-    _check_tensor(dx, "dx", (b, l, dim), xBC, dtypes=(xBC.dtype,))
     dhalo = torch.empty((b, d - 1, dim), device=xBC.device, dtype=torch.float32) if need_dhalo else None
     dw_part = torch.empty((b, n_groups, d, dim), device=xBC.device, dtype=torch.float32)
     db_part = torch.empty((b, n_groups, dim), device=xBC.device, dtype=torch.float32) \
@@ -1752,7 +1688,7 @@ def _none_if_empty(t):
 
 def _conv_channels(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, ch, silu):
     """The conv of channels `ch` (a slice) alone, (rows, s, channels)."""
-    return conv1d_fwd(xBC[..., ch], conv_weight[ch], None if conv_bias is None else conv_bias[ch],
+    return _conv1d_fwd(xBC[..., ch], conv_weight[ch], None if conv_bias is None else conv_bias[ch],
                       None if halo is None else halo[..., ch], seq_idx, halo_seq, silu=silu)
 
 
@@ -1824,7 +1760,7 @@ def _conv1d_ssd_cp_forward(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initi
         x = uxB[..., :x_ch].unflatten(-1, (cfg.nheads, cfg.headdim))
         B = uxB[..., x_ch:].unflatten(-1, (cfg.ngroups, cfg.dstate))
     else:
-        u = conv1d_fwd(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, silu=silu)  # (rows, s, conv_dim)
+        u = _conv1d_fwd(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, silu=silu)  # (rows, s, conv_dim)
         x, B, C = _split_xBC(u, cfg)
     plan = _LaunchPlan(x, B, min(cfg.chunk, tuning().chunk_fwd), dt_bias, True, cfg.dt_limit, seq_idx, state_dtype)
     inp = _SSDInputs(x, dt, A, B, None if overlap else C, D, dt_bias, seq_idx)
@@ -1861,7 +1797,7 @@ def _conv1d_ssd_cp_backward(dy, dfinal, xBC, dt, conv_weight, conv_bias, dt_bias
     cfg = _cp_config(xBC, dt, conv_weight, group_name, load_balancing, exchange, batch, chunk_size, headdim, ngroups,
                      (dt_min, dt_max))
     halo, halo_seq, cont = _none_if_empty(halo), _none_if_empty(halo_seq), _none_if_empty(cont)
-    u = conv1d_fwd(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, silu=silu)
+    u = _conv1d_fwd(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, silu=silu)
     x, B, C = _split_xBC(u, cfg)
     plan = _LaunchPlan(x, B, min(cfg.chunk, tuning().chunk_bwd), dt_bias, True, cfg.dt_limit, seq_idx, state_dtype)
     inp = _SSDInputs(x, dt, A, B, C, D, dt_bias, seq_idx)
@@ -1872,7 +1808,7 @@ def _conv1d_ssd_cp_backward(dy, dfinal, xBC, dt, conv_weight, conv_bias, dt_bias
     du = torch.empty_like(u)
     dx, dB, dC = _split_xBC(du, cfg)
     _, _, _, ddt, dA, dD, _ = ssd_grads(inp, summary, grad_pass, dy, entries, dexit, dx=dx, dB=dB, dC=dC)  # ddt fp32
-    dxBC, dhalo, dweight, dbias = conv1d_bwd(du, xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, silu=silu,
+    dxBC, dhalo, dweight, dbias = _conv1d_bwd(du, xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, silu=silu,
                                              dx=dxBC_into)
     if dhalo is not None:
         _return_halo_grad(dxBC, dhalo, cfg)
@@ -1956,7 +1892,7 @@ def _worked_example(rank, world, port):
 
     # 1. the conv, fed by the halo: the last d_conv - 1 pre-conv tokens of the previous rank
     halo, _ = _exchange_halo(x_loc, None, cfg)
-    u = conv1d_fwd(x_loc, w, bias, halo)
+    u = _conv1d_fwd(x_loc, w, bias, halo)
     x, B, C = _split_xBC(u, cfg)
     # 2. this rank's summary, from a zero entry state: S_out = a * S_in + S_ext
     plan = _LaunchPlan(x, B, 16, dt_bias, True, (0.0, float("inf")), None)
@@ -2024,7 +1960,7 @@ def _run_p2p(ops):
 # summaries; the rounds cost latency, which is why "auto" (below) keeps the all-gather for
 # small worlds.
 
-class _StateMap(NamedTuple):
+class _RunMap(NamedTuple):
     """The affine map E -> a * E + S that a run of consecutive segments applies to the state
     entering it, per batch row: a (b, h), S (b, h, p, n) fp32. first and last (b,) int32: the
     document ids at the run's two ends (None without documents); the run carries the state in
@@ -2041,7 +1977,7 @@ def _then(earlier, later):
     a2 = later.a
     if later.first is not None:
         a2 = a2 * (later.first == earlier.last).to(a2.dtype)[:, None]
-    return _StateMap(a2 * earlier.a, a2[..., None, None] * earlier.S + later.S, earlier.first, later.last)
+    return _RunMap(a2 * earlier.a, a2[..., None, None] * earlier.S + later.S, earlier.first, later.last)
 
 
 def _applied(m, E):
@@ -2056,7 +1992,7 @@ def _packed_map(m):
 def _unpacked_map(buf, like):
     fields = [t for t in like if t is not None]
     parts = iter(_unpack(buf, [(tuple(t.shape[1:]), t.dtype) for t in fields]))
-    return _StateMap(*(None if t is None else next(parts) for t in like))
+    return _RunMap(*(None if t is None else next(parts) for t in like))
 
 
 def _prefix_over_ranks(chains, cfg):
@@ -2105,7 +2041,7 @@ def _own_maps(a, S, seq_idx, cfg):
         return None if t is None else t.reshape(cfg.batch, per, *t.shape[1:])[:, j]
 
     first, last = (None, None) if seq_idx is None else (seq_idx[:, 0], seq_idx[:, -1])
-    return [_StateMap(j_of(a, j), j_of(S, j), j_of(first, j), j_of(last, j)) for j in range(per)]
+    return [_RunMap(j_of(a, j), j_of(S, j), j_of(first, j), j_of(last, j)) for j in range(per)]
 
 
 def _chains(cfg, backward):
@@ -2317,7 +2253,79 @@ def _chosen_exchange(choice, world, load_balancing, batch, state_shape, conv_dim
 # ---------------------------------------------------------------------------------------------
 # 11. Input checks and the ranks' agreement
 #    Every bad input gets a ValueError naming the argument, what was seen, and what was expected.
+#    The public conv launchers, conv1d_fwd and conv1d_bwd, are section 7's with their inputs checked.
 # ---------------------------------------------------------------------------------------------
+
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_INTS = (torch.int32, torch.int64)
+
+
+def _check_tensor(t, name, shape, ref, *, dtypes=None, allow_none=True):
+    """Shape (None entries are free), device of `ref`, floating dtype (or one of `dtypes`)."""
+    if t is None:
+        _expect(allow_none, name, "None", "a tensor")
+        return
+    _expect(isinstance(t, torch.Tensor), name, type(t).__name__, "a torch.Tensor")
+    _expect(t.dim() == len(shape), name, f"shape {tuple(t.shape)} ({t.dim()} dims)",
+            f"{len(shape)} dims {tuple('*' if s is None else s for s in shape)}")
+    ok = all(s is None or s == d for s, d in zip(shape, t.shape))
+    _expect(ok, name, f"shape {tuple(t.shape)}", f"shape {tuple('*' if s is None else s for s in shape)}")
+    _expect(t.device == ref.device, name, f"device {t.device}", f"device {ref.device} (like x)")
+    if dtypes is None:
+        _expect(t.is_floating_point(), name, f"dtype {t.dtype}", "a floating dtype")
+    else:
+        _expect(t.dtype in dtypes, name, f"dtype {t.dtype}", f"one of {[str(d) for d in dtypes]}")
+
+
+def _check_conv_inputs(xBC, weight, bias, halo, seq_idx, halo_seq):
+    _expect(isinstance(xBC, torch.Tensor) and xBC.dim() == 3, "xBC",
+            tuple(xBC.shape) if isinstance(xBC, torch.Tensor) else type(xBC).__name__,
+            "a 3-dim tensor (batch, seqlen, dim)")
+    _check_tensor(xBC, "xBC", (None, None, None), xBC, dtypes=_FLOATS)
+    b, l, dim = xBC.shape
+    _expect(l >= 1 and dim >= 1 and b >= 1, "xBC", f"shape {tuple(xBC.shape)}", "no empty dimension")
+    _check_tensor(weight, "weight", (dim, None), xBC, dtypes=_FLOATS, allow_none=False)
+    d = weight.shape[1]
+    _expect(2 <= d <= 8, "weight", f"d_conv {d}", "2 <= d_conv <= 8")
+    _check_tensor(bias, "bias", (dim,), xBC, dtypes=_FLOATS)
+    _check_tensor(halo, "halo", (b, d - 1, dim), xBC, dtypes=_FLOATS)
+    _check_tensor(seq_idx, "seq_idx", (b, l), xBC, dtypes=_INTS)
+    _check_tensor(halo_seq, "halo_seq", (b, d - 1), xBC, dtypes=_INTS)
+    _expect(halo_seq is None or seq_idx is not None, "halo_seq", "a tensor with seq_idx=None",
+            "None when seq_idx is None")
+    _expect(halo is None or seq_idx is None or halo_seq is not None, "halo_seq", "None",
+            "the halo's document ids (b, d_conv-1) when both halo and seq_idx are given")
+    return b, l, dim, d
+
+
+def conv1d_fwd(xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=None, out=None, silu=True):
+    """silu(causal depthwise conv(xBC) + bias) (without silu: the conv alone), (b, l, dim) in
+    xBC's dtype (contiguous, or written into `out`, any strides: a channel slice of a larger
+    buffer, say).
+
+    xBC (b, l, dim) any strides; weight (dim, d_conv); bias (dim,); halo (b, d_conv-1, dim): the
+    d_conv-1 pre-conv tokens before the shard, None for zeros; seq_idx (b, l) and halo_seq
+    (b, d_conv-1) integer document ids (halo_seq needed when both halo and seq_idx are given).
+    """
+    b, l, dim, _ = _check_conv_inputs(xBC, weight, bias, halo, seq_idx, halo_seq)
+    _check_tensor(out, "out", (b, l, dim), xBC, dtypes=(xBC.dtype,))
+    return _conv1d_fwd(xBC, weight, bias, halo, seq_idx, halo_seq, out, silu)
+
+
+def conv1d_bwd(dout, xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=None, need_dhalo=True, silu=True,
+               dx=None):
+    """Gradients of conv1d_fwd: (dxBC, dhalo, dweight, dbias).
+
+    dxBC (b, l, dim) in xBC's dtype (or written into `dx`, any strides: a channel slice of the
+    caller's gradient buffer, say); dhalo (b, d_conv-1, dim) fp32, None without a halo or with
+    need_dhalo=False; dweight (dim, d_conv) fp32; dbias (dim,) fp32, None without bias.
+    Deterministic: no atomics, partial sums are reduced by torch in a fixed order.
+    """
+    b, l, dim, _ = _check_conv_inputs(xBC, weight, bias, halo, seq_idx, halo_seq)
+    _check_tensor(dout, "dout", (b, l, dim), xBC, dtypes=_FLOATS, allow_none=False)
+    _check_tensor(dx, "dx", (b, l, dim), xBC, dtypes=(xBC.dtype,))
+    return _conv1d_bwd(dout, xBC, weight, bias, halo, seq_idx, halo_seq, need_dhalo, silu, dx)
 
 
 def _capturing(t):
@@ -3185,6 +3193,14 @@ def _split_output(y, z, z0, x0, gate_norm, widths):
     return out
 
 
+def _rows_view(segs, t):
+    """segs.to_rows(t) as a view of t (writes into it land in t), or None where strides forbid one."""
+    try:
+        return t.view(t.shape[0] * segs.per_row, t.shape[1] // segs.per_row, *t.shape[2:])
+    except RuntimeError:
+        return None
+
+
 @torch.library.custom_op("mamba_cp::split_conv1d_scan_fwd", mutates_args=())
 def _split_conv1d_scan_fwd(zxbcdt: Tensor, conv_weight: Tensor, conv_bias: Optional[Tensor], dt_bias: Optional[Tensor],
                            A: Tensor, D: Optional[Tensor], initial_states: Optional[Tensor],
@@ -3266,7 +3282,7 @@ def _split_conv1d_scan_bwd(dout: Tensor, dfinal: Optional[Tensor], zxbcdt: Tenso
     dy = segs.to_rows(dy.unflatten(-1, (widths[4], -1)))
     # the core writes dxBC and ddt into dzxbcdt, unless the rows travel (permute) or its
     # strides allow no per-segment view: then they are copied in once
-    into = (None, None) if permute else (segs.rows_view(dxBC_out), segs.rows_view(ddt_out))
+    into = (None, None) if permute else (_rows_view(segs, dxBC_out), _rows_view(segs, ddt_out))
     grads = _conv1d_ssd_cp_backward(dy, dfinal, xBC_rows, dt_rows, conv_weight, conv_bias, dt_bias, A, D,
                                     initial_states, seq_idx, halo, halo_seq, entries, a_kept, cont,
                                     *core.core_args(group_name, load_balancing, exchange, state_dtype),

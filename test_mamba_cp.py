@@ -1341,9 +1341,9 @@ def scan_in_one_process(s, layout, world, rank):
     """This rank's expected entries and final, and dexit and dinit, composed as the module does."""
     then, applied = mamba_cp._then, mamba_cp._applied
     segs = mamba_cp._Segments(rank, world, layout)
-    fwd = [mamba_cp._StateMap(s["a"][:, k], s["S"][:, k], s["first"][:, k], s["last"][:, k]) for k in range(segs.count)]
+    fwd = [mamba_cp._RunMap(s["a"][:, k], s["S"][:, k], s["first"][:, k], s["last"][:, k]) for k in range(segs.count)]
     cont = sequential_summaries({k: v.cpu() for k, v in s.items()})["cont"].float().to(s["S"].device)
-    bwd = [mamba_cp._StateMap(cont[:, k, None] * s["a"][:, k], cont[:, k, None, None, None] * s["G"][:, k])
+    bwd = [mamba_cp._RunMap(cont[:, k, None] * s["a"][:, k], cont[:, k, None, None, None] * s["G"][:, k])
            for k in range(segs.count)]
     dfin = s["dfinal"].sum(0) if world > 1 else s["dfinal"][0]
     fe, fi = kogge_stone(fwd[:world])

@@ -131,6 +131,12 @@ def _tile_ptrs(ptr, stride, b64, t64, i, offs):
 
 
 @triton.jit
+def _load_tile(ptr, stride, b64, t64, i, offs, mask):
+    """The (rows, channels) tile at _tile_ptrs, zeros where masked off."""
+    return tl.load(_tile_ptrs(ptr, stride, b64, t64, i, offs), mask=mask, other=0.0)
+
+
+@triton.jit
 def _state_tile(row, h, offs_p, offs_n, nheads, headdim, dstate):
     """int64 offsets of head h's (p, n) tile in a contiguous (rows, nheads, headdim, dstate)
     buffer: row = b * nchunks + c for chunk states, b * nseg + s for segment states."""
@@ -621,8 +627,8 @@ def _output_fwd_kernel(
     b64 = b.to(tl.int64)
     chunk_row, seg_row = _chunk_rows(b, c, seqlen, chunks_per_seg, Q)
 
-    Bm = tl.load(_tile_ptrs(B_ptr, stride_B, b64, t64, g, offs_n), mask=mask_qn, other=0.0)          # (Q, BN)
-    Cm = tl.load(_tile_ptrs(C_ptr, stride_C, b64, t64, g, offs_n), mask=mask_qn, other=0.0)          # (Q, BN)
+    Bm = _load_tile(B_ptr, stride_B, b64, t64, g, offs_n, mask_qn)          # (Q, BN)
+    Cm = _load_tile(C_ptr, stride_C, b64, t64, g, offs_n, mask_qn)          # (Q, BN)
     CB = tl.dot(Cm, tl.trans(Bm), input_precision=DOT_PRECISION)                   # (Q, Q)
 
     causal = offs_q[:, None] >= offs_q[None, :]
@@ -638,7 +644,7 @@ def _output_fwd_kernel(
                                   Q, HAS_DT_BIAS, DT_SOFTPLUS, dt_min, dt_max)
         hi, lo = _cumsum_hi_lo(dA)
         M = CB * _pair_decay(hi, lo, causal) * dt[None, :]                          # (Q, Q)
-        x = tl.load(_tile_ptrs(x_ptr, stride_x, b64, t64, h, offs_p), mask=mask_qp, other=0.0)        # (Q, BP)
+        x = _load_tile(x_ptr, stride_x, b64, t64, h, offs_p, mask_qp)        # (Q, BP)
         y = tl.dot(M.to(x.dtype), x, input_precision=DOT_PRECISION)                # (Q, BP)
 
         mask_pn = (offs_p[:, None] < headdim) & (offs_n[None, :] < dstate)
@@ -810,20 +816,6 @@ def _document_pair_decay(hi, lo, seq, Q: tl.constexpr, HAS_SEQ: tl.constexpr):
 
 
 @triton.jit
-def _head_tile(ptr, b64, t64, h, offs_p, mask_qp, stride):
-    """One chunk of one head of a (batch, token, head, headdim) tensor (x, dy), (Q, BP)."""
-    return tl.load(_tile_ptrs(ptr, stride, b64, t64, h, offs_p),
-                   mask=mask_qp, other=0.0)
-
-
-@triton.jit
-def _group_tile(ptr, b64, t64, g, offs_n, mask_qn, stride):
-    """One chunk of one group of a (batch, token, group, dstate) tensor (B, C), (Q, BN)."""
-    return tl.load(_tile_ptrs(ptr, stride, b64, t64, g, offs_n),
-                   mask=mask_qn, other=0.0)
-
-
-@triton.jit
 def _chunk_tokens(c, seqlen, headdim, Q: tl.constexpr, BP: tl.constexpr):
     """Chunk c's first token, its token offsets (Q,) and headdim offsets (BP,), the tokens' int64
     positions, which of them exist, and the (Q, BP) mask of a head tile."""
@@ -886,8 +878,8 @@ def _chunk_bwd_group_kernel(
     for n0 in range(0, dstate, BN):
         offs_n = n0 + tl.arange(0, BN)
         mask_qn = valid[:, None] & (offs_n[None, :] < dstate)
-        Cm = _group_tile(C_ptr, b64, t64, g, offs_n, mask_qn, stride_C)
-        Bm = _group_tile(B_ptr, b64, t64, g, offs_n, mask_qn, stride_B)
+        Cm = _load_tile(C_ptr, stride_C, b64, t64, g, offs_n, mask_qn)
+        Bm = _load_tile(B_ptr, stride_B, b64, t64, g, offs_n, mask_qn)
         CB += tl.dot(Cm, tl.trans(Bm), input_precision=DOT_PRECISION)
     tl.store(CB_ptr + _pair_tile(chunk_row, g, ngroups, Q), CB)
 
@@ -899,8 +891,8 @@ def _chunk_bwd_group_kernel(
             dt_ptr, dt_bias_ptr, A_ptr, seq_ptr, b, h, start, seqlen, stride_dt, stride_seq,
             Q, HAS_DT_BIAS, DT_SOFTPLUS, HAS_SEQ, dt_min, dt_max)
         L = _document_pair_decay(hi, lo, seq, Q, HAS_SEQ)
-        x = _head_tile(x_ptr, b64, t64, h, offs_p, mask_qp, stride_x)              # (Q, BP)
-        dy = _head_tile(dout_ptr, b64, t64, h, offs_p, mask_qp, stride_do).to(x.dtype)
+        x = _load_tile(x_ptr, stride_x, b64, t64, h, offs_p, mask_qp)              # (Q, BP)
+        dy = _load_tile(dout_ptr, stride_do, b64, t64, h, offs_p, mask_qp).to(x.dtype)
         dxyL = tl.dot(dy, tl.trans(x), input_precision=DOT_PRECISION) * L          # (Q, Q) (dy_i . x_j) L_ij
         dCB += dxyL * dt[None, :]                                                  # this head's pull on C.B
         dxyM = dxyL * CB
@@ -951,8 +943,8 @@ def _chunk_bwd_BC_kernel(
     nheads = heads_per_group * ngroups
     chunk_row, seg_row = _chunk_rows(b, c, seqlen, chunks_per_seg, Q)
 
-    Bm = _group_tile(B_ptr, b64, t64, g, offs_n, mask_qn, stride_B)                # (Q, BN)
-    Cm = _group_tile(C_ptr, b64, t64, g, offs_n, mask_qn, stride_C)                # (Q, BN)
+    Bm = _load_tile(B_ptr, stride_B, b64, t64, g, offs_n, mask_qn)                # (Q, BN)
+    Cm = _load_tile(C_ptr, stride_C, b64, t64, g, offs_n, mask_qn)                # (Q, BN)
     dCB = tl.load(dCB_ptr + _pair_tile(chunk_row, g, ngroups, Q)).to(Cm.dtype)     # (Q, Q)
     dC = tl.dot(dCB, Bm, input_precision=DOT_PRECISION)                            # (Q, BN)
     dB = tl.dot(tl.trans(dCB), Cm, input_precision=DOT_PRECISION)
@@ -961,8 +953,8 @@ def _chunk_bwd_BC_kernel(
         dt, slope, e, w_dec, decay, hi, lo, seq = _chunk_vector_decays(
             dt_ptr, dt_bias_ptr, A_ptr, seq_ptr, b, h, start, seqlen, stride_dt, stride_seq,
             Q, HAS_DT_BIAS, DT_SOFTPLUS, HAS_SEQ, dt_min, dt_max)
-        x = _head_tile(x_ptr, b64, t64, h, offs_p, mask_qp, stride_x)              # (Q, BP)
-        dy = _head_tile(dout_ptr, b64, t64, h, offs_p, mask_qp, stride_do)
+        x = _load_tile(x_ptr, stride_x, b64, t64, h, offs_p, mask_qp)              # (Q, BP)
+        dy = _load_tile(dout_ptr, stride_do, b64, t64, h, offs_p, mask_qp)
         # the states in the products' operand dtype, as the forward's products take them
         S_in = _true_chunk_edge(entries, chunk_row, seg_row, h, offs_p, offs_n, mask_pn, nheads, headdim, dstate,
                                 HAS_ENTRY).to(x.dtype)                             # (BP, BN)
@@ -1008,7 +1000,7 @@ def _chunk_bwd_x_kernel(
         Q, HAS_DT_BIAS, DT_SOFTPLUS, HAS_SEQ, dt_min, dt_max)
     L = _document_pair_decay(hi, lo, seq, Q, HAS_SEQ)
     CB = tl.load(CB_ptr + _pair_tile(chunk_row, g, nheads // heads_per_group, Q))
-    dy = _head_tile(dout_ptr, b64, t64, h, offs_p, mask_qp, stride_do)              # (Q, BP)
+    dy = _load_tile(dout_ptr, stride_do, b64, t64, h, offs_p, mask_qp)              # (Q, BP)
     Mdt = (CB * L * dt[None, :]).to(dy.dtype)                                      # (Q, Q)
     dx = tl.dot(tl.trans(Mdt), dy, input_precision=DOT_PRECISION)                  # (Q, BP)
     if HAS_D:
@@ -1021,7 +1013,7 @@ def _chunk_bwd_x_kernel(
         mask_qn = valid[:, None] & (offs_n[None, :] < dstate)
         mask_pn = (offs_p[:, None] < headdim) & (offs_n[None, :] < dstate)
         # w folded into B before the product, rounded to the operand dtype as the state pass folds its own
-        Bw = (_group_tile(B_ptr, b64, t64, g, offs_n, mask_qn, stride_B).to(tl.float32) * w[:, None]).to(dy.dtype)
+        Bw = (_load_tile(B_ptr, stride_B, b64, t64, g, offs_n, mask_qn).to(tl.float32) * w[:, None]).to(dy.dtype)
         dS_out = _true_chunk_edge(exits, chunk_row, seg_row, h, offs_p, offs_n, mask_pn, nheads, headdim, dstate,
                                   HAS_EXIT).to(dy.dtype)                           # (BP, BN)
         dx = tl.dot(Bw, tl.trans(dS_out), acc=dx, input_precision=DOT_PRECISION)   # (Q, BP)
@@ -1341,6 +1333,7 @@ class _AllGatherExchange:
     _PrefixScanExchange has the same three methods) to EXCHANGES."""
 
     neighbours = staticmethod(_neighbours_by_all_gather)
+    overlaps = True             # meanwhile runs while the gather is in flight
 
     @staticmethod
     def entry_states(S_ext, a, seq_idx, initial_states, cfg, meanwhile):
@@ -1649,7 +1642,7 @@ def _conv1d_bwd(dout, xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=
     shift = d - 1 if halo is not None else 0    # tiles start at the halo: its rows feed dweight
     t = tuning()
     BT, BC = _conv_blocks(shift + l, dim, t.conv_bwd_blocks)
-    HB = max(2, _next_pow2(d - 1))  # rows of g past a tile that the tile needs
+    HB = max(2, _next_pow2(d - 1))  # rows of g the ring keeps from the tile before (at least d - 1)
     n_tb, n_cb = _cdiv(shift + l, BT), _cdiv(dim, BC)
     n_inner = min(n_tb, max(1, _cdiv(n_tb * n_cb * b, t.conv_bwd_programs)))   # token blocks per program
     n_groups = _cdiv(n_tb, n_inner)
@@ -1702,6 +1695,12 @@ def _split_xBC(u, cfg):
     return x, B, C
 
 
+def _state_shape(xBC, dt, headdim, ngroups):
+    """(h, p, n) of the state, from xBC (rows, s, h*p + 2*g*n) and dt (rows, s, h)."""
+    h = dt.shape[2]
+    return h, headdim, (xBC.shape[2] - h * headdim) // (2 * ngroups)
+
+
 class _CPConfig:
     """What the CP function derives once per call from its arguments and the group."""
 
@@ -1716,8 +1715,8 @@ class _CPConfig:
         self.d_conv = conv_weight.shape[1]
         self.chunk = chunk_size
         self.nheads, self.headdim, self.ngroups = dt.shape[2], headdim, ngroups
-        self.dstate = (xBC.shape[2] - self.nheads * headdim) // (2 * ngroups)
-        self.state_shape = (self.nheads, headdim, self.dstate)
+        self.state_shape = _state_shape(xBC, dt, headdim, ngroups)
+        self.dstate = self.state_shape[2]
         self.dt_limit = tuple(dt_limit)
 
 
@@ -1754,7 +1753,7 @@ def _conv1d_ssd_cp_forward(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initi
     # which spares every conv tile the halo's masked loads
     halo, halo_seq = _exchange_halo(xBC, seq_idx, cfg) if cfg.segs.count > 1 else (None, None)
     x_ch, B_ch = cfg.nheads * cfg.headdim, cfg.ngroups * cfg.dstate
-    overlap = cfg.world > 1
+    overlap = cfg.world > 1 and cfg.exchange.overlaps
     if overlap:   # the summaries need x and B only: C's conv runs while they travel
         uxB = _conv_channels(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, slice(0, x_ch + B_ch), silu)
         x = uxB[..., :x_ch].unflatten(-1, (cfg.nheads, cfg.headdim))
@@ -1819,6 +1818,22 @@ def _conv1d_ssd_cp_backward(dy, dfinal, xBC, dt, conv_weight, conv_bias, dt_bias
             None if D is None else dD.to(D.dtype), None if initial_states is None else dinit.to(initial_states.dtype)]
 
 
+class _CoreOptions(NamedTuple):
+    """The fused core's scalar options; core_args puts them, with the group and the exchange, in
+    the order that ends the argument lists of _conv1d_ssd_cp_forward and its backward."""
+    batch: int
+    chunk: int
+    headdim: int
+    ngroups: int
+    dt_min: float
+    dt_max: float
+    silu: bool
+
+    def core_args(self, group_name, load_balancing, exchange, state_dtype):
+        return (group_name, load_balancing, exchange, self.batch, self.chunk, self.headdim, self.ngroups, self.dt_min,
+                self.dt_max, self.silu, state_dtype)
+
+
 class _CoreImpl(NamedTuple):
     """What runs the forward and the backward: the plain functions above (_PLAIN), or Part II's
     custom ops around the same functions (for torch.compile)."""
@@ -1833,10 +1848,8 @@ class _Conv1dSSDCPFn(torch.autograd.Function):
     """The fused conv1d + SSD with state-passing CP, one causal segment per row."""
 
     @staticmethod
-    def forward(ctx, xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, group_name,
-                load_balancing, exchange, batch, chunk_size, headdim, ngroups, dt_limit, silu, state_dtype, impl):
-        opts = (group_name, load_balancing, exchange, batch, chunk_size, headdim, ngroups, dt_limit[0], dt_limit[1],
-                silu, state_dtype)
+    def forward(ctx, xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, opts, impl):
+        """opts: _CoreOptions.core_args."""
         y, final, *kept = impl.forward(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, *opts)
         ctx.save_for_backward(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, *kept)
         ctx.opts, ctx.impl = opts, impl
@@ -1845,7 +1858,7 @@ class _Conv1dSSDCPFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, dfinal):
         grads = ctx.impl.backward(dy, dfinal, *ctx.saved_tensors, *ctx.opts)
-        return (*(_none_if_empty(g) for g in grads), *([None] * 12))
+        return (*(_none_if_empty(g) for g in grads), None, None, None)
 
 
 def _conv1d_ssd_cp(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size, headdim, ngroups, cp_group,
@@ -1860,10 +1873,11 @@ def _conv1d_ssd_cp(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size, h
     cfg = _CPConfig(xBC, dt, conv_weight, chunk_size, headdim, ngroups, cp_group, rank, world, load_balancing,
                     dt_limit)
     rows = cfg.segs.to_rows
+    core = _CoreOptions(cfg.batch, chunk_size, headdim, ngroups, dt_limit[0], dt_limit[1], silu)
     y, final = _Conv1dSSDCPFn.apply(
         rows(xBC), rows(dt), conv_weight, conv_bias, dt_bias, A, D, initial_states,
-        None if seq_idx is None else rows(seq_idx.to(torch.int32)).contiguous(), _group_name(cp_group),
-        load_balancing, exchange, cfg.batch, chunk_size, headdim, ngroups, tuple(dt_limit), silu, state_dtype, impl)
+        None if seq_idx is None else rows(seq_idx.to(torch.int32)).contiguous(),
+        core.core_args(_group_name(cp_group), load_balancing, exchange, state_dtype), impl)
     return cfg.segs.from_rows(y, cfg.batch), final
 
 
@@ -2145,6 +2159,7 @@ class _PrefixScanExchange:
     `meanwhile` there runs here after the (blocking) rounds."""
 
     neighbours = staticmethod(_from_neighbours)
+    overlaps = False            # the rounds block: nothing to overlap, the conv runs whole
 
     @staticmethod
     def entry_states(S_ext, a, seq_idx, initial_states, cfg, meanwhile):
@@ -2731,30 +2746,15 @@ def _conv1d_ssd_cp_fwd_agreeing(*args):
 _COMPILABLE = _CoreImpl(_conv1d_ssd_cp_fwd_agreeing, _conv1d_ssd_cp_bwd_op)
 
 
-class _CoreOptions(NamedTuple):
-    """The fused core's scalar options. They end the core ops' argument lists (`core_args`), and
-    travel through the split entry's ops as one list of numbers (an op schema takes no mixed
-    lists): packed by `numbers`, read back by `of`."""
-    batch: int
-    chunk: int
-    headdim: int
-    ngroups: int
-    dt_min: float
-    dt_max: float
-    silu: bool
+def _core_numbers(core):
+    """A _CoreOptions as one list of numbers, as the split entry's ops take it (an op schema takes
+    no mixed lists); _core_of reads it back."""
+    return [float(v) for v in core]
 
-    def numbers(self):
-        return [float(v) for v in self]
 
-    @classmethod
-    def of(cls, numbers):
-        b, chunk, p, g, dt_min, dt_max, silu = numbers
-        return cls(int(b), int(chunk), int(p), int(g), dt_min, dt_max, bool(silu))
-
-    def core_args(self, group_name, load_balancing, exchange, state_dtype):
-        """The trailing arguments of the fused core's functions (_conv1d_ssd_cp_forward, its backward, their ops)."""
-        return (group_name, load_balancing, exchange, self.batch, self.chunk, self.headdim, self.ngroups, self.dt_min,
-                self.dt_max, self.silu, state_dtype)
+def _core_of(numbers):
+    b, chunk, p, g, dt_min, dt_max, silu = numbers
+    return _CoreOptions(int(b), int(chunk), int(p), int(g), dt_min, dt_max, bool(silu))
 
 
 def mamba_conv1d_ssd_cp(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size, *, headdim, ngroups,
@@ -2786,9 +2786,8 @@ def mamba_conv1d_ssd_cp(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_si
         cp_group, world, ref, **_call_signature(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size, headdim,
                                                 ngroups, seq_idx, initial_states, load_balancing, return_final_states,
                                                 summary_exchange))
-    h = dt.shape[2]
-    exchange = _chosen_exchange(summary_exchange, world, load_balancing, xBC.shape[0], (h, headdim, (
-        xBC.shape[2] - h * headdim) // (2 * ngroups)), xBC.shape[2], conv_weight.shape[1])
+    exchange = _chosen_exchange(summary_exchange, world, load_balancing, xBC.shape[0],
+                                _state_shape(xBC, dt, headdim, ngroups), xBC.shape[2], conv_weight.shape[1])
     permuted = load_balancing.startswith("permute") and world > 1
     if permuted:
         xBC, dt = (_PermuteFn.apply(t, cp_group, load_balancing, True) for t in (xBC, dt))
@@ -3210,8 +3209,8 @@ def _split_conv1d_scan_fwd(zxbcdt: Tensor, conv_weight: Tensor, conv_bias: Optio
                            state_dtype: Optional[torch.dtype], agree: bool, eps: float, group_size: int, norm_before_gate: bool,
                            permute: bool) -> list[Tensor]:
     """[out, final state, y (b, l, dim) before the gate, the permuted xBC and dt rows (empty
-    unless permute), and the core's saved tensors]. core_opts: _CoreOptions.numbers()."""
-    core = _CoreOptions.of(core_opts)
+    unless permute), and the core's saved tensors]. core_opts: _core_numbers."""
+    core = _core_of(core_opts)
     z0, x0, z, xBC, dt = zxbcdt.split(widths, dim=-1)
     rows = _Segments(*_rank_and_world(_resolve_group(group_name)), load_balancing).to_rows
     if permute:
@@ -3232,7 +3231,7 @@ def _split_conv1d_scan_fwd(zxbcdt: Tensor, conv_weight: Tensor, conv_bias: Optio
 def _(zxbcdt, conv_weight, conv_bias, dt_bias, A, D, initial_states, rmsnorm_weight, outproj_weight, outproj_bias,
       seq_idx, widths, core_opts, group_name, load_balancing, exchange, state_dtype, agree, eps, group_size, norm_before_gate,
       permute):
-    core = _CoreOptions.of(core_opts)
+    core = _core_of(core_opts)
     segs = _Segments(*_rank_and_world(_resolve_group(group_name)), load_balancing)
     b, l, _ = zxbcdt.shape
     xBC, dt = (segs.to_rows(torch.empty((b, l, w), device=zxbcdt.device, dtype=zxbcdt.dtype)) for w in widths[3:])
@@ -3257,7 +3256,7 @@ def _split_conv1d_scan_bwd(dout: Tensor, dfinal: Optional[Tensor], zxbcdt: Tenso
     """[dzxbcdt, dconv_weight, dconv_bias, ddt_bias, dA, dD, dinitial_states, drmsnorm_weight,
     doutproj_weight, doutproj_bias] (absent ones empty); dzxbcdt is one buffer, its channel
     slices written in place (the gate's kernel writes dz there directly)."""
-    core = _CoreOptions.of(core_opts)
+    core = _core_of(core_opts)
     segs = _Segments(*_rank_and_world(_resolve_group(group_name)), load_balancing)
     dout = dout.contiguous()                       # the gate's kernels take unit channel strides
     z0, x0, z, xBC, dt = zxbcdt.split(widths, dim=-1)
@@ -3410,8 +3409,8 @@ def mamba_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias
     segs = _Segments(rank, world, load_balancing)
     if permute:
         seq_idx = None if seq_idx is None else _permute_op(seq_idx, _group_name(cp_group), load_balancing, True)
-    core_opts = _CoreOptions(zxbcdt.shape[0], chunk_size, p, ngroups, dt_limit[0], dt_limit[1],
-                             activation is not None).numbers()
+    core_opts = _core_numbers(_CoreOptions(zxbcdt.shape[0], chunk_size, p, ngroups, dt_limit[0], dt_limit[1],
+                                           activation is not None))
     out, final = _SplitConv1dScanFn.apply(
         zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, initial_states, rmsnorm_weight, outproj_weight,
         outproj_bias, None if seq_idx is None else segs.to_rows(seq_idx).contiguous(), list(widths), core_opts,

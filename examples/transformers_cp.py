@@ -147,17 +147,12 @@ def _cp_forward(mixer, cp_group, load_balancing):
     return forward
 
 
-def _checked_layout(load_balancing, who):
-    if load_balancing not in mamba_cp.LAYOUTS:
-        raise ValueError(f"{who}: load_balancing={load_balancing!r}, expected one of {mamba_cp.LAYOUTS}")
-
-
 def enable_mamba_cp(model, cp_group, load_balancing="virtual"):
     """Patch, in place, every Mamba2 mixer of `model` so that (without a cache) it takes this
     rank's shard of the hidden states, in the layout `load_balancing`, and returns this rank's
     shard of its output. cp_group None, or a group of one, leaves the model as it was. Returns
     the model."""
-    _checked_layout(load_balancing, "enable_mamba_cp")
+    mamba_cp._check_layout(load_balancing)
     if cp_group is None or dist.get_world_size(cp_group) == 1:
         return model
     mixers = _mamba2_mixers(model)
@@ -270,7 +265,7 @@ def enable_cp(model, cp_group, load_balancing="virtual"):
     rank's shard of the sequence, in the layout `load_balancing`: the Mamba2 mixers as
     enable_mamba_cp does, the attention layers through this file's attention function. cp_group
     None, or a group of one, leaves the model as it was. Returns the model."""
-    _checked_layout(load_balancing, "enable_cp")
+    mamba_cp._check_layout(load_balancing)
     if cp_group is None or dist.get_world_size(cp_group) == 1:
         return model
     mixers, attentions = _layers_to_patch(model)

@@ -293,6 +293,18 @@ def _expect(cond, name, seen, expected):
         raise ValueError(f"{name}: got {seen}, expected {expected}")
 
 
+class ConvLaunch(NamedTuple):
+    """A conv program walks `runs` runs of `rows` consecutive tokens side by side (one tile) over
+    `channels` channels with `warps` warps, loading `unroll` rows of each run per step so that
+    their loads are in flight together. On a GPU one run a program: registers bound the loads in
+    flight. In the interpreter, which pays per step, many."""
+    runs: int
+    channels: int
+    rows: int
+    unroll: int
+    warps: int
+
+
 @dataclasses.dataclass(frozen=True)
 class Tuning:
     """Every choice that differs between a GPU and the Triton interpreter, in one place. The
@@ -325,15 +337,9 @@ class Tuning:
     launch: dict
     # The segment scan's slice of the p*n state per program (None: the whole state).
     scan_block: Optional[int]
-    # The conv: (tokens, channels) and warps per program. The backward runs one warp, so that its
-    # per-tile dweight sums stay inside a warp, and about as many programs as a GPU keeps
-    # resident: longer sequences fold several token blocks into one program, which bounds the
-    # dweight/dbias partials and keeps the scratch slots in L2.
-    conv_fwd_blocks: tuple
-    conv_fwd_warps: int
-    conv_bwd_blocks: tuple
-    conv_bwd_warps: int
-    conv_bwd_programs: int
+    # The conv's launches (ConvLaunch): forward and backward.
+    conv_fwd: "ConvLaunch"
+    conv_bwd: "ConvLaunch"
     # The gate and gated RMSNorm (Part II): elements per tile, and programs of the backward.
     gate_tile: int
     gate_programs: int
@@ -347,12 +353,12 @@ TUNINGS = {
                               output=dict(num_warps=4, num_stages=1, maxnreg=168),
                               bwd_group=dict(num_warps=4, num_stages=2), bwd_bc=dict(num_warps=4, num_stages=2),
                               bwd_x=dict(num_warps=4, num_stages=1, maxnreg=128)),
-                  scan_block=1024, conv_fwd_blocks=(32, 128), conv_fwd_warps=4, conv_bwd_blocks=(16, 64),
-                  conv_bwd_warps=1, conv_bwd_programs=4096, gate_tile=4096, gate_programs=4096),
+                  scan_block=1024, conv_fwd=ConvLaunch(1, 256, 128, 8, 2), conv_bwd=ConvLaunch(1, 128, 256, 8, 1),
+                  gate_tile=4096, gate_programs=4096),
     "interpreter": Tuning("interpreter", chunk_fwd=64, chunk_bwd=64, chunks_per_segment=2, state_tile=None,
                           bwd_state_tiles=(16, 16, 16), heads_per_output=None, launch={}, scan_block=None,
-                          conv_fwd_blocks=(128, 64), conv_fwd_warps=4, conv_bwd_blocks=(128, 64), conv_bwd_warps=1,
-                          conv_bwd_programs=4096, gate_tile=64, gate_programs=4096),
+                          conv_fwd=ConvLaunch(32, 64, 64, 1, 4), conv_bwd=ConvLaunch(32, 64, 64, 1, 1),
+                          gate_tile=64, gate_programs=4096),
 }
 _TUNING = [TUNINGS["interpreter" if INTERPRET else "gpu"]]
 
@@ -1376,104 +1382,88 @@ EXCHANGES = {"all_gather": _AllGatherExchange}     # by summary_exchange name
 #     du[s, c]        = sum_j weight[c, d-1-j] * m_j(s) g[s+j, c]
 #     dweight[c, d-1-j] = sum_s u[s, c] * m_j(s) g[s+j, c]          dbias[c] = sum_t g[t, c]
 # so one pass over rows s of [halo, xBC] gives all three; du at s < 0 is the halo's gradient,
-# which the caller sends back to the halo's owner. A tile needs g at d-1 rows past its end, and a
-# register tile cannot be shifted by rows: each tile computes g d-1 rows ahead of its du rows and
-# parks it in its program's scratch slot (fp32, reused tile after tile, so it stays in L2), where
-# the rows before it remain from the tile before; it reads them back shifted. No atomics:
-# dweight and dbias are per-(batch, token-group) partial sums, summed by torch in a fixed order.
+# which the caller sends back to the halo's owner.
+#
+# Both kernels walk the rows in order, one row per step. A register tile cannot be shifted by
+# rows, so what a row needs from its neighbours is carried from step to step instead: the u of
+# the d-1 rows before it (the window) and, backward, the partial du of those rows, each of which
+# row t's g adds its share to; the oldest is then complete and stored. So u and dout are loaded
+# once and g computed once per row, except d-1 rows at each end of a run of rows: the window's
+# fill before it, and the g past its end that complete its last du. A program walks one run of
+# rows on a GPU (as many as registers allow in flight: a step loads several rows first), or many
+# side by side as one tile in the interpreter, which pays per step. No atomics: dweight and dbias
+# are per-(batch, program) partial sums, summed by torch in a fixed order.
 #
 # Offsets that multiply a batch, token or channel index by a stride are int64: sequences reach
 # 2^20 tokens x 8k channels, and xBC may come in any layout.
 # ---------------------------------------------------------------------------------------------
 
 
-# Conv pieces: a batch row's operands, document ids, one tap tile, the pre-activation and its
-# gradient. A kernel gathers its operands once into tuples: xs, u's rows (the shard, then the
-# halo before it: row pointer, channel offsets, row stride of each); ws, the weights and bias of
-# its channels; seqs, the document ids of both.
+# Conv pieces: a batch row's operands, document ids and u of a step's rows, the weights, the
+# pre-activation. A kernel gathers its operands once into tuples: xs, u's rows (the shard, then
+# the halo before it: row pointer, channel offsets, row stride of each); ws, the weights' row
+# pointer and tap stride; seqs, the document ids of both.
 
 
 @triton.jit
-def _conv_operands(x_ptr, stride_x, halo_ptr, stride_h, w_ptr, stride_w, bias, seq_ptr, stride_s, hseq_ptr,
-                   stride_hs, bb, offs_c):
+def _conv_operands(x_ptr, stride_x, halo_ptr, stride_h, w_ptr, stride_w, seq_ptr, stride_s, hseq_ptr, stride_hs,
+                   bb, offs_c):
     """(xs, ws, seqs) of batch row bb and channels offs_c (int64)."""
     xs = (x_ptr + bb * stride_x.b, offs_c * stride_x.c, stride_x.l, halo_ptr + bb * stride_h.b,
           offs_c * stride_h.c, stride_h.l)
-    ws = (w_ptr + offs_c * stride_w.c, stride_w.k, bias)
+    ws = (w_ptr + offs_c * stride_w.c, stride_w.k)
     seqs = (seq_ptr + bb * stride_s.b, stride_s.l, hseq_ptr + bb * stride_hs.b, stride_hs.l)
     return xs, ws, seqs
 
 
 @triton.jit
-def _doc(seqs, r0, seqlen, R: tl.constexpr, HALO: tl.constexpr, HAS_HALO_SEQ: tl.constexpr):
-    """Document id (R,) of token rows r0 + [0, R); -1 where there is none (those rows hold zeros)."""
+def _doc(seqs, t, seqlen, HALO: tl.constexpr, HAS_HALO_SEQ: tl.constexpr):
+    """Document id (M,) int64 of token rows t (M,); -1 where there is none (those rows hold zeros)."""
     s_row0, stride_s_l, hs_row0, stride_hs_l = seqs
-    rows = r0 + tl.arange(0, R)
-    r = rows.to(tl.int64)
-    doc = tl.load(s_row0 + r * stride_s_l, mask=(rows >= 0) & (rows < seqlen), other=-1)
+    r = t.to(tl.int64)
+    doc = tl.load(s_row0 + r * stride_s_l, mask=(t >= 0) & (t < seqlen), other=-1)
     if HAS_HALO_SEQ:
-        in_h = (rows < 0) & (rows >= -HALO)
+        in_h = (t < 0) & (t >= -HALO)
         doc = tl.where(in_h, tl.load(hs_row0 + (r + HALO) * stride_hs_l, mask=in_h, other=-1), doc)
-    return doc
+    return doc.to(tl.int64)
 
 
 @triton.jit
-def _tap(xs, r0, mask_c, seqlen, R: tl.constexpr, HALO: tl.constexpr, HAS_HALO: tl.constexpr):
-    """u at token rows r0 + [0, R) as an (R, BC) fp32 tile, zero outside [-HALO, seqlen).
-    Rows < 0 come from the halo."""
+def _u_rows(xs, t, mask_c, seqlen, HALO: tl.constexpr, HAS_HALO: tl.constexpr):
+    """u at token rows t (M,) as an (M, BC) fp32 tile, zero outside [-HALO, seqlen). Rows < 0
+    come from the halo."""
     x_row0, x_col, stride_x_l, h_row0, h_col, stride_h_l = xs
-    rows = r0 + tl.arange(0, R)
-    r = rows.to(tl.int64)
-    in_x = (rows >= 0) & (rows < seqlen)
+    r = t.to(tl.int64)
+    in_x = (t >= 0) & (t < seqlen)
     u = tl.load(x_row0 + r[:, None] * stride_x_l + x_col[None, :],
                 mask=in_x[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
-    if HAS_HALO:   # a second masked load, not a branch: a branch would split the taps' loads apart
-        in_h = (rows < 0) & (rows >= -HALO)
+    if HAS_HALO:   # a second masked load, not a branch: a branch would keep the loads apart
+        in_h = (t < 0) & (t >= -HALO)
         u += tl.load(h_row0 + (r + HALO)[:, None] * stride_h_l + h_col[None, :],
                      mask=in_h[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
     return u
 
 
 @triton.jit
-def _weight(ws, k, mask_c):
-    """Tap k's weight of the tile's channels, (BC,) fp32."""
-    return tl.load(ws[0] + k * ws[1], mask=mask_c, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _preact(src, r0, mask_c, seqlen, R: tl.constexpr, BC: tl.constexpr, TAPS: tl.constexpr,
-            HAS_HALO: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_HALO_SEQ: tl.constexpr):
-    """Pre-activation (R, BC) fp32 of output rows r0 + [0, R): bias + sum_k w_k u[row-(TAPS-1)+k],
-    a tap from another document dropped. (The document test is applied after the load, not in
-    its mask: the tap loads then need not wait for the ids.) src: _conv_operands."""
-    xs, ws, seqs = src
-    acc = tl.zeros((R, BC), dtype=tl.float32) + ws[2][None, :]
-    if HAS_SEQ:
-        doc_t = _doc(seqs, r0, seqlen, R, TAPS - 1, HAS_HALO_SEQ)
+def _tap_weights(ws, mask_c, TAPS: tl.constexpr):
+    """The channels' weights, a tuple of TAPS (1, BC) fp32 rows, tap 0 (the oldest token) first."""
+    w = ()
     for k in tl.static_range(TAPS):
-        src0 = r0 - (TAPS - 1) + k
-        u = _tap(xs, src0, mask_c, seqlen, R, TAPS - 1, HAS_HALO)
-        if HAS_SEQ:
-            u = tl.where((_doc(seqs, src0, seqlen, R, TAPS - 1, HAS_HALO_SEQ) == doc_t)[:, None], u, 0.0)
-        acc += _weight(ws, k, mask_c)[None, :] * u
-    return acc
+        w = w + (tl.load(ws[0] + k * ws[1], mask=mask_c, other=0.0).to(tl.float32)[None, :],)
+    return w
 
 
 @triton.jit
-def _dpre(dos, src, r0, mask_c, seqlen, R: tl.constexpr, BC: tl.constexpr, TAPS: tl.constexpr,
-          HAS_HALO: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_HALO_SEQ: tl.constexpr, SILU: tl.constexpr):
-    """g = dL/dpre (R, BC) fp32 at output rows r0 + [0, R): dout * silu'(pre) (dout without SiLU);
-    0 off [0, seqlen). dos: dout's (row pointer, channel offsets, row stride)."""
-    p = _preact(src, r0, mask_c, seqlen, R, BC, TAPS, HAS_HALO, HAS_SEQ, HAS_HALO_SEQ)
-    do_row0, do_col, stride_do_l = dos
-    rows = r0 + tl.arange(0, R)
-    valid = (rows >= 0) & (rows < seqlen)
-    do = tl.load(do_row0 + rows.to(tl.int64)[:, None] * stride_do_l + do_col[None, :],
-                 mask=valid[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
-    if not SILU:
-        return do
-    sig = tl.sigmoid(p)
-    return do * sig * (1.0 + p * (1.0 - sig))      # silu'(p) = sig(p) (1 + p (1 - sig(p)))
+def _preact(w, bias, win, docs, u, doc, TAPS: tl.constexpr, HAS_SEQ: tl.constexpr):
+    """Pre-activation (M, BC) of rows t: bias + sum_k w_k u[t-(TAPS-1)+k], from the window
+    (u and ids of rows t-TAPS+1 .. t-1) and row t itself; a tap from another document dropped."""
+    acc = bias[None, :] + w[TAPS - 1] * u
+    for k in tl.static_range(TAPS - 1):
+        uk = win[k]
+        if HAS_SEQ:
+            uk = tl.where((docs[k] == doc)[:, None], uk, 0.0)
+        acc += w[k] * uk
+    return acc
 
 
 @triton.jit
@@ -1487,40 +1477,56 @@ def _conv_bias(bias_ptr, offs_c, mask_c, stride_bias, BC: tl.constexpr, HAS_BIAS
 @triton.jit
 def _conv_fwd_kernel(
     x_ptr, w_ptr, bias_ptr, halo_ptr, seq_ptr, hseq_ptr, out_ptr,
-    seqlen, dim, stride_x, stride_w, stride_bias, stride_h, stride_s, stride_hs, stride_o,
-    TAPS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    seqlen, dim, S, stride_x, stride_w, stride_bias, stride_h, stride_s, stride_hs, stride_o,
+    TAPS: tl.constexpr, M: tl.constexpr, BC: tl.constexpr, U: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_HALO_SEQ: tl.constexpr,
     SILU: tl.constexpr,
 ):
-    """One (BT tokens, BC channels) tile of one batch row: out = silu(pre-activation), or the
-    pre-activation itself without SILU."""
+    """M runs of S output rows each (program pid_t's), BC channels, one batch row: out =
+    silu(pre-activation), or the pre-activation itself without SILU. A step loads U rows of
+    every run, then convolves them one by one with the window of the d-1 rows before."""
     pid_t = tl.program_id(0)
     pid_c = tl.program_id(1)
     bb = tl.program_id(2).to(tl.int64)
-    t0 = pid_t * BT
-    rows = t0 + tl.arange(0, BT)                                                # (BT,)
     offs_c = (pid_c * BC + tl.arange(0, BC)).to(tl.int64)                       # (BC,)
     mask_c = offs_c < dim
     bias = _conv_bias(bias_ptr, offs_c, mask_c, stride_bias, BC, HAS_BIAS)      # (BC,) fp32
-
-    src = _conv_operands(x_ptr, stride_x, halo_ptr, stride_h, w_ptr, stride_w, bias, seq_ptr, stride_s, hseq_ptr,
-                         stride_hs, bb, offs_c)
-    p = _preact(src, t0, mask_c, seqlen, BT, BC, TAPS, HAS_HALO, HAS_SEQ, HAS_HALO_SEQ)  # (BT, BC)
-    out = p * tl.sigmoid(p) if SILU else p
-    tl.store(out_ptr + bb * stride_o.b + rows.to(tl.int64)[:, None] * stride_o.l + offs_c[None, :] * stride_o.c,
-             out.to(out_ptr.dtype.element_ty), mask=(rows < seqlen)[:, None] & mask_c[None, :])
-
-
-def _conv_blocks(l, dim, blocks):
-    """(tokens, channels) of a conv program: the tuning's, no larger than the tensor needs."""
-    BT, BC = blocks
-    return min(BT, max(16, _next_pow2(l))), min(BC, max(16, _next_pow2(dim)))
+    xs, ws, seqs = _conv_operands(x_ptr, stride_x, halo_ptr, stride_h, w_ptr, stride_w, seq_ptr, stride_s,
+                                  hseq_ptr, stride_hs, bb, offs_c)
+    w = _tap_weights(ws, mask_c, TAPS)
+    o_row0, o_col = out_ptr + bb * stride_o.b, offs_c * stride_o.c
+    first = (pid_t * M + tl.arange(0, M)) * S                                   # (M,) each run's first row
+    win = (tl.zeros((M, BC), dtype=tl.float32),) * (TAPS - 1)                 # u of the TAPS-1 rows before
+    docs = (tl.full((M,), -1, tl.int64),) * (TAPS - 1)                          # and their documents
+    for i0 in range(-(TAPS - 1), S, U):     # the first TAPS-1 steps only fill the window
+        ahead = ()
+        for k in tl.static_range(U):
+            t = first + (i0 + k)
+            doc = _doc(seqs, t, seqlen, TAPS - 1, HAS_HALO_SEQ) if HAS_SEQ else t.to(tl.int64)
+            ahead = ahead + ((_u_rows(xs, t, mask_c, seqlen, TAPS - 1, HAS_HALO), doc),)
+        for k in tl.static_range(U):
+            t = first + (i0 + k)
+            u, doc = ahead[k]
+            p = _preact(w, bias, win, docs, u, doc, TAPS, HAS_SEQ)              # (M, BC)
+            out = p * tl.sigmoid(p) if SILU else p
+            tl.store(o_row0 + t.to(tl.int64)[:, None] * stride_o.l + o_col[None, :], out.to(out_ptr.dtype.element_ty),
+                     mask=((t >= first) & (t < first + S) & (t < seqlen))[:, None] & mask_c[None, :])
+            win = win[1:] + (u,)
+            docs = docs[1:] + (doc,)
 
 
 def _conv_flags(bias, halo, seq_idx, silu):
     has_seq = seq_idx is not None
     return dict(HAS_BIAS=bias is not None, HAS_HALO=halo is not None, HAS_SEQ=has_seq,
                 HAS_HALO_SEQ=has_seq and halo is not None, SILU=bool(silu))  # without a halo its ids don't matter
+
+
+def _conv_runs(rows, dim, launch):
+    """(runs M, rows per run S, channels BC, programs per batch row) of a conv launch over `rows`
+    token rows: the tuning's, no larger than the tensor needs."""
+    M, BC = launch.runs, min(launch.channels, max(16, _next_pow2(dim)))
+    S = max(1, min(launch.rows, _cdiv(rows, M)))
+    return M, S, BC, _cdiv(rows, M * S)
 
 
 def _conv1d_fwd(xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=None, out=None, silu=True):
@@ -1531,105 +1537,103 @@ def _conv1d_fwd(xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=None, 
     halo_seq = halo_seq.to(seq_idx.dtype) if flags["HAS_HALO_SEQ"] else None   # one id type in the kernel
     if out is None:
         out = torch.empty((b, l, dim), device=xBC.device, dtype=xBC.dtype)
-    t = tuning()
-    BT, BC = _conv_blocks(l, dim, t.conv_fwd_blocks)
-    grid = (_cdiv(l, BT), _cdiv(dim, BC), b)
-    _conv_fwd_kernel[grid](
+    launch = tuning().conv_fwd
+    M, S, BC, n_t = _conv_runs(l, dim, launch)
+    _conv_fwd_kernel[(n_t, _cdiv(dim, BC), b)](
         xBC, weight, _stand_in(bias, xBC), _stand_in(halo, xBC), _stand_in(seq_idx, xBC), _stand_in(halo_seq, xBC),
-        out, l, dim, _BLC(*xBC.stride()), _CK(*weight.stride()), 0 if bias is None else bias.stride(0),
+        out, l, dim, S, _BLC(*xBC.stride()), _CK(*weight.stride()), 0 if bias is None else bias.stride(0),
         _strides_of(halo, _BLC), _strides_of(seq_idx, _BL), _strides_of(halo_seq, _BL), _BLC(*out.stride()),
-        TAPS=d, BT=BT, BC=BC, num_warps=t.conv_fwd_warps, **flags)
+        TAPS=d, M=M, BC=BC, U=launch.unroll, num_warps=launch.warps, **flags)
     return out
 
 
 @triton.jit
 def _conv_bwd_kernel(
     dout_ptr, x_ptr, w_ptr, bias_ptr, halo_ptr, seq_ptr, hseq_ptr,
-    dx_ptr, dhalo_ptr, dw_part_ptr, db_part_ptr, scratch_ptr,
-    seqlen, dim, n_inner, stride_do, stride_x, stride_w, stride_bias, stride_h, stride_s, stride_hs, stride_dx,
-    TAPS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HB: tl.constexpr, DP: tl.constexpr,
-    SHIFT: tl.constexpr,
+    dx_ptr, dhalo_ptr, dw_part_ptr, db_part_ptr,
+    seqlen, dim, S, stride_do, stride_x, stride_w, stride_bias, stride_h, stride_s, stride_hs, stride_dx,
+    TAPS: tl.constexpr, M: tl.constexpr, BC: tl.constexpr, U: tl.constexpr, SHIFT: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_HALO_SEQ: tl.constexpr,
     NEED_DHALO: tl.constexpr, SILU: tl.constexpr,
 ):
-    """n_inner consecutive (BT, BC) tiles of rows s of [halo, xBC] (starting at s = -SHIFT; SHIFT
-    is TAPS-1 with a halo) in one batch row: du per tile (into dx, or dhalo for s < 0), and
-    dweight, dbias summed over the tiles into this program's own partial slot. dhalo
-    (b, TAPS-1, dim), the partials (b, groups, TAPS, dim) and (b, groups, dim) are contiguous.
+    """M runs of S du rows each (program pid_t's) of rows s of [halo, xBC] (from s = -SHIFT;
+    SHIFT is TAPS-1 with a halo), BC channels, one batch row: du per row (into dx, or dhalo for
+    s < 0), and dweight, dbias of the g rows it owns summed into this program's partial slot.
+    dhalo (b, TAPS-1, dim), the partials (b, programs, TAPS, dim) and (b, programs, dim) are
+    contiguous.
 
-    du[s] = sum_j w[TAPS-1-j] g[s+j] needs g = dL/dpre of TAPS-1 rows past the tile. Each
-    iteration computes g of the rows TAPS-1 ahead of its du rows, so the rows it also needs were
-    computed by the iteration before: a ring in this program's scratch slot holds them (HB rows
-    of history, then the newest tile), and only the program's first tile computes its history."""
-    pid_g = tl.program_id(0)
+    Step t computes g[t] and hands its share to the du of rows t-TAPS+1 .. t: the oldest of them
+    is then complete and stored, the others stay partial in registers (`part`). A run's steps
+    run from TAPS-1 rows before its first du row (to fill the window) to TAPS-1 rows past its
+    last (whose g complete it); those extra g rows count in the next run's dweight."""
+    pid_t = tl.program_id(0)
     pid_c = tl.program_id(1)
     bb = tl.program_id(2).to(tl.int64)
     offs_c = (pid_c * BC + tl.arange(0, BC)).to(tl.int64)                       # (BC,)
     mask_c = offs_c < dim
     bias = _conv_bias(bias_ptr, offs_c, mask_c, stride_bias, BC, HAS_BIAS)      # (BC,) fp32
+    xs, ws, seqs = _conv_operands(x_ptr, stride_x, halo_ptr, stride_h, w_ptr, stride_w, seq_ptr, stride_s,
+                                  hseq_ptr, stride_hs, bb, offs_c)
+    w = _tap_weights(ws, mask_c, TAPS)
+    do_row0, do_col = dout_ptr + bb * stride_do.b, offs_c * stride_do.c
+    dx_row0, dx_col = dx_ptr + bb * stride_dx.b, offs_c * stride_dx.c
 
-    src = _conv_operands(x_ptr, stride_x, halo_ptr, stride_h, w_ptr, stride_w, bias, seq_ptr, stride_s, hseq_ptr,
-                         stride_hs, bb, offs_c)
-    xs, ws, seqs = src
-    dos = (dout_ptr + bb * stride_do.b, offs_c * stride_do.c, stride_do.l)
+    first = (pid_t * M + tl.arange(0, M)) * S - SHIFT                           # (M,) each run's first du row
+    zero = tl.zeros((M, BC), dtype=tl.float32)
+    win = (zero,) * (TAPS - 1)                          # u of rows t-TAPS+1 .. t-1
+    docs = (tl.full((M,), -1, tl.int64),) * (TAPS - 1)  # their documents
+    part = (zero,) * (TAPS - 1)                         # du of rows t-TAPS+1 .. t-1, so far
+    dw = (zero,) * TAPS                                 # dweight per tap, per run
+    db = zero
+    for i0 in range(-(TAPS - 1), S + TAPS - 1, U):
+        ahead = ()
+        for k in tl.static_range(U):
+            t = first + (i0 + k)
+            has_g = (t >= first) & (t >= 0) & (t < seqlen)      # g = 0 off [0, seqlen) and before the window fills
+            do = tl.load(do_row0 + t.to(tl.int64)[:, None] * stride_do.l + do_col[None, :],
+                         mask=has_g[:, None] & mask_c[None, :], other=0.0)
+            doc = _doc(seqs, t, seqlen, TAPS - 1, HAS_HALO_SEQ) if HAS_SEQ else t.to(tl.int64)
+            ahead = ahead + ((_u_rows(xs, t, mask_c, seqlen, TAPS - 1, HAS_HALO), do, doc),)
+        for k in tl.static_range(U):
+            t = first + (i0 + k)
+            u, do, doc = ahead[k]
+            g = do.to(tl.float32)
+            if SILU:
+                p = _preact(w, bias, win, docs, u, doc, TAPS, HAS_SEQ)
+                sig = tl.sigmoid(p)
+                g = g * sig * (1.0 + p * (1.0 - sig))     # silu'(p) = sig(p) (1 + p (1 - sig(p)))
+            # g[t]'s share of du at rows t-TAPS+1+k (weight k), within one document
+            share = ()
+            for j in tl.static_range(TAPS - 1):
+                gj = tl.where((docs[j] == doc)[:, None], g, 0.0) if HAS_SEQ else g
+                share = share + (gj,)
+            s = t - (TAPS - 1)                                  # the du row g[t] completes
+            du = part[0] + w[0] * share[0]
+            keep = (s >= first) & (s < first + S) & (s < seqlen)
+            tl.store(dx_row0 + s.to(tl.int64)[:, None] * stride_dx.l + dx_col[None, :], du.to(dx_ptr.dtype.element_ty),
+                     mask=(keep & (s >= 0))[:, None] & mask_c[None, :])
+            if NEED_DHALO:
+                tl.store(dhalo_ptr + (bb * (TAPS - 1) + s.to(tl.int64) + (TAPS - 1))[:, None] * dim + offs_c[None, :],
+                         du, mask=(keep & (s < 0))[:, None] & mask_c[None, :])
+            nxt = ()
+            for j in tl.static_range(1, TAPS - 1):
+                nxt = nxt + (part[j] + w[j] * share[j],)
+            part = nxt + (w[TAPS - 1] * g,)
+            # dweight and dbias count the g rows this run owns
+            own = ((t >= first) & (t < first + S))[:, None]
+            sums = ()
+            for j in tl.static_range(TAPS - 1):
+                sums = sums + (dw[j] + tl.where(own, win[j] * share[j], 0.0),)
+            dw = sums + (dw[TAPS - 1] + tl.where(own, u * g, 0.0),)
+            db += tl.where(own, g, 0.0)
+            win = win[1:] + (u,)
+            docs = docs[1:] + (doc,)
 
-    # this program's ring: rows [0, HB) hold g of the HB rows before the newest tile, rows
-    # [HB, HB + BT) the newest tile's g
-    prog = (bb * tl.num_programs(0) + pid_g) * tl.num_programs(1) + pid_c
-    slot = scratch_ptr + prog * ((BT + HB) * BC)
-    sl_r = tl.arange(0, BT)
-    sl_c = tl.arange(0, BC)
-    hist = tl.arange(0, HB)
-    first = pid_g * n_inner * BT - SHIFT                                        # the program's first du row
-    g_hist = _dpre(dos, src, first + (TAPS - 1) - HB, mask_c, seqlen, HB, BC, TAPS, HAS_HALO, HAS_SEQ,
-                   HAS_HALO_SEQ, SILU)                                          # (HB, BC)
-    tl.store(slot + hist[:, None] * BC + sl_c[None, :], g_hist)
-
-    kk = tl.arange(0, DP)                                                       # tap index, padded
-    dw_acc = tl.zeros((DP, BC), dtype=tl.float32)
-    # g's rows are each counted once, in the tile that computes them, except the TAPS-1 rows
-    # before the first tile (the history of program 0: zeros with a halo)
-    db_acc = tl.sum(g_hist, axis=0) * (pid_g == 0)                               # (BC,)
-    for i in range(n_inner):
-        s0 = first + i * BT                                                     # this tile's du rows
-        g = _dpre(dos, src, s0 + (TAPS - 1), mask_c, seqlen, BT, BC, TAPS, HAS_HALO, HAS_SEQ, HAS_HALO_SEQ,
-                  SILU)                                                         # (BT, BC): g[s0+TAPS-1+r]
-        db_acc += tl.sum(g, axis=0)
-        tl.store(slot + (HB + sl_r)[:, None] * BC + sl_c[None, :], g)
-        tl.debug_barrier()       # the newest tile (and the history) visible to every thread
-
-        if HAS_SEQ:
-            doc_s = _doc(seqs, s0, seqlen, BT, TAPS - 1, HAS_HALO_SEQ)
-        u = _tap(xs, s0, mask_c, seqlen, BT, TAPS - 1, HAS_HALO)                # (BT, BC)
-        du = tl.zeros((BT, BC), dtype=tl.float32)
-        for j in tl.static_range(TAPS):
-            if j == TAPS - 1:
-                gj = g                                                          # the newest tile itself
-            else:
-                gj = tl.load(slot + (HB - (TAPS - 1) + j + sl_r)[:, None] * BC + sl_c[None, :])  # g[s+j]
-            if HAS_SEQ:   # mirrors the forward: output s+j reads row s only within one document
-                same = _doc(seqs, s0 + j, seqlen, BT, TAPS - 1, HAS_HALO_SEQ) == doc_s
-                gj = tl.where(same[:, None], gj, 0.0)
-            du += _weight(ws, TAPS - 1 - j, mask_c)[None, :] * gj
-            dw_acc += tl.where(kk[:, None] == TAPS - 1 - j, tl.sum(u * gj, axis=0)[None, :], 0.0)
-        tl.debug_barrier()       # every thread is done reading the ring
-        # the newest tile's last HB rows become the next tile's history
-        tl.store(slot + (sl_r - (BT - HB))[:, None] * BC + sl_c[None, :], g, mask=(sl_r >= BT - HB)[:, None])
-
-        rows = s0 + sl_r
-        r64 = rows.to(tl.int64)
-        tl.store(dx_ptr + bb * stride_dx.b + r64[:, None] * stride_dx.l + offs_c[None, :] * stride_dx.c,
-                 du.to(dx_ptr.dtype.element_ty), mask=((rows >= 0) & (rows < seqlen))[:, None] & mask_c[None, :])
-        if NEED_DHALO:
-            if s0 < 0:
-                tl.store(dhalo_ptr + (bb * (TAPS - 1) + r64 + (TAPS - 1))[:, None] * dim + offs_c[None, :], du,
-                         mask=(rows < 0)[:, None] & mask_c[None, :])
-
-    part = bb * tl.num_programs(0) + pid_g                                      # this program's partial row
-    tl.store(dw_part_ptr + (part * TAPS + kk.to(tl.int64))[:, None] * dim + offs_c[None, :],
-             dw_acc, mask=(kk < TAPS)[:, None] & mask_c[None, :])
+    prow = bb * tl.num_programs(0) + pid_t                                      # this program's partial row
+    for j in tl.static_range(TAPS):
+        tl.store(dw_part_ptr + (prow * TAPS + j) * dim + offs_c, tl.sum(dw[j], axis=0), mask=mask_c)
     if HAS_BIAS:
-        tl.store(db_part_ptr + part * dim + offs_c, db_acc, mask=mask_c)
+        tl.store(db_part_ptr + prow * dim + offs_c, tl.sum(db, axis=0), mask=mask_c)
 
 
 def _conv1d_bwd(dout, xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=None, need_dhalo=True, silu=True,
@@ -1639,31 +1643,23 @@ def _conv1d_bwd(dout, xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=
     flags = _conv_flags(bias, halo, seq_idx, silu)
     halo_seq = halo_seq.to(seq_idx.dtype) if flags["HAS_HALO_SEQ"] else None   # one id type in the kernel
     need_dhalo = bool(need_dhalo) and halo is not None
-    shift = d - 1 if halo is not None else 0    # tiles start at the halo: its rows feed dweight
-    t = tuning()
-    BT, BC = _conv_blocks(shift + l, dim, t.conv_bwd_blocks)
-    HB = max(2, _next_pow2(d - 1))  # rows of g the ring keeps from the tile before (at least d - 1)
-    n_tb, n_cb = _cdiv(shift + l, BT), _cdiv(dim, BC)
-    n_inner = min(n_tb, max(1, _cdiv(n_tb * n_cb * b, t.conv_bwd_programs)))   # token blocks per program
-    n_groups = _cdiv(n_tb, n_inner)
+    shift = d - 1 if halo is not None else 0    # du rows start at the halo's
+    launch = tuning().conv_bwd
+    M, S, BC, n_t = _conv_runs(shift + l, dim, launch)
 
     if dx is None:
         dx = torch.empty((b, l, dim), device=xBC.device, dtype=xBC.dtype)
     dhalo = torch.empty((b, d - 1, dim), device=xBC.device, dtype=torch.float32) if need_dhalo else None
-    dw_part = torch.empty((b, n_groups, d, dim), device=xBC.device, dtype=torch.float32)
-    db_part = torch.empty((b, n_groups, dim), device=xBC.device, dtype=torch.float32) \
-        if bias is not None else None
-    scratch = torch.empty((b, n_groups, n_cb, BT + HB, BC), device=xBC.device, dtype=torch.float32)
-    grid = (n_groups, n_cb, b)
-    _conv_bwd_kernel[grid](
+    dw_part = torch.empty((b, n_t, d, dim), device=xBC.device, dtype=torch.float32)
+    db_part = torch.empty((b, n_t, dim), device=xBC.device, dtype=torch.float32) if bias is not None else None
+    _conv_bwd_kernel[(n_t, _cdiv(dim, BC), b)](
         dout, xBC, weight, _stand_in(bias, xBC), _stand_in(halo, xBC), _stand_in(seq_idx, xBC),
         _stand_in(halo_seq, xBC),
-        dx, _stand_in(dhalo, dw_part), dw_part, _stand_in(db_part, dw_part), scratch,
-        l, dim, n_inner, _BLC(*dout.stride()), _BLC(*xBC.stride()), _CK(*weight.stride()),
+        dx, _stand_in(dhalo, dw_part), dw_part, _stand_in(db_part, dw_part),
+        l, dim, S, _BLC(*dout.stride()), _BLC(*xBC.stride()), _CK(*weight.stride()),
         0 if bias is None else bias.stride(0), _strides_of(halo, _BLC), _strides_of(seq_idx, _BL),
         _strides_of(halo_seq, _BL), _BLC(*dx.stride()),
-        TAPS=d, BT=BT, BC=BC, HB=HB, DP=_next_pow2(d), SHIFT=shift,
-        NEED_DHALO=need_dhalo, num_warps=t.conv_bwd_warps, **flags)
+        TAPS=d, M=M, BC=BC, U=launch.unroll, SHIFT=shift, NEED_DHALO=need_dhalo, num_warps=launch.warps, **flags)
     dweight = dw_part.sum(dim=(0, 1)).t().contiguous()                          # (dim, d)
     dbias = db_part.sum(dim=(0, 1)) if bias is not None else None               # (dim,)
     return dx, dhalo, dweight, dbias
@@ -1750,7 +1746,7 @@ def _conv1d_ssd_cp_forward(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initi
     cfg = _cp_config(xBC, dt, conv_weight, group_name, load_balancing, exchange, batch, chunk_size, headdim, ngroups,
                      (dt_min, dt_max))
     # a single segment in all (a world of one, contiguous) has nothing before it: no halo,
-    # which spares every conv tile the halo's masked loads
+    # which spares every conv step the halo's masked loads
     halo, halo_seq = _exchange_halo(xBC, seq_idx, cfg) if cfg.segs.count > 1 else (None, None)
     x_ch, B_ch = cfg.nheads * cfg.headdim, cfg.ngroups * cfg.dstate
     overlap = cfg.world > 1 and cfg.exchange.overlaps

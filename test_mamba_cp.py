@@ -1597,29 +1597,32 @@ def test_conv_non_contiguous(d):
 
 
 def test_conv_small_tiles_many_programs(tuned):
-    """Tiles smaller than the sequence and the channels, several token blocks per backward program:
-    taps cross tile edges, channel masks, partial sums folded across blocks."""
-    tuned(dataclasses.replace(mamba_cp.tuning(), conv_fwd_blocks=(32, 32), conv_bwd_blocks=(32, 32),
-                              conv_bwd_programs=7))     # 3 token x 2 channel blocks x 2 rows -> 2 blocks each
+    """Two runs a program, five programs a row, channel tiles smaller than the channels, and an
+    unroll that does not divide a run's steps: windows and partial du cross run and program
+    edges, channel masks, the extra steps masked, partial sums folded across programs."""
+    launch = mamba_cp.ConvLaunch(runs=2, channels=32, rows=9, unroll=2, warps=1)
+    tuned(dataclasses.replace(mamba_cp.tuning(), conv_fwd=launch, conv_bwd=launch))
+    assert mamba_cp._conv_runs(3 + 77, 40, launch)[3] == 5
     inp, dout = conv_inputs(CONV_SMALL, 3, halo=True, bias=True, starts=CONV_STARTS["mixed"])
     conv_check(inp, dout)
 
 
 def test_conv_gpu_tiles(tuned):
-    """The GPU's conv tiles in the interpreter: 32 x 128 forward and 16 x 64 backward, several
-    token blocks a row (77 tokens and a halo)."""
-    tuned("gpu")
-    assert mamba_cp._conv_blocks(80, 40, mamba_cp.tuning().conv_bwd_blocks)[0] < 80
+    """The GPU's conv launches (one run a program, its channel tile and unroll) in the
+    interpreter, with runs cut to 32 rows so that a row of 77 tokens and a halo spans programs."""
+    gpu = mamba_cp.TUNINGS["gpu"]
+    tuned(dataclasses.replace(gpu, conv_fwd=gpu.conv_fwd._replace(rows=32), conv_bwd=gpu.conv_bwd._replace(rows=32)))
+    assert mamba_cp._conv_runs(3 + 77, 40, mamba_cp.tuning().conv_bwd)[3] == 3
     inp, dout = conv_inputs(CONV_SMALL, 3, halo=True, bias=True, starts=CONV_STARTS["mixed"])
     conv_check(inp, dout)
 
 
 def test_conv_deterministic(tuned):
-    """Two calls, bitwise alike, with a row's five token blocks in one backward program. On a GPU
+    """Two calls, bitwise alike, with four runs a program and several programs a row. On a GPU
     programs run at once; in the interpreter, one at a time, this catches reads of memory that
-    no program wrote (the scratch slots and partial sums are torch.empty)."""
-    tuned(dataclasses.replace(mamba_cp.tuning(), conv_fwd_blocks=(16, 16), conv_bwd_blocks=(16, 16),
-                              conv_bwd_programs=1))
+    no program wrote (the partial sums are torch.empty)."""
+    launch = mamba_cp.ConvLaunch(runs=4, channels=16, rows=5, unroll=2, warps=1)
+    tuned(dataclasses.replace(mamba_cp.tuning(), conv_fwd=launch, conv_bwd=launch))
     inp, dout = conv_inputs(CONV_SMALL, 11, halo=True, bias=True, starts=CONV_STARTS["mixed"])
     a, b = mamba_cp.conv1d_bwd(dout, **inp), mamba_cp.conv1d_bwd(dout, **inp)
     for x, y in zip(a, b):

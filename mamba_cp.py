@@ -1564,7 +1564,7 @@ def _conv_bwd_kernel(
 
     Step t computes g[t] and hands its share to the du of rows t-TAPS+1 .. t: the oldest of them
     is then complete and stored, the others stay partial in registers (`part`). A run's steps
-    run from TAPS-1 rows before its first du row (to fill the window) to TAPS-1 rows past its
+    go from TAPS-1 rows before its first du row (to fill the window) to TAPS-1 rows past its
     last (whose g complete it); those extra g rows count in the next run's dweight."""
     pid_t = tl.program_id(0)
     pid_c = tl.program_id(1)
@@ -1602,7 +1602,7 @@ def _conv_bwd_kernel(
                 p = _preact(w, bias, win, docs, u, doc, TAPS, HAS_SEQ)
                 sig = tl.sigmoid(p)
                 g = g * sig * (1.0 + p * (1.0 - sig))     # silu'(p) = sig(p) (1 + p (1 - sig(p)))
-            # g[t]'s share of du at rows t-TAPS+1+k (weight k), within one document
+            # g[t]'s share of du at row t-TAPS+1+j (weight j): zero across a document boundary
             share = ()
             for j in tl.static_range(TAPS - 1):
                 gj = tl.where((docs[j] == doc)[:, None], g, 0.0) if HAS_SEQ else g

@@ -338,8 +338,8 @@ class Tuning:
     # The segment scan's slice of the p*n state per program (None: the whole state).
     scan_block: Optional[int]
     # The conv's launches (ConvLaunch): forward and backward.
-    conv_fwd: "ConvLaunch"
-    conv_bwd: "ConvLaunch"
+    conv_fwd: ConvLaunch
+    conv_bwd: ConvLaunch
     # The gate and gated RMSNorm (Part II): elements per tile, and programs of the backward.
     gate_tile: int
     gate_programs: int
@@ -1399,21 +1399,32 @@ EXCHANGES = {"all_gather": _AllGatherExchange}     # by summary_exchange name
 # ---------------------------------------------------------------------------------------------
 
 
-# Conv pieces: a batch row's operands, document ids and u of a step's rows, the weights, the
+# Conv pieces: a program's channels and operands, document ids and u of a step's rows, the
 # pre-activation. A kernel gathers its operands once into tuples: xs, u's rows (the shard, then
-# the halo before it: row pointer, channel offsets, row stride of each); ws, the weights' row
-# pointer and tap stride; seqs, the document ids of both.
+# the halo before it: row pointer, channel offsets, row stride of each); w, the channels' tap
+# weights; seqs, the document ids of both.
 
 
 @triton.jit
-def _conv_operands(x_ptr, stride_x, halo_ptr, stride_h, w_ptr, stride_w, seq_ptr, stride_s, hseq_ptr, stride_hs,
-                   bb, offs_c):
-    """(xs, ws, seqs) of batch row bb and channels offs_c (int64)."""
+def _conv_program(x_ptr, stride_x, halo_ptr, stride_h, w_ptr, stride_w, bias_ptr, stride_bias, seq_ptr, stride_s,
+                  hseq_ptr, stride_hs, dim, BC: tl.constexpr, TAPS: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """This program's batch row bb and channels offs_c (int64, (BC,)) with their mask, and its
+    operands: xs, w (a tuple of TAPS (1, BC) fp32 rows, tap 0, the oldest token, first), bias
+    ((BC,) fp32, zeros without one), seqs."""
+    bb = tl.program_id(2).to(tl.int64)
+    offs_c = (tl.program_id(1) * BC + tl.arange(0, BC)).to(tl.int64)
+    mask_c = offs_c < dim
     xs = (x_ptr + bb * stride_x.b, offs_c * stride_x.c, stride_x.l, halo_ptr + bb * stride_h.b,
           offs_c * stride_h.c, stride_h.l)
-    ws = (w_ptr + offs_c * stride_w.c, stride_w.k)
+    w = ()
+    for k in tl.static_range(TAPS):
+        wk = tl.load(w_ptr + offs_c * stride_w.c + k * stride_w.k, mask=mask_c, other=0.0).to(tl.float32)
+        w = w + (wk[None, :],)
+    bias = tl.zeros((BC,), dtype=tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_c * stride_bias, mask=mask_c, other=0.0).to(tl.float32)
     seqs = (seq_ptr + bb * stride_s.b, stride_s.l, hseq_ptr + bb * stride_hs.b, stride_hs.l)
-    return xs, ws, seqs
+    return bb, offs_c, mask_c, xs, w, bias, seqs
 
 
 @triton.jit
@@ -1445,15 +1456,6 @@ def _u_rows(xs, t, mask_c, seqlen, HALO: tl.constexpr, HAS_HALO: tl.constexpr):
 
 
 @triton.jit
-def _tap_weights(ws, mask_c, TAPS: tl.constexpr):
-    """The channels' weights, a tuple of TAPS (1, BC) fp32 rows, tap 0 (the oldest token) first."""
-    w = ()
-    for k in tl.static_range(TAPS):
-        w = w + (tl.load(ws[0] + k * ws[1], mask=mask_c, other=0.0).to(tl.float32)[None, :],)
-    return w
-
-
-@triton.jit
 def _preact(w, bias, win, docs, u, doc, TAPS: tl.constexpr, HAS_SEQ: tl.constexpr):
     """Pre-activation (M, BC) of rows t: bias + sum_k w_k u[t-(TAPS-1)+k], from the window
     (u and ids of rows t-TAPS+1 .. t-1) and row t itself; a tap from another document dropped."""
@@ -1467,14 +1469,6 @@ def _preact(w, bias, win, docs, u, doc, TAPS: tl.constexpr, HAS_SEQ: tl.constexp
 
 
 @triton.jit
-def _conv_bias(bias_ptr, offs_c, mask_c, stride_bias, BC: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """The conv bias of a channel tile, fp32 (zeros without a bias)."""
-    if HAS_BIAS:
-        return tl.load(bias_ptr + offs_c * stride_bias, mask=mask_c, other=0.0).to(tl.float32)
-    return tl.zeros((BC,), dtype=tl.float32)
-
-
-@triton.jit
 def _conv_fwd_kernel(
     x_ptr, w_ptr, bias_ptr, halo_ptr, seq_ptr, hseq_ptr, out_ptr,
     seqlen, dim, S, stride_x, stride_w, stride_bias, stride_h, stride_s, stride_hs, stride_o,
@@ -1482,22 +1476,16 @@ def _conv_fwd_kernel(
     HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_HALO_SEQ: tl.constexpr,
     SILU: tl.constexpr,
 ):
-    """M runs of S output rows each (program pid_t's), BC channels, one batch row: out =
+    """M runs of S output rows each (this program's), BC channels, one batch row: out =
     silu(pre-activation), or the pre-activation itself without SILU. A step loads U rows of
     every run, then convolves them one by one with the window of the d-1 rows before."""
-    pid_t = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    bb = tl.program_id(2).to(tl.int64)
-    offs_c = (pid_c * BC + tl.arange(0, BC)).to(tl.int64)                       # (BC,)
-    mask_c = offs_c < dim
-    bias = _conv_bias(bias_ptr, offs_c, mask_c, stride_bias, BC, HAS_BIAS)      # (BC,) fp32
-    xs, ws, seqs = _conv_operands(x_ptr, stride_x, halo_ptr, stride_h, w_ptr, stride_w, seq_ptr, stride_s,
-                                  hseq_ptr, stride_hs, bb, offs_c)
-    w = _tap_weights(ws, mask_c, TAPS)
+    bb, offs_c, mask_c, xs, w, bias, seqs = _conv_program(
+        x_ptr, stride_x, halo_ptr, stride_h, w_ptr, stride_w, bias_ptr, stride_bias, seq_ptr, stride_s, hseq_ptr,
+        stride_hs, dim, BC, TAPS, HAS_BIAS)
     o_row0, o_col = out_ptr + bb * stride_o.b, offs_c * stride_o.c
-    first = (pid_t * M + tl.arange(0, M)) * S                                   # (M,) each run's first row
-    win = (tl.zeros((M, BC), dtype=tl.float32),) * (TAPS - 1)                 # u of the TAPS-1 rows before
-    docs = (tl.full((M,), -1, tl.int64),) * (TAPS - 1)                          # and their documents
+    first = (tl.program_id(0) * M + tl.arange(0, M)) * S       # (M,) each run's first row
+    win = (tl.zeros((M, BC), dtype=tl.float32),) * (TAPS - 1)  # u of the TAPS-1 rows before
+    docs = (tl.full((M,), -1, tl.int64),) * (TAPS - 1)           # and their documents
     for i0 in range(-(TAPS - 1), S, U):     # the first TAPS-1 steps only fill the window
         ahead = ()
         for k in tl.static_range(U):
@@ -1556,7 +1544,7 @@ def _conv_bwd_kernel(
     HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_HALO_SEQ: tl.constexpr,
     NEED_DHALO: tl.constexpr, SILU: tl.constexpr,
 ):
-    """M runs of S du rows each (program pid_t's) of rows s of [halo, xBC] (from s = -SHIFT;
+    """M runs of S du rows each (this program's) of rows s of [halo, xBC] (from s = -SHIFT;
     SHIFT is TAPS-1 with a halo), BC channels, one batch row: du per row (into dx, or dhalo for
     s < 0), and dweight, dbias of the g rows it owns summed into this program's partial slot.
     dhalo (b, TAPS-1, dim), the partials (b, programs, TAPS, dim) and (b, programs, dim) are
@@ -1566,19 +1554,13 @@ def _conv_bwd_kernel(
     is then complete and stored, the others stay partial in registers (`part`). A run's steps
     go from TAPS-1 rows before its first du row (to fill the window) to TAPS-1 rows past its
     last (whose g complete it); those extra g rows count in the next run's dweight."""
-    pid_t = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    bb = tl.program_id(2).to(tl.int64)
-    offs_c = (pid_c * BC + tl.arange(0, BC)).to(tl.int64)                       # (BC,)
-    mask_c = offs_c < dim
-    bias = _conv_bias(bias_ptr, offs_c, mask_c, stride_bias, BC, HAS_BIAS)      # (BC,) fp32
-    xs, ws, seqs = _conv_operands(x_ptr, stride_x, halo_ptr, stride_h, w_ptr, stride_w, seq_ptr, stride_s,
-                                  hseq_ptr, stride_hs, bb, offs_c)
-    w = _tap_weights(ws, mask_c, TAPS)
+    bb, offs_c, mask_c, xs, w, bias, seqs = _conv_program(
+        x_ptr, stride_x, halo_ptr, stride_h, w_ptr, stride_w, bias_ptr, stride_bias, seq_ptr, stride_s, hseq_ptr,
+        stride_hs, dim, BC, TAPS, HAS_BIAS)
     do_row0, do_col = dout_ptr + bb * stride_do.b, offs_c * stride_do.c
     dx_row0, dx_col = dx_ptr + bb * stride_dx.b, offs_c * stride_dx.c
 
-    first = (pid_t * M + tl.arange(0, M)) * S - SHIFT                           # (M,) each run's first du row
+    first = (tl.program_id(0) * M + tl.arange(0, M)) * S - SHIFT   # (M,) each run's first du row
     zero = tl.zeros((M, BC), dtype=tl.float32)
     win = (zero,) * (TAPS - 1)                          # u of rows t-TAPS+1 .. t-1
     docs = (tl.full((M,), -1, tl.int64),) * (TAPS - 1)  # their documents
@@ -1629,7 +1611,7 @@ def _conv_bwd_kernel(
             win = win[1:] + (u,)
             docs = docs[1:] + (doc,)
 
-    prow = bb * tl.num_programs(0) + pid_t                                      # this program's partial row
+    prow = bb * tl.num_programs(0) + tl.program_id(0)              # this program's partial row
     for j in tl.static_range(TAPS):
         tl.store(dw_part_ptr + (prow * TAPS + j) * dim + offs_c, tl.sum(dw[j], axis=0), mask=mask_c)
     if HAS_BIAS:

@@ -17,15 +17,32 @@ What each layer kind does on a shard:
   - Mamba2 mixers run mamba_cp's mamba_split_conv1d_scan_combined (state passing: a conv halo
     and one state summary per rank), from the mixer's own parameters;
   - attention layers (registered through transformers' attention interface, no model code
-    edited) all-gather K and V over the CP group and mask by global position, the method Llama 3
-    was trained with; in backward each rank gets back the gradient of its own K and V, summed
-    over the ranks that used them (a reduce-scatter);
+    edited) all-gather K and V over the CP group and run one fused flex_attention call under a
+    block mask made from global positions and document ids: tiles no pair of which is visible
+    are skipped, no l x L tensor is made, grouped-query heads are read in place. The mask is
+    made once per model forward (a hook on the model) and read by every attention layer. In
+    backward each rank gets back the gradient of its own K and V, summed over the ranks that
+    used them (a reduce-scatter);
   - MLP and MoE layers work token by token: nothing to do.
 Supported: Mamba2ForCausalLM, BambaForCausalLM, GraniteMoeHybridForCausalLM and
-NemotronHForCausalLM (transformers 5.24), found by the layer kinds their configs declare
-(layer_types / layers_block_type: "linear_attention" for Mamba2, "full_attention", "mlp",
-"moe"); another kind raises ValueError naming it. `enable_mamba_cp` patches the mixers alone, for
-trainers whose attention is parallelised already (torch's context_parallel, say).
+NemotronHForCausalLM (whose attention has no position embedding: nothing changes), found by the
+layer kinds their configs declare (layer_types / layers_block_type: "linear_attention" for
+Mamba2, "full_attention", "mlp", "moe"); another kind raises ValueError naming it, and so does
+sliding-window attention (a sliding_window in the config or on a layer). `enable_mamba_cp`
+patches the mixers alone, for trainers whose attention is parallelised already (torch's
+context_parallel, say).
+
+transformers 5.17 to 5.25: the mixers take the cache as cache_params (5.17 to 5.23) or cache
+(5.24 on), and the keywords a CausalLM forward hands on (the loss's, the router's, use_cache,
+output_*), all mapped; the gated RMSNorm of 5.17 to 5.22 normalises all channels at once, not
+per B/C group as mamba_cp's fused norm does: with more than one group the mixer stops at the
+gate and runs that norm in torch (tests: test_transformers_calling_conventions).
+
+A world of one (cp_group None, or a group of one rank) runs the same path on the whole
+sequence with no collective: the mixers on mamba_cp's kernels, with no mamba_ssm build (without
+one transformers runs them in torch: in BENCHMARKS.md's hybrid step, 16x the time and 5x the
+memory at 4k tokens, out of memory at 16k), attention through the same fused kernel. To keep
+transformers' own path, do not call enable_cp.
 
 The loss: each rank's loss is the sum of its tokens' cross-entropy divided by the global count of
 predicted tokens (`num_items_in_batch`, which transformers' causal-LM loss takes), so the ranks'
@@ -37,8 +54,8 @@ transformers' DataCollatorWithFlattening writes them) and returns `seq_idx`, glo
 per token; passed to the model, it reaches every mixer and attention layer (transformers forwards
 the CausalLM's keywords to them), which keep documents apart; the last token of a document
 predicts nothing. Without `seq_idx` nothing is separated: transformers' own mixers never derive it
-from `position_ids`. Mamba2ForCausalLM hands its mixers no keywords at all, so it cannot take
-packed documents here (nor in transformers).
+from `position_ids`. Mamba2ForCausalLM hands its mixers no keywords before transformers 5.25, so
+it cannot take packed documents there.
 
 FSDP2 with CP: the decoder layers and the model are sharded over all dp x cp ranks, CP runs over
 the cp sub-mesh's group, and FSDP's reduce-scatter, which averages over those dp x cp ranks, also
@@ -54,7 +71,8 @@ sums the CP shares of each gradient once the loss is scaled back up:
     loss = model(...).loss * (dp * cp)      # FSDP divides the summed gradients by dp * cp
     loss.backward(); optimizer.step()       # no all_reduce_grads
 
-Limits: a padding mask (an attention_mask with zeros) is refused under CP (pack instead). A cache:
+Limits: a padding mask (an attention_mask with zeros) is refused under CP (pack instead), as
+are attention dropout in training and sliding-window attention. A cache:
 transformers makes one whenever use_cache is on, training too; a training forward runs on the
 shard and leaves it empty. In evaluation a cache means generation: the Mamba2 mixers then run
 transformers' own forward, on whatever they are given (a Mamba2ForCausalLM generates unsharded),
@@ -65,21 +83,35 @@ model adds per rank as a mean over its own tokens (Bamba's z-loss, GraniteMoeHyb
 auxiliary loss, both off by default) are not renormalised across ranks.
 """
 
+import inspect
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 import mamba_cp
 
 MIXER_PARTS = ("in_proj", "conv1d", "dt_bias", "A_log", "D", "norm", "out_proj")
 ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
-ATTENTION = "mamba_cp_gathered_kv"        # the name this file registers with transformers
+ATTENTION = "mamba_cp_flex"               # the name this file registers with transformers
 MAMBA_KIND, ATTENTION_KIND, TOKENWISE_KINDS = "linear_attention", "full_attention", ("mlp", "moe")
 # keywords that reach the mixers and attention layers from the CausalLM forward and say nothing
 # about which tokens may see which: the loss's, the router's, the cache switch, and the positions
 # (the rotary embeddings have taken them before attention runs)
 INERT_KEYWORDS = {"num_items_in_batch", "shift_labels", "output_router_logits", "use_cache", "output_attentions",
-                  "position_ids"}
+                  "output_hidden_states", "position_ids"}
+CACHE_KEYWORDS = ("cache", "cache_params")   # the mixers' cache: 5.24 on, and 5.17 to 5.23
+
+
+def _check_layout(load_balancing):
+    if load_balancing not in mamba_cp.LAYOUTS:
+        raise ValueError(f"load_balancing must be one of {mamba_cp.LAYOUTS}, not {load_balancing!r}")
+
+
+def _group_or_none(cp_group):
+    """The CP group, or None for a world of one (no group, or a group of one rank)."""
+    return None if cp_group is None or dist.get_world_size(cp_group) == 1 else cp_group
 
 
 def _refuse_unknown(keywords, where):
@@ -98,51 +130,64 @@ def _mamba2_mixers(model):
 
 
 def _mixer_sizes(mixer):
-    """(headdim, ngroups) of a transformers Mamba2 mixer. mamba_cp's gated RMSNorm, like
-    mamba_ssm's, normalises groups of dim / ngroups channels, the width of one B/C group.
-    transformers 5.24 does the same (its norm's `group_size`); 5.17 normalises all dim channels
-    at once, which agrees only when the mixer has one group: other mixers are refused."""
+    """(headdim, ngroups, norm_width) of a transformers Mamba2 mixer; norm_width is how many
+    channels its gated RMSNorm normalises together: the norm's group_size where it has one
+    (transformers 5.23 on, and NemotronH's in every release: dim / n_groups, one B/C group, as
+    mamba_ssm's kernel does), all dim channels where it has none (5.17 to 5.22)."""
     dim, nheads = mixer.out_proj.in_features, mixer.dt_bias.shape[0]
     ngroups = getattr(mixer, "n_groups", None)
     if ngroups is None:
         raise ValueError(f"enable_mamba_cp: {type(mixer).__name__} has no n_groups (the number of B/C groups)")
     norm_width = getattr(mixer.norm, "group_size", dim)
-    if norm_width * ngroups != dim:
-        raise ValueError(f"enable_mamba_cp: {type(mixer).__name__}'s gated RMSNorm normalises groups of {norm_width} "
-                         f"of its {dim} channels, but mamba_cp normalises groups of dim / n_groups = "
-                         f"{dim // ngroups} (its n_groups is {ngroups}); this transformers version's norm "
-                         f"is not supported with more than one group")
-    return dim // nheads, ngroups
+    if dim % norm_width:
+        raise ValueError(f"enable_mamba_cp: {type(mixer).__name__}'s gated RMSNorm has groups of {norm_width}, "
+                         f"which do not divide its {dim} channels")
+    return dim // nheads, ngroups, norm_width
+
+
+def _gated_rms_norm(gated, norm, width):
+    """transformers' gated RMSNorm after its gate, gated = y * silu(z) (b, l, dim): each group of
+    `width` channels over its own RMS, in float32, then the weight."""
+    g = gated.float().unflatten(-1, (-1, width))
+    g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight * g.flatten(-2).to(gated.dtype)
 
 
 def _cp_forward(mixer, cp_group, load_balancing):
     """The mixer's forward on this rank's shard: in_proj, then conv, SSD, gated RMSNorm and out
-    projection in one mamba_cp call, from the mixer's own parameters."""
+    projection in one mamba_cp call, from the mixer's own parameters. Where the norm's groups
+    are not mamba_cp's (dim / n_groups: transformers 5.17 to 5.22 with n_groups > 1) the call
+    stops at the gate and the norm and out projection run in torch, as the mixer defines them
+    (transformers' own mamba_ssm route normalises per B/C group there, unlike its torch path)."""
     original = mixer.forward
-    headdim, ngroups = _mixer_sizes(mixer)         # checked here, when enable_mamba_cp patches the mixer
+    cache_name = next((n for n in CACHE_KEYWORDS if n in inspect.signature(original).parameters), "cache")
+    headdim, ngroups, norm_width = _mixer_sizes(mixer)      # checked here, when enable_mamba_cp patches
+    fused_norm = norm_width * ngroups == mixer.out_proj.in_features
 
-    def forward(hidden_states, cache=None, attention_mask=None, seq_idx=None, **kwargs):
+    def forward(hidden_states, attention_mask=None, seq_idx=None, **kwargs):
+        caches = [kwargs.pop(n) for n in CACHE_KEYWORDS if n in kwargs]
+        cache = next((c for c in caches if c is not None), None)
         # transformers makes a cache whenever use_cache is on, training too: a training forward
         # runs on the shard and leaves it empty; in evaluation a cache means generation, which
         # runs transformers' own path on whatever it is given
         if cache is not None and not mixer.training:
             if seq_idx is not None:
                 kwargs["seq_idx"] = seq_idx
-            return original(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+            return original(hidden_states, attention_mask=attention_mask, **{cache_name: cache}, **kwargs)
         if attention_mask is not None:   # transformers passes None for an all-ones mask
             raise ValueError("enable_mamba_cp: a padding mask (attention_mask with zeros) is not supported under "
                              "context parallelism; pack the documents into full sequences instead")
         _refuse_unknown(kwargs, f"enable_mamba_cp: {type(mixer).__name__}")
         zxbcdt = mixer.in_proj(hidden_states)                                       # (b, l_local, width)
-        return mamba_cp.mamba_split_conv1d_scan_combined(
+        norm = dict(rmsnorm_weight=mixer.norm.weight, rmsnorm_eps=mixer.norm.variance_epsilon,
+                    outproj_weight=mixer.out_proj.weight, outproj_bias=mixer.out_proj.bias) if fused_norm else {}
+        out = mamba_cp.mamba_split_conv1d_scan_combined(
             zxbcdt, mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias, mixer.dt_bias,
             -torch.exp(mixer.A_log.float()), mixer.D, mixer.chunk_size, seq_idx=seq_idx,
-            dt_limit=tuple(mixer.time_step_limit), activation=mixer.activation,
-            rmsnorm_weight=mixer.norm.weight, rmsnorm_eps=mixer.norm.variance_epsilon,
-            outproj_weight=mixer.out_proj.weight, outproj_bias=mixer.out_proj.bias,
-            headdim=headdim, ngroups=ngroups,
+            dt_limit=tuple(mixer.time_step_limit), activation=mixer.activation, headdim=headdim, ngroups=ngroups,
             norm_before_gate=False,      # transformers' gated norm: norm(y * silu(z))
-            cp_group=cp_group, load_balancing=load_balancing)
+            cp_group=cp_group, load_balancing=load_balancing, **norm)
+        return out if fused_norm else mixer.out_proj(_gated_rms_norm(out, mixer.norm, norm_width))
 
     return forward
 
@@ -150,11 +195,10 @@ def _cp_forward(mixer, cp_group, load_balancing):
 def enable_mamba_cp(model, cp_group, load_balancing="virtual"):
     """Patch, in place, every Mamba2 mixer of `model` so that (without a cache) it takes this
     rank's shard of the hidden states, in the layout `load_balancing`, and returns this rank's
-    shard of its output. cp_group None, or a group of one, leaves the model as it was. Returns
-    the model."""
-    mamba_cp._check_layout(load_balancing)
-    if cp_group is None or dist.get_world_size(cp_group) == 1:
-        return model
+    shard of its output. cp_group None, or a group of one: the whole sequence on mamba_cp's
+    kernels, no collective. Returns the model."""
+    _check_layout(load_balancing)
+    cp_group = _group_or_none(cp_group)
     mixers = _mamba2_mixers(model)
     if not mixers:
         raise ValueError(f"enable_mamba_cp: no Mamba2 mixer (a module holding {', '.join(MIXER_PARTS)}) "
@@ -165,14 +209,20 @@ def enable_mamba_cp(model, cp_group, load_balancing="virtual"):
 
 
 # ---------------------------------------------------------------------------------------------
-# Attention: K and V all-gathered over the CP group, the causal mask from global positions
+# Attention: K and V all-gathered over the CP group, then one fused flex_attention call under a
+# block-sparse mask made from global positions and document ids
 # ---------------------------------------------------------------------------------------------
+
+# torch 2.13 renamed the single-tensor collectives; 2.11 (on the GPUs we measure) has the old names
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def _gathered(t, group, dim):
     """Every rank's t, concatenated in rank order along its token axis `dim`."""
     world = dist.get_world_size(group)
     out = torch.empty((world * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
-    dist.all_gather_into_tensor(out, t.contiguous(), group=group)                 # (W * b, ...)
+    _all_gather_single(out, t.contiguous(), group=group)                          # (W * b, ...)
     return out.unflatten(0, (world, -1)).movedim(0, dim).flatten(dim, dim + 1)
 
 
@@ -191,24 +241,144 @@ class _GatherTokens(torch.autograd.Function):
         b, h, L, d = grad.shape
         per_rank = grad.unflatten(2, (world, L // world)).movedim(2, 0).flatten(0, 1)  # (W * b, h, l, d)
         own = torch.empty((b, h, L // world, d), dtype=grad.dtype, device=grad.device)
-        dist.reduce_scatter_tensor(own, per_rank.contiguous(), group=ctx.group)
+        _reduce_scatter_single(own, per_rank.contiguous(), group=ctx.group)
         return own, None
 
 
-def _global_positions(l_local, world, load_balancing, device):
+def key_positions(l_local, world, load_balancing, device):
     """Where every rank's l_local tokens sit in the whole sequence, the ranks' shards one after
-    another (W * l_local,), in the layout."""
+    another (W * l_local,), in the layout: the global position of each gathered key."""
     positions = torch.arange(l_local * world, device=device)[None]
     return torch.cat([mamba_cp.shard(positions, r, world, load_balancing)[0] for r in range(world)])
 
 
-def gathered_kv_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, seq_idx=None,
-                          **kwargs):
+BLOCK = 128   # flex_attention's tile, queries by keys: the mask says per tile whether to skip it
+
+
+def _tile_ranges(t):
+    """Smallest and largest value of each run of BLOCK along the last axis of an integer tensor
+    (..., n) -> two (..., ceil(n / BLOCK)); the last run may be short."""
+    pad = (-t.shape[-1]) % BLOCK
+    edge = t[..., -1:].expand(*t.shape[:-1], pad)              # repeats a real value: min/max unchanged
+    tiles = torch.cat([t, edge], dim=-1).unflatten(-1, (-1, BLOCK))
+    return tiles.amin(-1), tiles.amax(-1)
+
+
+def _ordered(tiles):
+    """(B, 1, Q, K) bool -> flex's layout of it: per query tile the count of its key tiles
+    (B, 1, Q) and their indices first, in key order (B, 1, Q, K)."""
+    return (tiles.sum(-1, dtype=torch.int32),
+            torch.argsort(tiles.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32))
+
+
+def cp_block_mask(query_pos, key_pos, query_doc=None, key_doc=None):
+    """The attention mask of one rank as a flex_attention BlockMask: query i sees key j when
+    key_pos[j] <= query_pos[i] (global positions, (l,) and (L,)) and, with documents (global
+    ids, (b, l) and (b, L), non-decreasing along the sequence), both lie in one document.
+    Built per tile of BLOCK x BLOCK from each tile's smallest and largest position and
+    document, never per element: a tile is skipped when no pair in it can be visible, run
+    without the mask when every pair is, and masked element by element (the function
+    `visible`) otherwise. Tensors of (l / BLOCK) x (L / BLOCK) tiles, no l x L one."""
+    q_lo, q_hi = _tile_ranges(query_pos)                                  # (Q,)
+    k_lo, k_hi = _tile_ranges(key_pos)                                    # (K,)
+    some = (k_lo[None, :] <= q_hi[:, None])[None, None]                   # (1, 1, Q, K)
+    every = (k_hi[None, :] <= q_lo[:, None])[None, None]
+    if query_doc is not None:
+        (qd_lo, qd_hi), (kd_lo, kd_hi) = _tile_ranges(query_doc), _tile_ranges(key_doc)   # (b, Q), (b, K)
+        overlap = (kd_lo[:, None, :] <= qd_hi[:, :, None]) & (kd_hi[:, None, :] >= qd_lo[:, :, None])
+        one_doc = (qd_lo == qd_hi)[:, :, None] & (kd_lo == kd_hi)[:, None, :] & (qd_lo[:, :, None] == kd_lo[:, None, :])
+        some, every = some & overlap[:, None], every & one_doc[:, None]   # (b, 1, Q, K)
+
+    def visible(b, h, q, k):
+        seen = key_pos[k] <= query_pos[q]
+        return seen if query_doc is None else seen & (query_doc[b, q] == key_doc[b, k])
+
+    return BlockMask.from_kv_blocks(*_ordered(some & ~every), *_ordered(every), BLOCK_SIZE=BLOCK, mask_mod=visible,
+                                    seq_lengths=(query_pos.shape[0], key_pos.shape[0]))
+
+
+def _listed_tiles(count, indices):
+    """flex's layout of a tile list, (B, 1, Q) counts and (B, 1, Q, K) indices, back to (B, 1, Q, K) bool."""
+    K = indices.shape[-1]
+    listed = torch.arange(K, device=indices.device) < count[..., None]
+    spare = torch.zeros(*indices.shape[:-1], K + 1, dtype=torch.bool, device=indices.device)  # column K: unlisted
+    return spare.scatter_(-1, torch.where(listed, indices.long(), K), True)[..., :K]
+
+
+def dense_mask(block_mask):
+    """The (B, 1, l, L) boolean mask flex_attention's kernel applies, written out: unlisted
+    tiles hidden, full tiles whole, the other listed tiles by the mask function."""
+    l, L = block_mask.seq_lengths
+    grow = lambda tiles: tiles.repeat_interleave(BLOCK, 2).repeat_interleave(BLOCK, 3)[:, :, :l, :L]   # noqa: E731
+    full = grow(_listed_tiles(block_mask.full_kv_num_blocks, block_mask.full_kv_indices))
+    masked = grow(_listed_tiles(block_mask.kv_num_blocks, block_mask.kv_indices))
+    device = masked.device
+    b = torch.arange(masked.shape[0], device=device)[:, None, None, None]
+    q, k = torch.arange(l, device=device)[:, None], torch.arange(L, device=device)[None, :]
+    return full | (masked & block_mask.mask_mod(b, 0, q, k))
+
+
+_compiled_flex = []
+
+
+def masked_attention(query, key, value, block_mask, scaling=None):
+    """query (b, hq, l, d), key and value (b, hkv, L, d) with hq a multiple of hkv (grouped-query
+    attention read in place, no copy per query head) -> (b, l, hq, d). On a GPU the fused
+    flex_attention kernel, compiled once per shape, which reads only the tiles the mask lists;
+    on a CPU (flex_attention has no CPU backward) SDPA under dense_mask, the same function
+    with the l x L mask written out (for tests; the GPU tests check the kernel against it)."""
+    gqa = key.shape[1] != query.shape[1]
+    if query.device.type == "cpu":
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=dense_mask(block_mask), scale=scaling,
+                                             enable_gqa=gqa)
+    else:
+        if not _compiled_flex:
+            _compiled_flex.append(torch.compile(flex_attention, dynamic=False))
+        out = _compiled_flex[0](query, key, value, block_mask=block_mask, scale=scaling, enable_gqa=gqa)
+    return out.transpose(1, 2).contiguous()
+
+
+class CPAttention:
+    """What the attention layers of one CP model share: the group, the layout, and the mask of
+    the forward under way, made once per forward by a hook on the model (every rank runs it, so
+    the documents' all-gather in it is one collective every rank makes) and read by every layer."""
+
+    def __init__(self, cp_group, load_balancing):
+        self.cp_group, self.load_balancing = cp_group, load_balancing
+        self.world = 1 if cp_group is None else dist.get_world_size(cp_group)
+        self.rank = 0 if cp_group is None else dist.get_rank(cp_group)
+        self.seq_idx, self.l, self.block_mask = None, None, None
+
+    def make_mask(self, l, device, seq_idx=None):
+        """The mask for l local tokens per row (and seq_idx (b, l), this rank's documents)."""
+        keys = key_positions(l, self.world, self.load_balancing, device)          # (W * l,)
+        queries = keys[self.rank * l:(self.rank + 1) * l]                          # (l,)
+        docs = ()
+        if seq_idx is not None:
+            seq_idx = seq_idx.to(device=device, dtype=torch.int32).contiguous()
+            docs = (seq_idx, seq_idx if self.world == 1 else _gathered(seq_idx, self.cp_group, 1))
+        return cp_block_mask(queries, keys, *docs)
+
+    def before_forward(self, model, args, kwargs):
+        tokens = kwargs.get("input_ids", args[0] if args else None)
+        if tokens is None:
+            tokens = kwargs["inputs_embeds"]
+        self.seq_idx, self.l = kwargs.get("seq_idx"), tokens.shape[1]
+        self.block_mask = self.make_mask(self.l, tokens.device, self.seq_idx)
+
+    def mask_for(self, seq_idx, l):
+        if seq_idx is not self.seq_idx or l != self.l:
+            raise ValueError("enable_cp: this attention call's tokens (or seq_idx) are not those of the model's "
+                             "forward under way; call the model enable_cp was given, with seq_idx as a keyword")
+        return self.block_mask
+
+
+def cp_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, seq_idx=None, **kwargs):
     """transformers' attention-interface signature: query (b, hq, l, d) and key, value (b, hkv,
     l, d) of this rank's tokens (rotary embeddings applied, from global positions); returns
     (b, l, hq, d) and no weights. Token i sees token j where j's global position is not after
     i's and, with seq_idx (b, l), both lie in one document."""
-    cp_group, load_balancing = module.mamba_cp
+    cp = module.mamba_cp
     if key.shape[2] != query.shape[2] or (kwargs.get("use_cache") and not module.training):
         raise ValueError("enable_cp: a cache (generation, or use_cache on in evaluation) is not supported under "
                          "context parallelism: evaluate shards with use_cache=False, and generate with a model "
@@ -218,20 +388,17 @@ def gathered_kv_attention(module, query, key, value, attention_mask, dropout=0.0
                          "a padding mask is not supported (pack the documents instead)")
     if not module.is_causal:
         raise ValueError(f"enable_cp: {type(module).__name__} is not causal")
+    if dropout and module.training:
+        raise ValueError(f"enable_cp: {type(module).__name__} has attention dropout {dropout}, which the fused "
+                         f"attention kernel does not apply")
+    if kwargs.pop("sliding_window", None) is not None:
+        raise ValueError(f"enable_cp: {type(module).__name__} uses sliding-window attention, which this file "
+                         f"does not run on a shard")
     _refuse_unknown(kwargs, f"enable_cp: {type(module).__name__}")
-    world, rank = dist.get_world_size(cp_group), dist.get_rank(cp_group)
-    b, hq, l, _ = query.shape
-    key, value = (_GatherTokens.apply(t, cp_group) for t in (key, value))      # (b, hkv, W * l, d)
-    if key.shape[1] != hq:                                                      # grouped-query attention
-        key, value = (t.repeat_interleave(hq // t.shape[1], dim=1) for t in (key, value))
-    keys = _global_positions(l, world, load_balancing, query.device)           # (W * l,)
-    queries = keys[rank * l:(rank + 1) * l]                                    # (l,)
-    visible = (keys[None, :] <= queries[:, None])[None]                        # (1, l, W * l)
-    if seq_idx is not None:
-        visible = visible & (seq_idx[:, :, None] == _gathered(seq_idx, cp_group, 1)[:, None, :])   # (b, l, W * l)
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=visible[:, None], dropout_p=dropout,
-                                         scale=scaling)                         # (b, hq, l, d)
-    return out.transpose(1, 2).contiguous(), None
+    block_mask = cp.mask_for(seq_idx, query.shape[2])
+    if cp.world > 1:
+        key, value = (_GatherTokens.apply(t, cp.cp_group) for t in (key, value))   # (b, hkv, W * l, d)
+    return masked_attention(query, key, value, block_mask, scaling), None
 
 
 def _attention_layers(model):
@@ -240,7 +407,8 @@ def _attention_layers(model):
 
 def _layers_to_patch(model):
     """The model's Mamba2 mixers and attention layers, once its declared layer kinds are all
-    kinds this file runs on a shard and the modules found match them in number."""
+    kinds this file runs on a shard, the modules found match them in number, and no attention
+    has a sliding window."""
     config = model.config
     kinds = getattr(config, "layers_block_type", None) or getattr(config, "layer_types", None)
     if kinds is None:
@@ -253,6 +421,10 @@ def _layers_to_patch(model):
                          f"know how to run on a shard (it knows {MAMBA_KIND!r}, {ATTENTION_KIND!r} and "
                          f"{', '.join(map(repr, TOKENWISE_KINDS))})")
     mixers, attentions = _mamba2_mixers(model), _attention_layers(model)
+    windows = {getattr(config, "sliding_window", None)} | {getattr(m, "sliding_window", None) for m in attentions}
+    if windows - {None}:
+        raise ValueError(f"enable_cp: {type(model).__name__} uses sliding-window attention (sliding_window="
+                         f"{sorted(windows - {None})}), which this file does not run on a shard")
     for kind, found in ((MAMBA_KIND, mixers), (ATTENTION_KIND, attentions)):
         if kinds.count(kind) != len(found):
             raise ValueError(f"enable_cp: {type(model).__name__} declares {kinds.count(kind)} layers of kind "
@@ -263,18 +435,21 @@ def _layers_to_patch(model):
 def enable_cp(model, cp_group, load_balancing="virtual"):
     """Make every layer of a supported transformers model (module docstring) correct on this
     rank's shard of the sequence, in the layout `load_balancing`: the Mamba2 mixers as
-    enable_mamba_cp does, the attention layers through this file's attention function. cp_group
-    None, or a group of one, leaves the model as it was. Returns the model."""
-    mamba_cp._check_layout(load_balancing)
-    if cp_group is None or dist.get_world_size(cp_group) == 1:
-        return model
+    enable_mamba_cp does, the attention layers through cp_attention (flex_attention under a
+    mask made once per forward). cp_group None, or a group of one, is a world of one: the same
+    code on the whole sequence, no collective (module docstring). Returns the model."""
+    _check_layout(load_balancing)
     mixers, attentions = _layers_to_patch(model)
     if attentions:
         from transformers import AttentionInterface
-        AttentionInterface.register(ATTENTION, gathered_kv_attention)
+        AttentionInterface.register(ATTENTION, cp_attention)
+        shared = CPAttention(_group_or_none(cp_group), load_balancing)
         for module in attentions:
-            module.mamba_cp = (cp_group, load_balancing)
+            module.mamba_cp = shared
         model.set_attn_implementation(ATTENTION)
+        if hasattr(model, "_mamba_cp_hook"):
+            model._mamba_cp_hook.remove()
+        model._mamba_cp_hook = model.register_forward_pre_hook(shared.before_forward, with_kwargs=True)
     if mixers:
         enable_mamba_cp(model, cp_group, load_balancing)
     return model
@@ -308,7 +483,9 @@ def shard_batch(input_ids, labels, rank, world, load_balancing="virtual", positi
 
 def all_reduce_grads(model, cp_group):
     """Sum every parameter's gradient over the CP group (each rank holds its own contribution).
-    Not with FSDP: its reduce-scatter does this (module docstring)."""
+    Not with FSDP: its reduce-scatter does this (module docstring). Nothing in a world of one."""
+    if _group_or_none(cp_group) is None:
+        return
     for p in model.parameters():
         if p.grad is not None:
             dist.all_reduce(p.grad, group=cp_group)

@@ -1379,6 +1379,11 @@ def parse_args(argv=None):
     ap.add_argument("--launch", metavar="JSON",
                     help="tuning: replace kernels' launch options, e.g. '{\"bwd_x\": {\"num_warps\": 4}}' "
                          f"(kernels: {', '.join(mamba_cp._KERNELS)}; GPU only)")
+    ap.add_argument("--hybrid", nargs=argparse.REMAINDER, metavar="{attention,step} ...",
+                    help="run examples/hybrid_bench.py with the arguments that follow (GPU): a transformers hybrid "
+                         "under examples/transformers_cp.py, its attention against flash ('attention') or one "
+                         "training step of a granite-4.0-h-tiny-sized GraniteMoeHybrid ('step'); "
+                         "`--hybrid step --help` for its options")
     ap.add_argument("--kernel-chunk", dest="kernel_chunk", type=int,
                     help=f"tuning: the kernels' chunk length, forward and backward (default "
                          f"{mamba_cp.tuning().chunk_fwd}; a power of two from 16)")
@@ -1452,7 +1457,11 @@ def main_single(args):
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.model:
+    if args.hybrid is not None:
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "examples"))
+        import hybrid_bench
+        hybrid_bench.main(args.hybrid or ["step"])
+    elif args.model:
         main_model(args)
     elif is_distributed(args):
         main_distributed(args)

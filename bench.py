@@ -7,7 +7,9 @@ sends), _a2a_heads (how the all-to-all baseline splits heads), _chosen_exchange 
 summary_exchange="auto" picks), _KERNELS (the chunk kernels that take launch options) and the
 Tuning fields set_tuning takes.
 
-Three measurements, dispatched by main():
+Three measurements, dispatched by main() (and a fourth elsewhere: `python bench.py --hybrid
+attention|step ...` runs examples/hybrid_bench.py, transformers hybrids under
+examples/transformers_cp.py):
 
 1. `python bench.py` (one device, no torchrun): the single-device chunked SSD.
    What is timed: `mamba_cp.mamba_chunk_scan_combined(x, dt, A, B, C, chunk, D=D, dt_bias=dt_bias,

@@ -1338,7 +1338,7 @@ def tuned(args):
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cp", action="store_true",
                     help="time the CP paths (implied under torchrun with WORLD_SIZE > 1; alone: a world of one)")

@@ -308,8 +308,8 @@ class ConvLaunch(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class Tuning:
     """Every choice that differs between a GPU and the Triton interpreter, in one place. The
-    GPU's are the fastest measured on an H200 at the record shape (README "Where the time
-    goes", "The launch choices"); the interpreter pays per program, and its choices make the
+    GPU's are the fastest measured on an H200 at the record shape (BENCHMARKS.md, "Where the
+    time goes", "The launch choices"); the interpreter pays per program, and its choices make the
     CPU tests walk every loop (several segments, state tiles, head blocks).
     `TUNINGS` holds them by name; `set_tuning` picks the one the launches use (the interpreter's
     wherever the interpreter runs, else the GPU's)."""
@@ -3004,8 +3004,8 @@ def _chunk_scan_fwd(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chun
 
     The gate y * silu(z) runs as its own kernel (section 14's) on y, which is kept for the
     backward, as mamba_ssm keeps it: folded into the SSD kernels it cost less in the forward but
-    more in the backward, which had to load z in three kernels and recompute y in one (README
-    "The launch choices")."""
+    more in the backward, which had to load z in three kernels and recompute y in one
+    (BENCHMARKS.md, "The launch choices")."""
     _check_document_values(seq_idx, cu_seqlens)
     plan = _LaunchPlan(x, B, min(chunk_size, tuning().chunk_fwd), dt_bias, dt_softplus, (dt_min, dt_max), seq_idx,
                        state_dtype)

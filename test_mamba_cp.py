@@ -2893,18 +2893,24 @@ def test_part_one_stands_alone():
 # ---------------------------------------------------------------------------------------------
 
 
+def _say(line):
+    """One line to stdout in one write: the ranks share the terminal, and print's separate writes
+    of the text and its newline let their lines run into one another."""
+    os.write(sys.stdout.fileno(), (line + "\n").encode())
+
+
 def _report(rank, label, results, bound):
     """One line per case of a check's results, PASS or FAIL by the verdict the pytest tests
     assert (failures), SKIP with its reason; returns (passed, failed, skipped)."""
     bad = failures(results, bound)
     for case, errs in results.items():
         if isinstance(errs, Skipped):
-            print(f"[rank {rank}] SKIP {label} {case}: {errs.reason}", flush=True)
+            _say(f"[rank {rank}] SKIP {label} {case}: {errs.reason}")
             continue
         worst = max(errs, key=lambda q: errs[q] if errs[q] == errs[q] else math.inf, default=None)
-        print(f"[rank {rank}] {'FAIL' if case in bad else 'PASS'} {label} {case}: "
-              + (f"largest error {errs[worst]:.2e} ({worst})" if worst is not None else "nothing measured")
-              + (f", above {bound:g}: {bad[case]}" if case in bad else ""), flush=True)
+        _say(f"[rank {rank}] {'FAIL' if case in bad else 'PASS'} {label} {case}: "
+             + (f"largest error {errs[worst]:.2e} ({worst})" if worst is not None else "nothing measured")
+             + (f", above {bound:g}: {bad[case]}" if case in bad else ""))
     ran = measured(results)
     return len(ran) - len(bad), len(bad), len(results) - len(ran)
 
@@ -2925,7 +2931,7 @@ def main():
     for chk in CHECKS:
         why = chk.skipped()
         if why:
-            print(f"[rank {rank}] SKIP W={world} {chk.label}: {why}", flush=True)
+            _say(f"[rank {rank}] SKIP W={world} {chk.label}: {why}")
             counts[2] += 1
             continue
         runs = [(f"W={world}", rank, world, group)]
@@ -2936,14 +2942,14 @@ def main():
             counts = [c + n for c, n in zip(counts, _report(rank, f"{label} {chk.label}", results,
                                                             chk.gpu_bound if CUDA else chk.bound))]
             if chk.run is cp_world_check and w == world and rank == 0:
-                print(f"[rank 0] largest relative RMS per tensor, W={world}: "
-                      + ", ".join(f"{t} {e:.2e}" for t, e in sorted(largest(results).items())), flush=True)
+                _say(f"[rank 0] largest relative RMS per tensor, W={world}: "
+                     + ", ".join(f"{t} {e:.2e}" for t, e in sorted(largest(results).items())))
     totals = torch.tensor(counts, device=device)
     dist.all_reduce(totals, group=group)
     dist.barrier()
     passed, failed, skipped = totals.tolist()
     if rank == 0:
-        print(f"{passed} passed, {failed} failed, {skipped} skipped", flush=True)
+        _say(f"{passed} passed, {failed} failed, {skipped} skipped")
     dist.destroy_process_group()
     sys.exit(1 if failed or not passed else 0)
 

@@ -126,6 +126,23 @@ def state_passing_reference(x, dt, A, B, C, world, D=None, dt_bias=None, dt_soft
     return torch.cat(ys, dim=1), E[world]
 
 
+def summary_scan_reference(a, S_ext, first, last, initial_states):
+    """The exclusive scan over segment summaries (README walkthrough d) as one float64 loop in
+    sequence order: segment k's state map is S_exit = a_k * S_entry + S_ext_k, a (b, K, h) and
+    S_ext (b, K, h, p, n), with a_k already zero where a document starts inside segment k;
+    first, last (b, K) are the document ids of each segment's first and last token. The state
+    reaches segment k only if its first token continues the previous segment's last document
+    (cont (b, K), 1 or 0; segment 0 gets initial_states (b, h, p, n)). Returns the entry state
+    of every segment (b, K, h, p, n), the final state (b, h, p, n) and cont."""
+    cont = torch.ones(a.shape[:2], dtype=torch.float64, device=a.device)
+    cont[:, 1:] = (first[:, 1:] == last[:, :-1]).double()
+    E, entries = initial_states.double(), []
+    for k in range(a.shape[1]):
+        entries.append(cont[:, k, None, None, None] * E)
+        E = a[:, k, :, None, None].double() * entries[-1] + S_ext[:, k].double()
+    return torch.stack(entries, dim=1), E, cont
+
+
 def _segsum(v):
     """out[..., i, j] = sum_{j<k<=i} v[..., k] for i >= j, -inf above the diagonal.
 

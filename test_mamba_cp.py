@@ -1303,19 +1303,12 @@ def random_summaries(world, layout, seed=7):
 
 
 def sequential_summaries(s):
-    """The float64 recurrence over segments in global order: entries, final, cont; and the
-    gradients of sum_k <G_k, entry_k> + <sum of dfinal, final> w.r.t. S_ext (the gradient at each
-    segment's exit) and the initial state."""
+    """The oracle's float64 scan over segments in global order (reference_ssd.summary_scan_reference):
+    entries, final, cont; and, by autograd through it, the gradients of sum_k <G_k, entry_k> +
+    <sum of dfinal, final> w.r.t. S_ext (the gradient at each segment's exit) and the initial state."""
     S = s["S"].double().requires_grad_(True)
     init = s["init"].double().requires_grad_(True)
-    K = S.shape[1]
-    cont = torch.ones(s["a"].shape[:2], dtype=torch.float64)
-    cont[:, 1:] = (s["first"][:, 1:] == s["last"][:, :-1]).double()
-    E, entries = init, []
-    for k in range(K):
-        entries.append(cont[:, k, None, None, None] * E)
-        E = s["a"][:, k, :, None, None].double() * entries[-1] + S[:, k]
-    entries = torch.stack(entries, dim=1)
+    entries, E, cont = ref.summary_scan_reference(s["a"], S, s["first"], s["last"], init)
     loss = (entries * s["G"].double()).sum() + (E * s["dfinal"].double().sum(0)).sum()
     dexit, dinit = torch.autograd.grad(loss, [S, init])
     return dict(entries=entries.detach(), final=E.detach(), cont=cont, dexit=dexit, dinit=dinit)
@@ -1375,7 +1368,7 @@ def scan_in_one_process(s, layout, world, rank):
 @check("summary scan alone", 1e-6)
 def scan_helper_errors(rank, world, group, device, gpu=False):
     """_entries_by_prefix_scan and _exit_grads_by_prefix_scan on random summaries, both layouts,
-    with documents: within float32 (1e-6) of the float64 recurrence and its gradient, bitwise
+    with documents: within float32 (1e-6) of the oracle's float64 scan (summary_scan_reference) and its gradient, bitwise
     where promised."""
     results = {}
     for layout in ("none", "virtual"):
@@ -1409,7 +1402,7 @@ def scan_helper_errors(rank, world, group, device, gpu=False):
 @pytest.mark.parametrize("world", [2, 5, 16])
 def test_summary_scan_alone(world):
     """The prefix scan over W gloo ranks on random summaries (no kernels): within float32 of the
-    float64 recurrence and its gradient, and bitwise the compositions it promises."""
+    oracle's float64 scan and its gradient, and bitwise the compositions it promises."""
     world_check(world, scan_helper_errors, timeout=300)
 
 

@@ -1368,8 +1368,8 @@ def scan_in_one_process(s, layout, world, rank):
 @check("summary scan alone", 1e-6)
 def scan_helper_errors(rank, world, group, device, gpu=False):
     """_entries_by_prefix_scan and _exit_grads_by_prefix_scan on random summaries, both layouts,
-    with documents: within float32 (1e-6) of the oracle's float64 scan (summary_scan_reference) and its gradient, bitwise
-    where promised."""
+    with documents: within float32 (1e-6) of the oracle's float64 scan (summary_scan_reference)
+    and its gradient, bitwise where promised."""
     results = {}
     for layout in ("none", "virtual"):
         s = random_summaries(world, layout)

@@ -77,6 +77,23 @@ def ssd_reference(x, dt, A, B, C, D=None, z=None, dt_bias=None, initial_states=N
     return _epilogue(y, x, D, z), S
 
 
+def summary_scan_reference(a, S_ext, first, last, initial_states):
+    """The exclusive scan over segment summaries (README walkthrough d) as one float64 loop in
+    sequence order: segment k's state map is S_exit = a_k * S_entry + S_ext_k, a (b, K, h) and
+    S_ext (b, K, h, p, n), with a_k already zero where a document starts inside segment k;
+    first, last (b, K) are the document ids of each segment's first and last token. The state
+    reaches segment k only if its first token continues the previous segment's last document
+    (cont (b, K), 1 or 0; segment 0 gets initial_states (b, h, p, n)). Returns the entry state
+    of every segment (b, K, h, p, n), the final state (b, h, p, n) and cont."""
+    cont = torch.ones(a.shape[:2], dtype=torch.float64, device=a.device)
+    cont[:, 1:] = (first[:, 1:] == last[:, :-1]).double()
+    E, entries = initial_states.double(), []
+    for k in range(a.shape[1]):
+        entries.append(cont[:, k, None, None, None] * E)
+        E = a[:, k, :, None, None].double() * entries[-1] + S_ext[:, k].double()
+    return torch.stack(entries, dim=1), E, cont
+
+
 def state_passing_reference(x, dt, A, B, C, world, D=None, dt_bias=None, dt_softplus=False,
                             seq_idx=None, initial_states=None, dt_limit=_NO_LIMIT):
     """State-passing CP (README walkthrough c and d) with `world` ranks simulated in one process.
@@ -98,49 +115,27 @@ def state_passing_reference(x, dt, A, B, C, world, D=None, dt_bias=None, dt_soft
     kw = dict(dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
 
     # 2. every rank alone: the summary (a_r, S_ext_r) of its shard's state map
-    a, S_ext, fresh = [], [], []
+    a, S_ext = [], []
     for r in range(world):
-        # besides the summaries, the one thing a rank needs from its neighbour: the document id of
-        # the previous shard's last token, to tell whether a document starts at its first token
-        prev = seqs[r][:, :1] if r == 0 else seqs[r - 1][:, -1:]  # (b, 1); token 0 starts nothing
-        starts = seqs[r] != torch.cat([prev, seqs[r][:, :-1]], dim=1)  # (b, l_r) a document starts here
-        fresh.append(starts[:, 0])  # (b,) the entry state does not reach this shard's tokens
-        # the entry state survives the shard only if no document starts in it
-        a.append(torch.exp(dAs[r].sum(1)).masked_fill(starts.any(1)[:, None], 0.0))  # (b, h)
+        # the entry state survives the shard only if no document starts inside it (one starting at
+        # its first token cuts the entry state itself: step 3 sees that from the document ids)
+        inside = (seqs[r][:, 1:] != seqs[r][:, :-1]).any(1)  # (b,)
+        a.append(torch.exp(dAs[r].sum(1)).masked_fill(inside[:, None], 0.0))  # (b, h)
         S_ext.append(ssd_reference(xs[r], dts[r], A, Bs[r], Cs[r], seq_idx=seqs[r],
                                    **kw)[1])  # (b, h, p, n): the exit state from a zero entry
 
     # 3. the exclusive scan over ranks (in the real thing: an all-gather of the W summaries, then
-    #    this tiny scan on every rank); E[r] is the state entering shard r, E[world] the final one
-    E = [xs[0].new_zeros(b, h, p, B.shape[-1], dtype=torch.float64) if initial_states is None
-         else initial_states.double()]  # (b, h, p, n) feeds the first document
-    for r in range(world):
-        E.append(a[r][:, :, None, None] * E[r] + S_ext[r])  # E_{r+1} = a_r E_r + S_ext_r
+    #    this tiny scan on every rank); besides the summaries a rank needs only the document ids of
+    #    its neighbour's last token, to tell whether its first token continues that document
+    first = torch.stack([s[:, 0] for s in seqs], dim=1)  # (b, W)
+    last = torch.stack([s[:, -1] for s in seqs], dim=1)  # (b, W)
+    init = x.new_zeros(b, h, p, B.shape[-1]) if initial_states is None else initial_states  # (b, h, p, n)
+    entries, final, _ = summary_scan_reference(torch.stack(a, 1), torch.stack(S_ext, 1), first, last, init)
 
-    # 4. every rank: its outputs from its true entry state (zero if its first token starts a document)
-    ys = []
-    for r in range(world):
-        entry = E[r].masked_fill(fresh[r][:, None, None, None], 0.0)  # (b, h, p, n)
-        ys.append(ssd_reference(xs[r], dts[r], A, Bs[r], Cs[r], D=D, initial_states=entry, seq_idx=seqs[r],
-                                **kw)[0])  # (b, l_r, h, p), D skip included
-    return torch.cat(ys, dim=1), E[world]
-
-
-def summary_scan_reference(a, S_ext, first, last, initial_states):
-    """The exclusive scan over segment summaries (README walkthrough d) as one float64 loop in
-    sequence order: segment k's state map is S_exit = a_k * S_entry + S_ext_k, a (b, K, h) and
-    S_ext (b, K, h, p, n), with a_k already zero where a document starts inside segment k;
-    first, last (b, K) are the document ids of each segment's first and last token. The state
-    reaches segment k only if its first token continues the previous segment's last document
-    (cont (b, K), 1 or 0; segment 0 gets initial_states (b, h, p, n)). Returns the entry state
-    of every segment (b, K, h, p, n), the final state (b, h, p, n) and cont."""
-    cont = torch.ones(a.shape[:2], dtype=torch.float64, device=a.device)
-    cont[:, 1:] = (first[:, 1:] == last[:, :-1]).double()
-    E, entries = initial_states.double(), []
-    for k in range(a.shape[1]):
-        entries.append(cont[:, k, None, None, None] * E)
-        E = a[:, k, :, None, None].double() * entries[-1] + S_ext[:, k].double()
-    return torch.stack(entries, dim=1), E, cont
+    # 4. every rank: its outputs from its true entry state (b, h, p, n)
+    ys = [ssd_reference(xs[r], dts[r], A, Bs[r], Cs[r], D=D, initial_states=entries[:, r], seq_idx=seqs[r],
+                        **kw)[0] for r in range(world)]  # (b, l_r, h, p), D skip included
+    return torch.cat(ys, dim=1), final
 
 
 def _segsum(v):

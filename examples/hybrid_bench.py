@@ -99,10 +99,12 @@ def attention_case(L, world, rank, heads, kv_heads, dim, documents, iters, warmu
         doc = packed_documents(L, documents, g, device)                        # (1, L) global
         docs = (doc[:, queries], doc[:, keys])
 
-    def ours():
+    def ours_out():
         mask = transformers_cp.cp_block_mask(queries, keys, *docs)
-        out = transformers_cp.masked_attention(q, k, v, mask, scale)
-        torch.autograd.grad(out, (q, k, v), dout)
+        return transformers_cp.masked_attention(q, k, v, mask, scale)               # (1, l, hq, d)
+
+    def ours():
+        torch.autograd.grad(ours_out(), (q, k, v), dout)
 
     # flash: each of the rank's half-shards against the prefix of keys up to its last position
     half = l // 2
@@ -111,25 +113,20 @@ def attention_case(L, world, rank, heads, kv_heads, dim, documents, iters, warmu
     fk, fv = k_all.clone().requires_grad_(), v_all.clone().requires_grad_()
     fdout = [dout[:, i * half:(i + 1) * half].transpose(1, 2) for i in range(2)]
 
-    def flash():
-        outs = []
+    def flash_outs():                                                               # [(1, hq, l / 2, d)] * 2
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            for qi, (a, b) in zip(fq, pieces):
-                outs.append(F.scaled_dot_product_attention(qi, fk[:, :, :b], fv[:, :, :b], attn_mask=causal_lower_right(b - a, b),
-                                                           scale=scale, enable_gqa=True))
-        torch.autograd.grad(outs, (*fq, fk, fv), fdout)
+            return [F.scaled_dot_product_attention(qi, fk[:, :, :b], fv[:, :, :b], attn_mask=causal_lower_right(b - a, b),
+                                                   scale=scale, enable_gqa=True) for qi, (a, b) in zip(fq, pieces)]
+
+    def flash():
+        torch.autograd.grad(flash_outs(), (*fq, fk, fv), fdout)
 
     # the same function: ours against flash on the same work (no documents)
     check = None
     if not documents:
         with torch.no_grad():
-            out = transformers_cp.masked_attention(q, k, v, transformers_cp.cp_block_mask(queries, keys), scale)
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION), torch.no_grad():
-            ref = [F.scaled_dot_product_attention(qi, k_all[:, :, :b], v_all[:, :, :b], attn_mask=causal_lower_right(b - a, b),
-                                                  scale=scale, enable_gqa=True).transpose(1, 2) for qi, (a, b)
-                   in zip(fq, pieces)]
-        ref = torch.cat(ref, 1).float()
-        check = float((out.detach().float() - ref).norm() / ref.norm())
+            out, ref = ours_out().float(), torch.cat([o.transpose(1, 2) for o in flash_outs()], 1).float()
+        check = float((out - ref).norm() / ref.norm())
     r = dict(bench="cp_attention", L=L, world=world, rank=rank, l=l, heads=heads, kv_heads=kv_heads, dim=dim,
              documents=documents, ours_ms=time_ms(ours, iters, warmup), ours_peak_gib=peak_gib(ours),
              rel_diff_vs_flash=check)
@@ -253,8 +250,9 @@ def step_case(model, ids, iters, warmup, label, **extra):
 
 
 class _RepeatedKV(torch.autograd.Function):
-    """Stands in for the all-gather of one rank's K or V at W ranks: W copies of its own
-    (b, h, l, d), the shape and bytes the gather returns; backward sums them back."""
+    """Stands in for transformers_cp._GatherTokens (the all-gather of one rank's K or V) at W
+    ranks, called as it is with W in the group's place: W copies of its own (b, h, l, d), the
+    shape and bytes the gather returns; backward sums them back."""
 
     @staticmethod
     def forward(ctx, t, world):
@@ -290,8 +288,9 @@ def main_step(args):
         l = args.global_length // args.world
         model = cp.enable_cp(granite_tiny(args.layers, device), None, "virtual")
         shared = next(m.mamba_cp for m in model.modules() if hasattr(m, "mamba_cp"))
-        shared.world, shared.rank = args.world, args.rank                 # this rank's mask at W ranks
-        cp._GatherTokens = type("Gather", (), {"apply": staticmethod(lambda t, group: _RepeatedKV.apply(t, args.world))})
+        # this rank's mask at W ranks; the gather's stand-in takes W where the group would be
+        shared.world, shared.rank, shared.cp_group = args.world, args.rank, args.world
+        cp._GatherTokens = _RepeatedKV
         ids = torch.randint(0, GRANITE_4_H_TINY["vocab_size"], (1, l), generator=torch.Generator().manual_seed(l))
         ids = ids.to(device)
         cfg = model.config

@@ -1,11 +1,11 @@
 """Benchmark of mamba_cp (README "Tests and benchmark"): the single-device SSD, the context-parallel
 paths side by side, and the bytes each path communicates.
 
-It calls mamba_cp's public functions, and five documented internals where the model of the bytes
-and the tuning flags need the module's own answer: _agreement_ints (what the input agreement
-sends), _a2a_heads (how the all-to-all baseline splits heads), _chosen_exchange (what
-summary_exchange="auto" picks), _KERNELS (the chunk kernels that take launch options) and the
-Tuning fields set_tuning takes.
+It reaches no internal of mamba_cp, only public names: the functions it times; the module's
+one cost model of the communication (comm_bytes, modelled_seconds, LinkModel, LINKS,
+set_link_model, and chosen_exchange, what summary_exchange="auto" picks by that model), so the
+bytes and times printed here are the ones "auto" decides by; and, for the tuning flags,
+TUNED_KERNELS (the chunk kernels that take launch options) and the Tuning fields set_tuning takes.
 
 Three measurements, dispatched by main() (and a fourth elsewhere: `python bench.py --hybrid
 attention|step ...` runs examples/hybrid_bench.py, transformers hybrids under
@@ -55,8 +55,8 @@ examples/transformers_cp.py):
        (core_gate_ms). On CPU these calls get no warm-up unless --warmup is given (the
        interpreter compiles nothing; this keeps the CPU default short).
    (b) Communication volume ("bench": "comm_bytes"): bytes each path moves per rank per layer,
-       forward and backward, computed from the shapes by comm_bytes() (its docstring states every
-       term), for W in 2..64 and global L in 8192..1048576, at this run's shape (--comm-shape
+       forward and backward, computed from the shapes by mamba_cp.comm_bytes (its docstring states
+       every term), for W in 2..64 and global L in 8192..1048576, at this run's shape (--comm-shape
        record: the record shape). Nothing is run; also on CPU.
 
 2. `torchrun --nproc_per_node=N bench.py` (WORLD_SIZE > 1, or --cp): every CP path of the fused
@@ -592,124 +592,13 @@ def make_cp_step(path, leaves, grad_y, args, group):
 # communication volume, from the shapes
 # ---------------------------------------------------------------------------------------------
 
-VALIDATION_INTS = mamba_cp._agreement_ints()   # int64s each rank all-gathers to agree on the inputs
-
-
-def permuted_pieces(W):
-    """Pieces of L/(2W) tokens that the busiest rank moves in one zigzag <-> contiguous
-    permutation: rank r holds pieces {r, 2W-1-r} zigzag and {2r, 2r+1} contiguous; the pieces in
-    both sets stay. It sends as many as it receives. 1 for W=2, 2 for W>=3 (rank 1 moves both)."""
-    return max(2 - len({r, 2 * W - 1 - r} & {2 * r, 2 * r + 1}) for r in range(W))
-
-
-def comm_bytes(path, W, L, batch, shape, dtype_bytes, documents=False):
-    """Bytes one rank receives from the other ranks, per layer call, forward and backward, as
-    mamba_cp moves them (for every exchange here a rank sends as much as it receives; where
-    ranks differ, the busiest rank). Returns dict(fwd=, bwd=, terms={name: bytes},
-    latencies={name: messages in sequence}), or None when the path cannot run (a2a with nheads
-    not divisible by W; L not divisible by 2W). model_seconds() turns the two into time.
-
-    Notation: b batch, h nheads, p headdim, n dstate, g ngroups, d1 = d_conv - 1, conv_dim =
-    h*p + 2*g*n, e = dtype_bytes (xBC, y and their gradients), dt and its gradient fp32 (4 bytes),
-    l = L/W tokens per rank, s = L/(2W) tokens per zigzag piece, R = ceil(log2 W). An all-gather
-    of a block of B bytes per rank makes each rank receive (W-1) * B, in W-1 ring steps.
-    `documents` adds the seq_idx terms (int32), which the benchmark itself does not use.
-
-    Every path, forward: the input check's all-gather ("validation"), VALIDATION_INTS int64
-    per rank: (W-1) * 70 * 8.
-
-    State passing, "none" (k = 1 segment per rank) and "virtual" (k = 2), rows = b*k, with the
-    summaries all-gathered:
-      fwd  conv halo all-gather: (W-1) * rows * d1 * conv_dim * 4 (the halo travels packed as
-           fp32, mamba_cp._pack, whatever the input dtype) [+ (W-1) * rows * d1 * 4 ids]
-      fwd  summary all-gather, fp32: (W-1) * rows * (h*p*n + h [+ 2 ids]) * 4
-      bwd  G all-gather, fp32: (W-1) * (rows * h*p*n + b*h*p*n) * 4 (G of every segment plus the
-           rank's final-state gradient, sent even when zero)
-      bwd  halo-gradient all-gather, fp32: (W-1) * rows * d1 * conv_dim * 4
-    "+scan" (summary_exchange="scan"), the same quantities point to point:
-      fwd  halos from the neighbours: rows * d1 * conv_dim * 4 [+ rows * d1 * 4 ids]; 1 message
-      fwd  R prefix rounds of one map per segment: R * rows * (h*p*n + h [+ 2 ids]) * 4; R
-      fwd  the totals' broadcasts, one per chain: rows * (h*p*n + h [+ 2 ids]) * 4; k * R
-      bwd  the final-state gradient's all-reduce: 2 (W-1)/W * b*h*p*n * 4; 2R
-      bwd  R rounds of the gradient maps: R * rows * (h*p*n + h) * 4; R
-      bwd  "virtual": the second halves' total, broadcast: b * (h*p*n + h) * 4; R
-      bwd  halo gradients to the neighbours: rows * d1 * conv_dim * 4; 1
-
-    "permute_p2p" / "permute_a2a": the state passing of "none" plus the zigzag <-> contiguous
-    moves of the activations, P = permuted_pieces(W) pieces per direction (both variants move
-    the same bytes; pieces a rank keeps do not count; p2p in 1 message time, a2a in W-1):
-      fwd  xBC and dt to contiguous: P * b * s * (conv_dim*e + h*4) [+ P * b * s * 4 ids]
-      fwd  y back to zigzag: P * b * s * h*p*e
-      bwd  dy to contiguous: P * b * s * h*p*e
-      bwd  dxBC and ddt back to zigzag: P * b * s * (conv_dim*e + h*4)
-
-    "a2a" (head-parallel; needs h % W == 0; hw = h/W heads per rank; gr = groups of B and C a
-    rank needs: g/W when W divides g, else 1 when its heads share one group, else one copy per
-    head, hw; as mamba_cp._a2a_heads): every rank sends each other rank that rank's channels of
-    its l local tokens (its own block stays), W-1 messages each:
-      fwd  xBC all-to-all: (W-1) * b * l * (hw*p + 2*gr*n) * e
-      fwd  dt all-to-all: (W-1) * b * l * hw * 4
-      fwd  y all-to-all back: (W-1) * b * l * hw*p * e
-           [+ seq_idx all-gather (W-1) * b * l * 4]
-      bwd  the same three all-to-alls for dy, dxBC, ddt: the same bytes (not the seq_idx term).
-    The final-state gather (return_final_states) is not counted: the benchmark does not ask."""
-    h, p, n, g, d1, cd = shape.nheads, shape.headdim, shape.dstate, shape.ngroups, shape.d_conv - 1, shape.conv_dim
-    e, f4 = dtype_bytes, 4
-    if L % (2 * W) or (path == "a2a" and h % W):
-        return None
-    o, R, ids = W - 1, max(0, W - 1).bit_length(), (1 if documents else 0)
+def path_bytes(path, W, L, batch, shape, dtype_bytes):
+    """mamba_cp.comm_bytes (the module's cost model; its docstring states every term) of one of
+    PATHS at a Shape: a2a, or a load_balancing, "+scan" for summary_exchange="scan". None where
+    the path cannot run (a2a with nheads not divisible by W; L not divisible by 2W)."""
     layout, exchange = layout_of(path)
-    fwd, bwd, lat = {}, {}, {}
-
-    def add(side, name, nbytes, latencies):
-        side[name] = nbytes
-        lat[("fwd: " if side is fwd else "bwd: ") + name] = latencies
-
-    add(fwd, "validation all-gather", o * VALIDATION_INTS * 8, o)
-    if path == "a2a":
-        hw = h // W
-        gr = len(mamba_cp._a2a_heads(h, g, W, 0)[1])
-        l = L // W
-        for side in (fwd, bwd):
-            add(side, "xBC all-to-all" if side is fwd else "dxBC all-to-all", o * batch * l * (hw * p + 2 * gr * n) * e, o)
-            add(side, "dt all-to-all" if side is fwd else "ddt all-to-all", o * batch * l * hw * f4, o)
-            add(side, "y all-to-all" if side is fwd else "dy all-to-all", o * batch * l * hw * p * e, o)
-        if documents:
-            add(fwd, "seq_idx all-gather", o * batch * l * 4, o)
-    else:
-        k = 2 if layout == "virtual" else 1
-        rows, state = batch * k, h * p * n
-        if exchange == "all_gather":
-            add(fwd, "halo all-gather", o * rows * d1 * (cd + ids) * f4, o)
-            add(fwd, "summary all-gather", o * rows * (state + h + 2 * ids) * f4, o)
-            add(bwd, "G all-gather", o * (rows + batch) * state * f4, o)
-            add(bwd, "halo-gradient all-gather", o * rows * d1 * cd * f4, o)
-        else:
-            add(fwd, "halos from the neighbours", rows * d1 * (cd + ids) * f4, 1)
-            add(fwd, "summary prefix rounds", R * rows * (state + h + 2 * ids) * f4, R)
-            add(fwd, "totals broadcast", rows * (state + h + 2 * ids) * f4, k * R)
-            add(bwd, "final-gradient all-reduce", 2 * o * batch * state * f4 // W, 2 * R)
-            add(bwd, "gradient prefix rounds", R * rows * (state + h) * f4, R)
-            if k == 2:
-                add(bwd, "second halves broadcast", batch * (state + h) * f4, R)
-            add(bwd, "halo gradients to the neighbours", rows * d1 * cd * f4, 1)
-        if layout.startswith("permute"):
-            P, s = permuted_pieces(W), L // (2 * W)
-            m = 1 if layout == "permute_p2p" else o
-            add(fwd, "xBC, dt to contiguous", P * batch * s * (cd * e + h * f4 + 4 * ids), m)
-            add(fwd, "y to zigzag", P * batch * s * h * p * e, m)
-            add(bwd, "dy to contiguous", P * batch * s * h * p * e, m)
-            add(bwd, "dxBC, ddt to zigzag", P * batch * s * (cd * e + h * f4), m)
-    terms = {f"fwd: {k}": v for k, v in fwd.items()}
-    terms.update({f"bwd: {k}": v for k, v in bwd.items()})
-    return dict(fwd=sum(fwd.values()), bwd=sum(bwd.values()), terms=terms, latencies=lat)
-
-
-def model_seconds(c, link):
-    """The latency-bandwidth model's time of comm_bytes' terms c on a mamba_cp.LinkModel: each
-    term, its messages in sequence times alpha plus its bytes times beta, summed over the
-    terms (forward and backward; no overlap with compute)."""
-    return sum(c["latencies"][name] * link.alpha + nbytes * link.beta for name, nbytes in c["terms"].items())
+    return mamba_cp.comm_bytes("a2a" if path == "a2a" else layout, W, L, batch, dtype_bytes=dtype_bytes,
+                               summary_exchange=exchange, **dataclasses.asdict(shape))
 
 
 def fmt_bytes(nbytes):
@@ -744,13 +633,13 @@ def report_comm_table(args):
         for L in COMM_LENGTHS:
             cells = []
             for path in paths:
-                c = comm_bytes(path, W, L, batch, shape, DTYPE_BYTES[dtype])
+                c = path_bytes(path, W, L, batch, shape, DTYPE_BYTES[dtype])
                 cells.append("n/a" if c is None else f"{fmt_bytes(c['fwd'])} / {fmt_bytes(c['bwd'])}")
             print(f"{'':<6} {L:<9}" + "".join(f"{cell:>{width}}" for cell in cells))
     for W in COMM_WORLDS:
         for L in COMM_LENGTHS:
             for path in paths:
-                c = comm_bytes(path, W, L, batch, shape, DTYPE_BYTES[dtype])
+                c = path_bytes(path, W, L, batch, shape, DTYPE_BYTES[dtype])
                 r = dict(bench="comm_bytes", path=path, W=W, L=L, batch=batch, dtype=dtype,
                          nheads=shape.nheads, headdim=shape.headdim, ngroups=shape.ngroups,
                          dstate=shape.dstate, d_conv=shape.d_conv,
@@ -817,12 +706,12 @@ def report_model_table(args, links, local_length):
                 cells, r = [], dict(bench="exchange_model", link=name, alpha_s=link.alpha, beta_s_per_byte=link.beta,
                                     W=W, L=L, batch=batch, dtype=dtype, ms={})
                 for path in MODEL_PATHS:
-                    c = comm_bytes(path, W, L, batch, shape, DTYPE_BYTES[dtype])
-                    ms = None if c is None else model_seconds(c, link) * 1e3
+                    c = path_bytes(path, W, L, batch, shape, DTYPE_BYTES[dtype])
+                    ms = None if c is None else mamba_cp.modelled_seconds(c, link) * 1e3
                     r["ms"][path] = ms
                     cells.append(fmt(ms, ".3f"))
-                r["auto_virtual"] = mamba_cp._chosen_exchange("auto", W, "virtual", batch, (shape.nheads, shape.headdim,
-                                                              shape.dstate), shape.conv_dim, shape.d_conv)
+                r["auto_virtual"] = mamba_cp.chosen_exchange("auto", W, "virtual", batch, (shape.nheads, shape.headdim,
+                                                             shape.dstate), shape.conv_dim, shape.d_conv)
                 print(f"{W:>6}" + "".join(f"{cell:>14}" for cell in cells) + f"{r['auto_virtual']:>16}")
                 rows.append(r)
         finally:
@@ -1064,7 +953,7 @@ def bench_cp_path(args, path, L, rank, world, device):
     (identical on every rank but for local fields)."""
     group = dist.group.WORLD
     s = shape_of(args)
-    c = comm_bytes(path, world, L, args.batch, s, DTYPE_BYTES[args.dtype])
+    c = path_bytes(path, world, L, args.batch, s, DTYPE_BYTES[args.dtype])
     r = dict(bench="cp_paths", path=path,
              input_layout="zigzag" if input_layout(path) == "virtual" else "contiguous",
              load_balancing=layout_of(path)[0], summary_exchange=None if path == "a2a" else layout_of(path)[1],
@@ -1245,7 +1134,7 @@ def plot(args, time_series, time_title, W, time_xlabel="global sequence length L
     lengths = sorted(set(COMM_LENGTHS) | set(args.lengths))
     curves, missing = {}, []                       # (fwd, total) points -> paths with those bytes
     for path in args.paths:
-        pts = [(L, comm_bytes(path, W, L, batch, shape, DTYPE_BYTES[dtype])) for L in lengths]
+        pts = [(L, path_bytes(path, W, L, batch, shape, DTYPE_BYTES[dtype])) for L in lengths]
         pts = tuple((L, c["fwd"], c["fwd"] + c["bwd"]) for L, c in pts if c is not None and c["fwd"] + c["bwd"] > 0)
         if pts:
             curves.setdefault(pts, []).append(path)
@@ -1312,10 +1201,10 @@ def apply_tuning(ap, args):
             launch = json.loads(args.launch)
         except json.JSONDecodeError as e:
             ap.error(f"--launch: got {args.launch!r}, expected JSON ({e})")
-        if not isinstance(launch, dict) or any(k not in mamba_cp._KERNELS or not isinstance(v, dict)
+        if not isinstance(launch, dict) or any(k not in mamba_cp.TUNED_KERNELS or not isinstance(v, dict)
                                                for k, v in launch.items()):
             ap.error(f"--launch: got {args.launch!r}, expected an object mapping some of "
-                     f"{', '.join(mamba_cp._KERNELS)} to option objects")
+                     f"{', '.join(mamba_cp.TUNED_KERNELS)} to option objects")
         changes["launch"] = {**base.launch, **launch}
         args.tuning["launch"] = launch
     if args.kernel_chunk is not None:
@@ -1380,7 +1269,7 @@ def parse_args(argv=None):
                     help="--model: tokens per rank (default 16384)")
     ap.add_argument("--launch", metavar="JSON",
                     help="tuning: replace kernels' launch options, e.g. '{\"bwd_x\": {\"num_warps\": 4}}' "
-                         f"(kernels: {', '.join(mamba_cp._KERNELS)}; GPU only)")
+                         f"(kernels: {', '.join(mamba_cp.TUNED_KERNELS)}; GPU only)")
     ap.add_argument("--hybrid", nargs=argparse.REMAINDER, metavar="{attention,step} ...",
                     help="run examples/hybrid_bench.py with the arguments that follow (GPU): a transformers hybrid "
                          "under examples/transformers_cp.py, its attention against flash ('attention') or one "

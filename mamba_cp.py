@@ -18,7 +18,18 @@ prefix scan over the ranks in log2 W rounds), and an exclusive scan over them gi
 its true entry state (README walkthrough c, d).
 
 The same method in about fifty lines of plain torch, W ranks simulated in one process, is
-reference_ssd.state_passing_reference: the shortest way to see it.
+reference_ssd.state_passing_reference: the shortest way to see it. Its steps, and where each
+runs here:
+
+  listing step                                   here (Part I, by section)
+  (1) rank r holds a piece of the sequence       5 _pieces, _Segments (one segment per row)
+      (and its conv needs the tokens before it)  6 _exchange_halo; 7 _conv1d_fwd
+  (2) each rank's summary (a_r, S_ext_r)         3 _state_pass_kernel, Summary.affine
+  (3) the exclusive scan over ranks              6 _entries_by_all_gather; 3 scan_summaries
+  (4) each rank's outputs from its entry state   3 _output_fwd_kernel, ssd_output
+  the backward: the same, reversed               4 GradPass, chunk gradients; 6 _exit_grads_by_all_gather
+  all of it, differentiable                      8 _Conv1dSSDCPFn, _conv1d_ssd_cp
+  the steps run by hand, on two gloo ranks       18 _worked_example (`python mamba_cp.py`)
 
 The file has two parts. Part I is the method, in the order it runs, and is complete on its own:
 a reader can stop at its end. Part II holds what production adds; each of its sections depends
@@ -26,24 +37,34 @@ on Part I only, never the reverse (a test holds both parts to this, and this lis
 headers below):
 
   Part I, the method
-   1. Shared kernel pieces: dt processing and the decays of one chunk
-   2. The launch plan
-   3. The forward: state pass (both ways), segment scan, outputs; Summary
+   1. dt and the decays of one chunk
+   2. Tiles and the launch plan
+   3. The forward: state pass (both ways), summary scan, outputs; Summary
    4. The backward: GradPass (the state pass reversed), chunk gradients
    5. Layouts
    6. The exchange: summaries, their gradients and the conv halo, by all-gather
    7. The causal conv1d
    8. The fused Conv1d + SSD with state-passing CP
-   9. A worked example
   Part II, the production extras
-  10. The prefix-scan exchange and the model that chooses
-  11. Input checks and the ranks' agreement
-  12. The permute layouts
-  13. The compile layer and the public CP function: mamba_conv1d_ssd_cp
-  14. The gate and the gated RMSNorm
-  15. The single-device function: mamba_chunk_scan_combined, and the packed documents' states
-  16. The mixer entry: mamba_split_conv1d_scan_combined
-  17. The all-to-all baseline
+   9. The prefix-scan exchange and the model that chooses
+  10. Input checks and the ranks' agreement
+  11. Shard, unshard, and the permute layouts
+  12. The compile layer and the public CP function: mamba_conv1d_ssd_cp
+  13. The gate and the gated RMSNorm
+  14. The single-device function: mamba_chunk_scan_combined, and the packed documents' states
+  15. The mixer entry: mamba_split_conv1d_scan_combined
+  16. The all-to-all baseline
+  17. Launch tuning: the GPU's choices
+  18. A worked example
+
+Words, one meaning each. A *chunk* is Q consecutive tokens, the unit of a kernel's (Q, Q) tile. A
+*run* is consecutive chunks that one state-pass program walks in order; the runs of a sequence
+go in parallel on one GPU and are joined by the same scan that joins ranks (Tuning.chunks_per_run).
+A *segment* is a causal piece of the global sequence that a rank holds (one, or two with
+"virtual"); the fused function sees each as one batch *row*. A *summary* (S_ext, a) is the
+affine map of a run or a segment from a zero entry. A chunk's, run's or segment's *entry* state
+is the state entering it; backward, its *exit gradient* is the gradient arriving at its end. The
+conv walks *strips* of tokens, and its input rows, the halo then the shard, are *u*.
 
 Numerics. Decays are exponentials of sums of dt'*A. A difference of two large cumulative sums
 loses the small difference between them in float32 (exp(cs_i - cs_j) where both are near
@@ -56,7 +77,7 @@ ones are removed by selection before exp, never multiplied by 0, so no inf * 0 a
 On a machine without a GPU the same kernels run in the Triton interpreter
 (TRITON_INTERPRET=1 is set below when CUDA is absent), so the code can be stepped through.
 Under torch.compile the forward and backward of each autograd function, and every collective,
-are opaque custom ops (mamba_cp::...): section 13 says why.
+are opaque custom ops (mamba_cp::...): section 12 says why.
 """
 
 import collections
@@ -80,20 +101,123 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 # =============================================================================================
 # PART I. THE METHOD
-# Sections 1 to 9: what a newcomer reads. Nothing here uses a name from Part II.
+# Sections 1 to 8: what a newcomer reads. Nothing here uses a name from Part II.
 # =============================================================================================
 
 
 # ---------------------------------------------------------------------------------------------
-# 1. Shared kernel pieces: dt processing and the decays of one chunk
+# 1. dt and the decays of one chunk
+#    What every kernel computes first, for one chunk of one head (README walkthrough a, b).
 # ---------------------------------------------------------------------------------------------
 
 
-# What the kernels are given. A caller's tensor comes with its strides as one named tuple
-# (Triton kernels take tuples and specialise their fields as they do scalars: a unit stride
-# still vectorises). The buffers the module allocates itself are contiguous, and the kernels
-# compute their offsets from the sizes (_state_tile, _row_head).
+@triton.jit
+def _softplus(v):
+    # log(1 + exp(v)) without losing exp(v) when it is tiny, linear above 20 like torch
+    u = tl.exp(-tl.abs(v))
+    log1p_u = tl.where(u < 1e-4, u * (1.0 - 0.5 * u), tl.log(1.0 + u))
+    return tl.where(v > 20.0, v, tl.maximum(v, 0.0) + log1p_u)
 
+
+# What a kernel needs to form dt', as one tuple (Triton takes tuples): raw dt (b, l, h) and its
+# strides (_BLH), dt_bias (h,) (a stand-in when absent), A (h,), and dt_limit's bounds.
+_DtArgs = collections.namedtuple("_DtArgs", "dt stride dt_bias A dt_min dt_max")
+
+
+@triton.jit
+def _chunk_dt(dts, b, h, start, seqlen, Q: tl.constexpr, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr):
+    """dt', dt'*A and d dt'/d dt_raw (the softplus slope, zero where dt_limit clamps) of one
+    chunk of one head, (Q,) float32 each; zero past the sequence end. dts is a _DtArgs."""
+    t = start + tl.arange(0, Q)
+    valid = t < seqlen
+    dt = tl.load(dts.dt + b.to(tl.int64) * dts.stride.b + t.to(tl.int64) * dts.stride.l + h * dts.stride.h,
+                 mask=valid, other=0.0).to(tl.float32)
+    if HAS_DT_BIAS:
+        dt += tl.load(dts.dt_bias + h).to(tl.float32)
+    slope = tl.full((Q,), 1.0, tl.float32)
+    if DT_SOFTPLUS:
+        slope = tl.where(dt > 20.0, 1.0, 1.0 / (1.0 + tl.exp(-dt)))
+        dt = _softplus(dt)
+    # always clamped, as mamba_ssm's kernels do: the default (0, inf) turns a negative dt' into 0
+    slope = tl.where((dt >= dts.dt_min) & (dt <= dts.dt_max), slope, 0.0)
+    dt = tl.minimum(tl.maximum(dt, dts.dt_min), dts.dt_max)
+    dt = tl.where(valid, dt, 0.0)
+    return dt, dt * tl.load(dts.A + h).to(tl.float32), tl.where(valid, slope, 0.0)
+
+
+@triton.jit
+def _seq_ids(seq_ptr, stride_seq, b, start, seqlen, Q: tl.constexpr):
+    """Document ids of one chunk: per token (Q,), the last valid token's, and the token's
+    before the chunk (for chunk 0, the first token's: initial_states reach the first document)."""
+    t = start + tl.arange(0, Q)
+    base = seq_ptr + b.to(tl.int64) * stride_seq.b
+    seq = tl.load(base + t.to(tl.int64) * stride_seq.l, mask=t < seqlen, other=-1)
+    last = tl.load(base + tl.cast(tl.minimum(start + Q, seqlen) - 1, tl.int64) * stride_seq.l)
+    prev = tl.load(base + tl.cast(tl.maximum(start - 1, 0), tl.int64) * stride_seq.l)
+    return seq, last, prev
+
+
+@triton.jit
+def _chunk_decays(dts, seq_ptr, stride_seq, b, h, start, seqlen, Q: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+                  DT_SOFTPLUS: tl.constexpr, HAS_SEQ: tl.constexpr):
+    """Every decay of one chunk of one head, the one place they are computed (a kernel's unused
+    ones are removed as dead code). With cs the inclusive cumsum of dt'*A:
+      dt', slope     (Q,) the processed dt and d dt'/d dt_raw
+      e              (Q,) exp(cs_i), the entry state's decay to token i (0 for a new document)
+      w_dec          (Q,) exp(cs_last - cs_j), token j's decay to the exit (0 if it never gets there)
+      decay          ()   exp(cs_last), the entry's decay to the exit (0 across a document start)
+      hi, lo         (Q,) cs as a float32 pair, exact to float64 rounding (the pairs' decays)
+      seq            (Q,) the tokens' document ids (zeros without documents)
+      total          ()   cs_last in float64
+      continues      ()   whether the chunk's last token continues the document it was entered in"""
+    dt, dA, slope = _chunk_dt(dts, b, h, start, seqlen, Q, HAS_DT_BIAS, DT_SOFTPLUS)
+    cs = tl.cumsum(dA.to(tl.float64), axis=0)
+    total = tl.sum(dA.to(tl.float64), axis=0)
+    hi = cs.to(tl.float32)
+    lo = (cs - hi.to(tl.float64)).to(tl.float32)
+    e = tl.exp(hi + lo)
+    w_dec = tl.exp((total - cs).to(tl.float32))
+    decay = tl.exp(total.to(tl.float32))
+    seq = tl.zeros((Q,), dtype=tl.int32)
+    continues = tl.full((), 1, tl.int1)
+    if HAS_SEQ:
+        seq, last, prev = _seq_ids(seq_ptr, stride_seq, b, start, seqlen, Q)
+        e = tl.where(seq == prev, e, 0.0)               # the entry reaches only its own document
+        w_dec = tl.where(seq == last, w_dec, 0.0)       # only the last document reaches the exit
+        continues = last == prev
+        decay = tl.where(continues, decay, 0.0)         # a document starts inside: the chunk cuts through
+    return dt, slope, e, w_dec, decay, hi, lo, seq, total, continues
+
+
+@triton.jit
+def _pair_decay(hi, lo, seq, Q: tl.constexpr, HAS_SEQ: tl.constexpr):
+    """L (Q, Q) of one chunk: exp(cs_i - cs_j) over its causal pairs i >= j of one document, else
+    0. The other pairs are removed by selection before exp, so their exponent (of either sign,
+    and infinite for pairs far apart under growth) never meets a multiplication."""
+    offs_q = tl.arange(0, Q)
+    causal = offs_q[:, None] >= offs_q[None, :]
+    if HAS_SEQ:
+        causal = causal & (seq[:, None] == seq[None, :])
+    diff = (hi[:, None] - hi[None, :]) + (lo[:, None] - lo[None, :])
+    return tl.exp(tl.where(causal, diff, float("-inf")))
+
+
+@triton.jit
+def _selected_exp(keep, log_v):
+    """exp(log_v) where keep, else exactly 0: a decay cut by a document start, chosen rather than
+    multiplied by 0 (a growth's exp may be inf there, and inf * 0 is NaN)."""
+    return tl.where(keep, tl.exp(log_v.to(tl.float32)), 0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Tiles and the launch plan
+#    Where a kernel's tiles live in memory, and the sizes and choices of one call.
+# ---------------------------------------------------------------------------------------------
+
+
+# A caller's tensor comes with its strides as one named tuple (Triton kernels take tuples and
+# specialise their fields as they do scalars: a unit stride still vectorises). The buffers the
+# module allocates itself are contiguous, and the kernels compute their offsets from the sizes.
 # Strides by name: x, y and their gradients (batch, token, head, headdim); B, C and theirs
 # (batch, token, group, dstate); dt (batch, token, head); seq_idx (batch, token); D (head,
 # headdim; a (nheads,) D broadcasts over headdim with p = 0); the conv's xBC, halo and their
@@ -112,159 +236,58 @@ def _strides_of(t, record):
     return record(*((0,) * len(record._fields) if t is None else t.stride()))
 
 
-class _ChunkEdge(NamedTuple):
-    """The buffers that give every chunk's true entry state (or exit gradient), chunk c of
-    segment s being  stored(c) + decay(c) * segment(s)  (README walkthrough c, e): what a state
-    pass stored from a zero segment entry (exit), (b, nchunks, h, p, n); the decay from the
-    segment's entry to c's (from c's exit to the segment's), (b, nchunks, h) fp32; and the
-    segments' entry states (exit gradients), (b, nseg, h, p, n) fp32, or a stand-in where zero."""
-    stored: Tensor
-    decay: Tensor
-    segment: Tensor
-
-
 @triton.jit
 def _tile_ptrs(ptr, stride, b64, t64, i, offs):
-    """Pointers to a (rows, channels) tile of a (batch, length, heads or groups, channels) tensor:
-    batch b64, token rows t64 (R,) int64, head or group i, channels offs (C,); stride its record."""
+    """Pointers to a (tokens, channels) tile of a (batch, length, heads or groups, channels)
+    tensor: batch b64, tokens t64 (T,) int64, head or group i, channels offs (C,); stride its record."""
     return ptr + b64 * stride[0] + t64[:, None] * stride[1] + i * stride[2] + offs[None, :] * stride[3]
 
 
 @triton.jit
 def _load_tile(ptr, stride, b64, t64, i, offs, mask):
-    """The (rows, channels) tile at _tile_ptrs, zeros where masked off."""
+    """The (tokens, channels) tile at _tile_ptrs, zeros where masked off."""
     return tl.load(_tile_ptrs(ptr, stride, b64, t64, i, offs), mask=mask, other=0.0)
 
 
 @triton.jit
-def _state_tile(row, h, offs_p, offs_n, nheads, headdim, dstate):
-    """int64 offsets of head h's (p, n) tile in a contiguous (rows, nheads, headdim, dstate)
-    buffer: row = b * nchunks + c for chunk states, b * nseg + s for segment states."""
-    return ((row.to(tl.int64) * nheads + h) * headdim + offs_p[:, None]) * dstate + offs_n[None, :]
+def _chunk_tokens(c, seqlen, headdim, Q: tl.constexpr, BP: tl.constexpr):
+    """Chunk c's first token, its token offsets (Q,) and headdim offsets (BP,), the tokens' int64
+    positions, which of them exist, and the (Q, BP) mask of a head tile."""
+    start = c * Q
+    offs_q = tl.arange(0, Q)
+    offs_p = tl.arange(0, BP)
+    valid = start + offs_q < seqlen
+    return start, offs_q, offs_p, (start + offs_q).to(tl.int64), valid, valid[:, None] & (offs_p[None, :] < headdim)
 
+
+# The per-chunk and per-run buffers are indexed by *slot*: b * nchunks + c for chunk c of batch
+# row b, b * nruns + r for its run r.
 
 @triton.jit
-def _row_head(row, h, nheads):
-    """int64 offset of (row, head) in a contiguous (rows, nheads) buffer: gamma, rho, a, partials."""
-    return row.to(tl.int64) * nheads + h
-
-
-@triton.jit
-def _chunk_rows(b, c, seqlen, chunks_per_seg, Q: tl.constexpr):
-    """Chunk c of batch row b as a row of the chunk buffers (b * nchunks + c) and of the
-    segment buffers (b * nseg + the segment holding c)."""
+def _chunk_slots(b, c, seqlen, chunks_per_run, Q: tl.constexpr):
+    """Chunk c of batch row b: its slot in the chunk buffers and its run's in the run buffers."""
     nchunks = tl.cdiv(seqlen, Q)
     b64 = b.to(tl.int64)
-    return b64 * nchunks + c, b64 * tl.cdiv(nchunks, chunks_per_seg) + c // chunks_per_seg
+    return b64 * nchunks + c, b64 * tl.cdiv(nchunks, chunks_per_run) + c // chunks_per_run
 
 
 @triton.jit
-def _softplus(v):
-    # log(1 + exp(v)) without losing exp(v) when it is tiny, linear above 20 like torch
-    u = tl.exp(-tl.abs(v))
-    log1p_u = tl.where(u < 1e-4, u * (1.0 - 0.5 * u), tl.log(1.0 + u))
-    return tl.where(v > 20.0, v, tl.maximum(v, 0.0) + log1p_u)
+def _state_tile(slot, h, offs_p, offs_n, nheads, headdim, dstate):
+    """int64 offsets of head h's (p, n) tile in a contiguous (slots, nheads, headdim, dstate) buffer."""
+    return ((slot.to(tl.int64) * nheads + h) * headdim + offs_p[:, None]) * dstate + offs_n[None, :]
 
 
 @triton.jit
-def _chunk_dt(dt_ptr, dt_bias_ptr, A_ptr, b, h, start, seqlen, stride_dt, Q: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-              DT_SOFTPLUS: tl.constexpr, dt_min, dt_max):
-    """dt', dt'*A and d dt'/d dt_raw (the softplus slope, zero where dt_limit clamps) of one
-    chunk of one head, (Q,) float32 each; zero past the sequence end. Kernels that do not use
-    the slope do not pay for it (dead code is removed)."""
-    t = start + tl.arange(0, Q)
-    valid = t < seqlen
-    dt = tl.load(dt_ptr + b.to(tl.int64) * stride_dt.b + t.to(tl.int64) * stride_dt.l + h * stride_dt.h,
-                 mask=valid, other=0.0).to(tl.float32)
-    if HAS_DT_BIAS:
-        dt += tl.load(dt_bias_ptr + h).to(tl.float32)
-    slope = tl.full((Q,), 1.0, tl.float32)
-    if DT_SOFTPLUS:
-        slope = tl.where(dt > 20.0, 1.0, 1.0 / (1.0 + tl.exp(-dt)))
-        dt = _softplus(dt)
-    # always clamped, as mamba_ssm's kernels do: the default (0, inf) turns a negative dt' into 0
-    slope = tl.where((dt >= dt_min) & (dt <= dt_max), slope, 0.0)
-    dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
-    dt = tl.where(valid, dt, 0.0)
-    return dt, dt * tl.load(A_ptr + h).to(tl.float32), tl.where(valid, slope, 0.0)
+def _slot_head(slot, h, nheads):
+    """int64 offset of (slot, head) in a contiguous (slots, nheads) buffer: gamma, rho, a, partials."""
+    return slot.to(tl.int64) * nheads + h
 
 
 @triton.jit
-def _cumsum_hi_lo(dA):
-    """Inclusive cumsum of (Q,) dt'*A as a float32 pair hi + lo, exact to float64 rounding."""
-    cs = tl.cumsum(dA.to(tl.float64), axis=0)
-    hi = cs.to(tl.float32)
-    lo = (cs - hi.to(tl.float64)).to(tl.float32)
-    return hi, lo
-
-
-@triton.jit
-def _pair_decay(hi, lo, mask):
-    """(Q, Q) exp(cs_i - cs_j) where mask (i >= j and same document), else 0. The masked pairs
-    are removed by selection before exp, so their exponent (of either sign, and infinite for
-    pairs far apart under growth) never meets a multiplication."""
-    seg = (hi[:, None] - hi[None, :]) + (lo[:, None] - lo[None, :])
-    return tl.exp(tl.where(mask, seg, float("-inf")))
-
-
-@triton.jit
-def _selected_exp(keep, log_v):
-    """exp(log_v) where keep, else exactly 0: a decay cut by a document start, chosen rather than
-    multiplied by 0 (a growth's exp may be inf there, and inf * 0 is NaN)."""
-    return tl.where(keep, tl.exp(log_v.to(tl.float32)), 0.0)
-
-
-@triton.jit
-def _seq_ids(seq_ptr, b, start, seqlen, stride_seq, Q: tl.constexpr):
-    """Document ids of one chunk: per token (Q,), the last valid token's, and the token's
-    before the chunk (for chunk 0, the first token's: initial_states reach the first document)."""
-    t = start + tl.arange(0, Q)
-    base = seq_ptr + b.to(tl.int64) * stride_seq.b
-    seq = tl.load(base + t.to(tl.int64) * stride_seq.l, mask=t < seqlen, other=-1)
-    last = tl.load(base + tl.cast(tl.minimum(start + Q, seqlen) - 1, tl.int64) * stride_seq.l)
-    prev = tl.load(base + tl.cast(tl.maximum(start - 1, 0), tl.int64) * stride_seq.l)
-    return seq, last, prev
-
-
-@triton.jit
-def _state_program(nheads, heads_per_group, n_p_tiles, n_n_tiles):
-    """Which (segment, state tile, batch, head, group) a state-pass program serves: axis 0
-    enumerates segments x p-tiles x n-tiles, axis 1 batch x heads."""
-    pid = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    n_tiles = n_p_tiles * n_n_tiles
-    h = pid_bh % nheads
-    return (pid // n_tiles, (pid % n_tiles) // n_n_tiles, pid % n_n_tiles, pid_bh // nheads, h,
-            h // heads_per_group)
-
-
-@triton.jit
-def _entry_term(edge, chunk_row, seg_row, h, offs_p, offs_n, mask_pn, nheads, headdim, dstate):
-    """decay(c) * segment(s) as a (BP, BN) float32 tile: what the segment's entry state adds to
-    chunk c's entry state (forward), or what the gradient at the segment's exit adds to chunk
-    c's exit gradient (backward); edge is a _ChunkEdge."""
-    decay = tl.load(edge.decay + _row_head(chunk_row, h, nheads))
-    S = tl.load(edge.segment + _state_tile(seg_row, h, offs_p, offs_n, nheads, headdim, dstate), mask=mask_pn,
-                other=0.0)
-    return decay * S.to(tl.float32)
-
-
-@triton.jit
-def _true_chunk_edge(edge, chunk_row, seg_row, h, offs_p, offs_n, mask_pn, nheads, headdim, dstate,
-                     HAS_SEG: tl.constexpr):
-    """A (BP, BN) float32 tile of chunk c's true entry state (or exit gradient): the stored
-    value, plus, with HAS_SEG, the segment's term."""
-    v = tl.load(edge.stored + _state_tile(chunk_row, h, offs_p, offs_n, nheads, headdim, dstate),
-                mask=mask_pn, other=0.0).to(tl.float32)
-    if HAS_SEG:
-        v += _entry_term(edge, chunk_row, seg_row, h, offs_p, offs_n, mask_pn, nheads, headdim, dstate)
-    return v
-
-
-# ---------------------------------------------------------------------------------------------
-# 2. The launch plan
-#    Sizes and tiles, and the choices that differ between a GPU and the interpreter.
-# ---------------------------------------------------------------------------------------------
+def _pair_tile(slot, g, ngroups, Q: tl.constexpr):
+    """int64 offsets of group g's (Q, Q) tile in a contiguous (b * nchunks, ngroups, Q, Q) buffer."""
+    offs_q = tl.arange(0, Q)
+    return (slot * ngroups + g) * (Q * Q) + offs_q[:, None] * Q + offs_q[None, :]
 
 
 # Host-side integer helpers. triton.cdiv and triton.next_power_of_2 do the same, but through
@@ -293,84 +316,36 @@ def _expect(cond, name, seen, expected):
         raise ValueError(f"{name}: got {seen}, expected {expected}")
 
 
-class ConvLaunch(NamedTuple):
-    """A conv program walks `runs` runs of `rows` consecutive tokens side by side (one tile) over
-    `channels` channels with `warps` warps, loading `unroll` rows of each run per step so that
-    their loads are in flight together. On a GPU one run a program: registers bound the loads in
-    flight. In the interpreter, which pays per step, many."""
-    runs: int
-    channels: int
-    rows: int
-    unroll: int
-    warps: int
+# A conv program walks `strips` strips of `tokens` consecutive tokens side by side (one tile)
+# over `channels` channels with `warps` warps, loading `unroll` tokens of each strip per step.
+ConvLaunch = collections.namedtuple("ConvLaunch", "strips channels tokens unroll warps")
 
 
 @dataclasses.dataclass(frozen=True)
 class Tuning:
-    """Every choice that differs between a GPU and the Triton interpreter, in one place. The
-    GPU's are the fastest measured on an H200 at the record shape (BENCHMARKS.md, "Where the
-    time goes", "The launch choices"); the interpreter pays per program, and its choices make the
-    CPU tests walk every loop (several segments, state tiles, head blocks).
-    `TUNINGS` holds them by name; `set_tuning` picks the one the launches use (the interpreter's
-    wherever the interpreter runs, else the GPU's)."""
-
+    """The launch choices: the same results under any of them (the chunked form computes the
+    same recurrence for any chunk length and run length). The one here is the interpreter's,
+    simple and small, so that CPU tests walk every loop (several runs, state tiles, head blocks).
+    The GPU's, measured, come with set_tuning after the method."""
     name: str
-    # Kernel chunk lengths: the chunked form computes the same recurrence for any chunk length,
-    # so the kernels may use a shorter chunk than the caller's (their (Q, Q) tiles live in
-    # registers).
-    chunk_fwd: int
+    chunk_fwd: int                      # kernel chunk lengths (may be shorter than the caller's)
     chunk_bwd: int
-    # Segments of this many chunks run the sequential state pass in parallel (the affine
-    # summary of README walkthrough c, applied within one GPU); tiny ones on CPUs, so that the
-    # tests exercise the segment scan.
-    chunks_per_segment: int
-    # The state passes' (p, n) tile is split across programs at this width (None: whole).
-    state_tile: Optional[int]
-    # The n tile of the three chunk-backward kernels (group, BC, x).
-    bwd_state_tiles: tuple
-    # Heads per output program (None: a whole group, which shares the group's C.B; one head per
-    # program runs more programs, which hides latency better).
-    heads_per_output: Optional[int]
-    # Launch options per chunk kernel (GPU only). These kernels are latency-bound chains of
-    # small products: what pays is programs per SM, hence 4 warps and, where it buys a program
-    # without costing more in spills, a register cap (maxnreg).
-    launch: dict
-    # The segment scan's slice of the p*n state per program (None: the whole state).
-    scan_block: Optional[int]
-    # The conv's launches (ConvLaunch): forward and backward.
+    chunks_per_run: int                 # chunks a state-pass program walks in order
+    state_tile: Optional[int]           # the state passes' (p, n) tile width (None: whole)
+    bwd_state_tiles: tuple              # the n tile of the chunk-backward kernels (group, BC, x)
+    heads_per_output: Optional[int]     # heads per output program (None: a whole group)
+    launch: dict                        # per chunk kernel: num_warps, num_stages, maxnreg (GPU only)
+    scan_block: Optional[int]           # the summary scan's slice of the p*n state (None: whole)
     conv_fwd: ConvLaunch
     conv_bwd: ConvLaunch
-    # The gate and gated RMSNorm (Part II): elements per tile, and programs of the backward.
-    gate_tile: int
-    gate_programs: int
+    gate_tile: int                      # the gate and gated RMSNorm: elements per tile,
+    gate_programs: int                  # and programs of its backward
 
 
-_KERNELS = ("state", "output", "bwd_group", "bwd_bc", "bwd_x")     # the chunk kernels that take launch options
-TUNINGS = {
-    "gpu": Tuning("gpu", chunk_fwd=64, chunk_bwd=64, chunks_per_segment=16, state_tile=64,
-                  bwd_state_tiles=(64, 64, 64), heads_per_output=1,
-                  launch=dict(state=dict(num_warps=4, num_stages=2, maxnreg=128),
-                              output=dict(num_warps=4, num_stages=1, maxnreg=168),
-                              bwd_group=dict(num_warps=4, num_stages=2), bwd_bc=dict(num_warps=4, num_stages=2),
-                              bwd_x=dict(num_warps=4, num_stages=1, maxnreg=128)),
-                  scan_block=1024, conv_fwd=ConvLaunch(1, 256, 128, 8, 2), conv_bwd=ConvLaunch(1, 128, 256, 8, 1),
-                  gate_tile=4096, gate_programs=4096),
-    "interpreter": Tuning("interpreter", chunk_fwd=64, chunk_bwd=64, chunks_per_segment=2, state_tile=None,
-                          bwd_state_tiles=(16, 16, 16), heads_per_output=None, launch={}, scan_block=None,
-                          conv_fwd=ConvLaunch(32, 64, 64, 1, 4), conv_bwd=ConvLaunch(32, 64, 64, 1, 1),
-                          gate_tile=64, gate_programs=4096),
-}
-_TUNING = [TUNINGS["interpreter" if INTERPRET else "gpu"]]
-
-
-def set_tuning(choice):
-    """Make `choice` (a Tuning, or a name in TUNINGS) the one every launch uses; returns the
-    previous one. Tests pick the GPU's in the interpreter this way; bench.py its variants."""
-    if isinstance(choice, str) and choice not in TUNINGS or not isinstance(choice, (str, Tuning)):
-        raise ValueError(f"set_tuning: got {choice!r}, expected a Tuning or one of {sorted(TUNINGS)}")
-    previous = _TUNING[0]
-    _TUNING[0] = TUNINGS[choice] if isinstance(choice, str) else choice
-    return previous
+_TUNING = [Tuning("interpreter", chunk_fwd=64, chunk_bwd=64, chunks_per_run=2, state_tile=None,
+                  bwd_state_tiles=(16, 16, 16), heads_per_output=None, launch={}, scan_block=None,
+                  conv_fwd=ConvLaunch(32, 64, 64, 1, 4), conv_bwd=ConvLaunch(32, 64, 64, 1, 1),
+                  gate_tile=64, gate_programs=4096)]
 
 
 def tuning():
@@ -378,84 +353,76 @@ def tuning():
     return _TUNING[0]
 
 
-class _SSDInputs(NamedTuple):
-    """The tensors of one SSD call, which travel together from launcher to launcher: x
-    (b, l, h, p); dt (b, l, h) raw (dt_bias, softplus and dt_limit as the _LaunchPlan says); A
-    (h,); B and C (b, l, g, n); D (h,), (h, p) or None; dt_bias (h,) or None; seq_idx (b, l)
-    int32 or None. C may be None while only the state pass has run."""
-    x: Tensor
-    dt: Tensor
-    A: Tensor
-    B: Tensor
-    C: Optional[Tensor]
-    D: Optional[Tensor]
-    dt_bias: Optional[Tensor]
-    seq_idx: Optional[Tensor]
+# The tensors of one SSD call, which travel together from launcher to launcher: x (b, l, h, p);
+# dt (b, l, h) raw (dt_bias, softplus and dt_limit as the _LaunchPlan says); A (h,); B and C
+# (b, l, g, n); D (h,), (h, p) or None; dt_bias (h,) or None; seq_idx (b, l) int32 or None.
+_SSDInputs = collections.namedtuple("_SSDInputs", "x dt A B C D dt_bias seq_idx")
 
 
 class _LaunchPlan:
-    """Everything the kernels need that is derived once per call: sizes, tile shapes, flags."""
+    """Everything the kernels need that is derived once per call: sizes, tiles, flags."""
 
     def __init__(self, x, B, chunk, dt_bias, dt_softplus, dt_limit, seq_idx, state_dtype=None):
-        t = self.tuning = tuning()
+        t = tuning()
         self.batch, self.seqlen, self.nheads, self.headdim = x.shape
         self.ngroups, self.dstate = B.shape[2], B.shape[3]
         self.heads_per_group = self.nheads // self.ngroups
         self.Q = chunk
         self.nchunks = _cdiv(self.seqlen, chunk)
-        self.chunks_per_seg = t.chunks_per_segment
-        self.nseg = _cdiv(self.nchunks, self.chunks_per_seg)
-        self.BP = _pow2(self.headdim)
-        self.BN = _pow2(self.dstate)
-        self.BP_state = min(self.BP, t.state_tile or self.BP)
-        self.BN_state = min(self.BN, t.state_tile or self.BN)
-        self.n_p_tiles = _cdiv(self.headdim, self.BP_state)
-        self.n_n_tiles = _cdiv(self.dstate, self.BN_state)
-        self.dt_min, self.dt_max = float(dt_limit[0]), float(dt_limit[1])
+        self.chunks_per_run = t.chunks_per_run
+        self.nruns = _cdiv(self.nchunks, self.chunks_per_run)
+        self.BP, self.BN = _pow2(self.headdim), _pow2(self.dstate)
+        self.BP_state, self.BN_state = (min(v, t.state_tile or v) for v in (self.BP, self.BN))
+        self.n_p_tiles, self.n_n_tiles = _cdiv(self.headdim, self.BP_state), _cdiv(self.dstate, self.BN_state)
+        self.BN_group, self.BN_bc, self.BN_x = (min(self.BN, n) for n in t.bwd_state_tiles)
+        self.heads_per_output = t.heads_per_output or self.heads_per_group    # a divisor of heads_per_group
+        self.dt_limit = (float(dt_limit[0]), float(dt_limit[1]))
         self.flags = dict(HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus),
                           HAS_SEQ=seq_idx is not None)
         self.precision = "ieee" if x.dtype == torch.float32 else "tf32"
         # the chunk entry states (and, in backward, exit gradients) as stored between kernels;
         # the kernels carry them in float32 and read them back to float32
         self.state_dtype = state_dtype or (torch.float32 if x.dtype == torch.float32 else x.dtype)
-        self.BN_group, self.BN_bc, self.BN_x = (min(self.BN, n) for n in t.bwd_state_tiles)
-        self.heads_per_output = t.heads_per_output or self.heads_per_group    # a divisor of heads_per_group
-        # launch options exist on a GPU only: the interpreter takes none
-        self.launch = {name: ({} if INTERPRET else t.launch.get(name, {})) for name in _KERNELS}
+        self.launch = {} if INTERPRET else t.launch        # the interpreter takes no launch options
 
-    def state_grid(self):
-        return (self.nseg * self.n_p_tiles * self.n_n_tiles, self.batch * self.nheads)
+    def dts(self, inp):
+        """inp's _DtArgs."""
+        return _DtArgs(inp.dt, _BLH(*inp.dt.stride()), _stand_in(inp.dt_bias, inp.A), inp.A, *self.dt_limit)
+
+    def options(self, kernel):
+        """The launch options of one chunk kernel."""
+        return self.launch.get(kernel, {})
 
 
 # ---------------------------------------------------------------------------------------------
-# 3. The forward: state pass (both ways), segment scan, outputs; Summary
+# 3. The forward: state pass (both ways), summary scan, outputs; Summary
 #    README walkthrough b, c. Each kernel is followed by its launcher; Summary runs them.
 # ---------------------------------------------------------------------------------------------
 
 
 @triton.jit
 def _state_pass_kernel(
-    u_ptr, v_ptr, dt_ptr, dt_bias_ptr, A_ptr, seq_ptr, chunk_ptr, decay_ptr, sum_ptr, a_ptr,
-    seqlen, nheads, headdim, dstate, nchunks, chunks_per_seg, n_p_tiles, n_n_tiles, heads_per_group,
-    dt_min, dt_max, stride_u, stride_v, stride_dt, stride_seq,
+    head_ptr, group_ptr, dts, seq_ptr, chunk_ptr, decay_ptr, sum_ptr, a_ptr,
+    seqlen, nheads, headdim, dstate, nchunks, chunks_per_run, n_p_tiles, n_n_tiles, heads_per_group,
+    stride_head, stride_group, stride_seq,
     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
     HAS_SEQ: tl.constexpr, REVERSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """One segment (chunks_per_seg chunks) of one (batch, head, state tile), from zero: walk its
-    chunks carrying a (BP, BN) value V, store V as each chunk meets it, then
-        V <- exp(cs_last) V + sum_j w_j u_j v_j^T.
-    Forward (u = x, v = B): chunks in order, V is the state entering a chunk, and
-    w_j = exp(cs_last - cs_j) dt'_j weighs token j's way to the chunk's exit. REVERSE (u = dy,
-    v = C): chunks last to first, V is the gradient arriving at a chunk's exit, and
-    w_i = exp(cs_i) weighs the entry's way to token i. Either way, also store per chunk the decay
-    between the segment's edge and the chunk (gamma(c) from the segment's entry to c's entry;
-    rho(c) from c's exit to the segment's exit; 0 once a document starts in between), and at the
-    end what is left (S_ext, the segment's exit state; G, the pull of its outputs on its entry)
-    and the segment's decay a. Segments run in parallel; a scan over the summaries supplies each
-    one's true entry state S_entry (exit gradient dS_exit), and chunk c's true entry state is
-    states(c) + gamma(c) S_entry (its exit gradient dstates(c) + rho(c) dS_exit)."""
-    seg, pid_p, pid_n, b, h, g = _state_program(nheads, heads_per_group, n_p_tiles, n_n_tiles)
+    """One run of one (batch, head, state tile), from zero: walk its chunks carrying a (BP, BN)
+    value V, store V as each chunk meets it, then  V <- decay V + sum_j w_j h_j g_j^T  (h the
+    per-head operand, g the per-group one). Forward (x, B): chunks in order, V the state
+    entering a chunk, w_j = w_dec_j dt'_j. REVERSE (dy, C): chunks last to first, V the gradient
+    arriving at a chunk's exit, w_i = e_i. Also store per chunk the decay from the run's edge
+    (gamma(c) from the run's entry to c's; rho(c) from c's exit to the run's), and at the end the
+    run's summary: what is left (S_ext, or G, the pull of its outputs on its entry) and its
+    decay a. The scan over summaries then gives each run's entry S_entry, and chunk c's true
+    entry state is states(c) + gamma(c) S_entry (exit gradient: dstates(c) + rho(c) dS_exit)."""
+    pid, pid_bh = tl.program_id(0), tl.program_id(1)    # runs x p-tiles x n-tiles, batch x heads
+    n_tiles = n_p_tiles * n_n_tiles
+    run, pid_p, pid_n = pid // n_tiles, (pid % n_tiles) // n_n_tiles, pid % n_n_tiles
+    b, h = pid_bh // nheads, pid_bh % nheads
+    g = h // heads_per_group
     b64 = b.to(tl.int64)
     offs_q = tl.arange(0, Q)
     offs_p = pid_p * BP + tl.arange(0, BP)
@@ -466,82 +433,64 @@ def _state_pass_kernel(
     V = tl.zeros((BP, BN), dtype=tl.float32)                                      # (BP, BN)
     log_decay = tl.zeros((), dtype=tl.float64)
     alive = tl.full((), 1, tl.int1)                   # False once a document starts in between
-    c_first = seg * chunks_per_seg
-    c_end = tl.minimum(c_first + chunks_per_seg, nchunks)
+    c_first = run * chunks_per_run
+    c_end = tl.minimum(c_first + chunks_per_run, nchunks)
     for i in range(c_end - c_first):
         c = c_end - 1 - i if REVERSE else c_first + i
         start = c * Q
         tl.store(chunk_ptr + _state_tile(b64 * nchunks + c, h, offs_p, offs_n, nheads, headdim, dstate),
                  V.to(chunk_ptr.dtype.element_ty), mask=mask_pn)
-        tl.store(decay_ptr + _row_head(b64 * nchunks + c, h, nheads), _selected_exp(alive, log_decay),
+        tl.store(decay_ptr + _slot_head(b64 * nchunks + c, h, nheads), _selected_exp(alive, log_decay),
                  mask=first_tile)
-        dt, dA, slope = _chunk_dt(dt_ptr, dt_bias_ptr, A_ptr, b, h, start, seqlen, stride_dt,
-                                  Q, HAS_DT_BIAS, DT_SOFTPLUS, dt_min, dt_max)
-        total = tl.sum(dA.to(tl.float64), axis=0)
-        if REVERSE:
-            hi, lo = _cumsum_hi_lo(dA)
-            w = tl.exp(hi + lo)                                                   # (Q,) exp(cs_i)
-        else:
-            w = tl.exp((total - tl.cumsum(dA.to(tl.float64), axis=0)).to(tl.float32)) * dt
-        decay = tl.exp(total.to(tl.float32))
+        dt, slope, e, w_dec, decay, hi, lo, seq, total, continues = _chunk_decays(
+            dts, seq_ptr, stride_seq, b, h, start, seqlen, Q, HAS_DT_BIAS, DT_SOFTPLUS, HAS_SEQ)
+        w = e if REVERSE else w_dec * dt                                           # (Q,)
         log_decay += total
-        if HAS_SEQ:
-            seq, last, prev = _seq_ids(seq_ptr, b, start, seqlen, stride_seq, Q)
-            if REVERSE:
-                w = tl.where(seq == prev, w, 0.0)      # the entry reaches only the first document
-            else:
-                w = tl.where(seq == last, w, 0.0)      # only the last document reaches the exit
-            decay = tl.where(last == prev, decay, 0.0)  # a document starts inside: the chunk cuts through
-            alive = alive & (last == prev)
+        alive = alive & continues
         t64 = (start + offs_q).to(tl.int64)
         valid = start + offs_q < seqlen
-        u = tl.load(_tile_ptrs(u_ptr, stride_u, b64, t64, h, offs_p), mask=valid[:, None] & (offs_p[None, :] < headdim),
-                    other=0.0)                                                     # (Q, BP)
-        v = tl.load(_tile_ptrs(v_ptr, stride_v, b64, t64, g, offs_n), mask=valid[:, None] & (offs_n[None, :] < dstate),
-                    other=0.0)                                                     # (Q, BN)
-        uw = (u.to(tl.float32) * w[:, None]).to(v.dtype)
-        V = decay * V + tl.dot(tl.trans(uw), v, input_precision=DOT_PRECISION)    # (BP, BN)
+        ht = _load_tile(head_ptr, stride_head, b64, t64, h, offs_p, valid[:, None] & (offs_p[None, :] < headdim))
+        gt = _load_tile(group_ptr, stride_group, b64, t64, g, offs_n, valid[:, None] & (offs_n[None, :] < dstate))
+        hw = (ht.to(tl.float32) * w[:, None]).to(gt.dtype)                        # (Q, BP)
+        V = decay * V + tl.dot(tl.trans(hw), gt, input_precision=DOT_PRECISION)   # (BP, BN)
 
-    seg_row = b64 * tl.cdiv(nchunks, chunks_per_seg) + seg
-    tl.store(a_ptr + _row_head(seg_row, h, nheads), _selected_exp(alive, log_decay), mask=first_tile)
-    tl.store(sum_ptr + _state_tile(seg_row, h, offs_p, offs_n, nheads, headdim, dstate), V, mask=mask_pn)
+    run_slot = b64 * tl.cdiv(nchunks, chunks_per_run) + run
+    tl.store(a_ptr + _slot_head(run_slot, h, nheads), _selected_exp(alive, log_decay), mask=first_tile)
+    tl.store(sum_ptr + _state_tile(run_slot, h, offs_p, offs_n, nheads, headdim, dstate), V, mask=mask_pn)
 
 
-def _state_pass(u, v, dt, A, dt_bias, seq_idx, plan, reverse):
-    """Every segment from zero, forward (u = x, v = B) or reverse (u = dy, v = C): per chunk the
-    carried value (b, nchunks, h, p, n) and decay (b, nchunks, h); per segment what is left
-    (b, nseg, h, p, n) and its decay a (b, nseg, h)."""
-    dev = u.device
+def _state_pass(head_in, group_in, inp, plan, reverse):
+    """Every run from zero, forward (head_in = x, group_in = B) or reverse (dy, C): per chunk the
+    carried value (b, nchunks, h, p, n) and decay (b, nchunks, h); per run what is left
+    (b, nruns, h, p, n) and its decay a (b, nruns, h)."""
+    dev = head_in.device
     per_chunk = torch.empty(plan.batch, plan.nchunks, plan.nheads, plan.headdim, plan.dstate, device=dev,
                             dtype=plan.state_dtype)
     decay = torch.empty(plan.batch, plan.nchunks, plan.nheads, device=dev, dtype=torch.float32)
-    left = torch.empty(plan.batch, plan.nseg, plan.nheads, plan.headdim, plan.dstate, device=dev, dtype=torch.float32)
-    a = torch.empty(plan.batch, plan.nseg, plan.nheads, device=dev, dtype=torch.float32)
-    _state_pass_kernel[plan.state_grid()](
-        u, v, dt, dt_bias, A, seq_idx, per_chunk, decay, left, a,
-        plan.seqlen, plan.nheads, plan.headdim, plan.dstate, plan.nchunks, plan.chunks_per_seg, plan.n_p_tiles,
-        plan.n_n_tiles, plan.heads_per_group, plan.dt_min, plan.dt_max,
-        _BLHP(*u.stride()), _BLGN(*v.stride()), _BLH(*dt.stride()), _strides_of(seq_idx, _BL),
+    left = torch.empty(plan.batch, plan.nruns, plan.nheads, plan.headdim, plan.dstate, device=dev, dtype=torch.float32)
+    a = torch.empty(plan.batch, plan.nruns, plan.nheads, device=dev, dtype=torch.float32)
+    grid = (plan.nruns * plan.n_p_tiles * plan.n_n_tiles, plan.batch * plan.nheads)
+    _state_pass_kernel[grid](
+        head_in, group_in, plan.dts(inp), inp.seq_idx, per_chunk, decay, left, a,
+        plan.seqlen, plan.nheads, plan.headdim, plan.dstate, plan.nchunks, plan.chunks_per_run, plan.n_p_tiles,
+        plan.n_n_tiles, plan.heads_per_group,
+        _BLHP(*head_in.stride()), _BLGN(*group_in.stride()), _strides_of(inp.seq_idx, _BL),
         Q=plan.Q, BP=plan.BP_state, BN=plan.BN_state, REVERSE=reverse, DOT_PRECISION=plan.precision,
-        **plan.launch["state"], **plan.flags)
+        **plan.options("state"), **plan.flags)
     return per_chunk, decay, left, a
 
 
 @triton.jit
-def _segment_scan_kernel(
-    src_ptr, a_ptr, cont_ptr, start_ptr, out_ptr, end_ptr, nseg, nheads, size,
+def _summary_scan_kernel(
+    src_ptr, a_ptr, cont_ptr, start_ptr, out_ptr, end_ptr, count, nheads, size,
     BLOCK: tl.constexpr, HAS_CONT: tl.constexpr, HAS_START: tl.constexpr, REVERSE: tl.constexpr,
 ):
-    """The exclusive scan over segment summaries, for one (batch, head, slice of the p*n state).
-    Forward (src = S_ext), from S_entry(0) = initial:
+    """The exclusive scan over `count` summaries (of runs, or of segments), for one (batch, head,
+    slice of the p*n state): forward from S_entry(0) = start, reverse from dS_exit(last) = start,
         S_entry(k+1) = cont_{k+1} (a_k S_entry(k) + S_ext(k))
-    Reverse (src = G, the pull of each segment's own outputs on its entry), from the final
-    state's gradient, the gradient arriving at each segment's exit:
         dS_exit(k-1) = cont_k (G(k) + a_k dS_exit(k))
-    cont_k = 0 where segment k starts a new document (cont_0 = 1). Stores every S_entry(k) (dS_exit(k))
-    and what is left at the end: the exit of the last segment (the initial state's gradient).
-    Every buffer is contiguous: states (b, nseg, h, size), a (b, nseg, h), cont (b, nseg), start
-    and end (b, h, size)."""
+    cont_k = 0 where k starts a new document. Stores every S_entry(k) (dS_exit(k)) and, in end,
+    the last's exit (the initial state's gradient). Buffers contiguous: (b, count, h, size)."""
     pid = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // nheads).to(tl.int64)
@@ -549,59 +498,70 @@ def _segment_scan_kernel(
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < size
     if HAS_START:
-        S = tl.load(start_ptr + _row_head(b, h, nheads) * size + offs, mask=mask, other=0.0).to(tl.float32)
+        S = tl.load(start_ptr + _slot_head(b, h, nheads) * size + offs, mask=mask, other=0.0).to(tl.float32)
     else:
         S = tl.zeros((BLOCK,), dtype=tl.float32)
-    for i in range(nseg):
-        row = b * nseg + (nseg - 1 - i if REVERSE else i)
+    for i in range(count):
+        slot = b * count + (count - 1 - i if REVERSE else i)
         if HAS_CONT and not REVERSE:
-            S *= tl.load(cont_ptr + row)
-        tl.store(out_ptr + _row_head(row, h, nheads) * size + offs, S, mask=mask)
-        a = tl.load(a_ptr + _row_head(row, h, nheads))
-        S = a * S + tl.load(src_ptr + _row_head(row, h, nheads) * size + offs, mask=mask)
+            S *= tl.load(cont_ptr + slot)
+        tl.store(out_ptr + _slot_head(slot, h, nheads) * size + offs, S, mask=mask)
+        a = tl.load(a_ptr + _slot_head(slot, h, nheads))
+        S = a * S + tl.load(src_ptr + _slot_head(slot, h, nheads) * size + offs, mask=mask)
         if HAS_CONT and REVERSE:
-            S *= tl.load(cont_ptr + row)
-    tl.store(end_ptr + _row_head(b, h, nheads) * size + offs, S, mask=mask)
-
-
-def _scan_block(size):
-    return min(tuning().scan_block or _next_pow2(size), _next_pow2(size))
+            S *= tl.load(cont_ptr + slot)
+    tl.store(end_ptr + _slot_head(b, h, nheads) * size + offs, S, mask=mask)
 
 
 def _f32_contiguous(t):
     return None if t is None else t.float().contiguous()
 
 
-def _scan(src, a, start, cont, reverse):
+def scan_summaries(src, a, start=None, cont=None, reverse=False):
+    """The exclusive scan over K summaries, all fp32. Forward (src = S_ext (b, K, h, p, n), a
+    (b, K, h), start the initial state (b, h, p, n) or None): the entry state of each
+    (b, K, h, p, n) and the exit state of the last (b, h, p, n). Reverse (src = G, start the
+    final state's gradient): the gradient arriving at each one's exit and the initial state's
+    gradient. cont (b, K) fp32 document-continuation flags or None."""
     b, K, h, p, n = src.shape
     src, a, start, cont = (_f32_contiguous(t) for t in (src, a, start, cont))
     out = torch.empty_like(src)
     end = torch.empty(b, h, p, n, device=src.device, dtype=torch.float32)
-    BLOCK = _scan_block(p * n)
-    _segment_scan_kernel[(_cdiv(p * n, BLOCK), b * h)](
+    BLOCK = min(tuning().scan_block or _next_pow2(p * n), _next_pow2(p * n))
+    _summary_scan_kernel[(_cdiv(p * n, BLOCK), b * h)](
         src, a, cont, start, out, end, K, h, p * n,
         BLOCK=BLOCK, HAS_CONT=cont is not None, HAS_START=start is not None, REVERSE=reverse)
     return out, end
 
 
-def scan_segments(S_ext, a, initial=None, cont=None):
-    """Exclusive scan over segment summaries: the entry state of every segment (b, K, h, p, n)
-    and the exit state of the last (b, h, p, n), all fp32. S_ext (b, K, h, p, n) and a (b, K, h);
-    initial (b, h, p, n) or None; cont (b, K) fp32 document-continuation flags or None."""
-    return _scan(S_ext, a, initial, cont, reverse=False)
+# The buffers that give every chunk's true entry state (or exit gradient), chunk c of run r's
+# being  stored(c) + decay(c) * run(r): what a state pass stored from a zero run entry (exit),
+# (b, nchunks, h, p, n); gamma (rho), (b, nchunks, h) fp32; the runs' entry states (exit
+# gradients), (b, nruns, h, p, n) fp32, or a stand-in where zero.
+_ChunkEdge = collections.namedtuple("_ChunkEdge", "stored decay run")
 
 
-def scan_segments_bwd(G, a, dfinal=None, cont=None):
-    """Reverse exclusive scan: the gradient arriving at every segment's exit (b, K, h, p, n) and
-    the gradient of the initial state (b, h, p, n), all fp32."""
-    return _scan(G, a, dfinal, cont, reverse=True)
+@triton.jit
+def _true_chunk_edge(edge, chunk_slot, run_slot, h, offs_p, offs_n, mask_pn, nheads, headdim, dstate,
+                     HAS_RUN: tl.constexpr):
+    """A (BP, BN) float32 tile of chunk c's true entry state (or exit gradient), edge a
+    _ChunkEdge: the stored value, plus, with HAS_RUN, decay(c) * run(r), what the run's entry
+    state adds (in the backward: what the gradient at the run's exit adds)."""
+    v = tl.load(edge.stored + _state_tile(chunk_slot, h, offs_p, offs_n, nheads, headdim, dstate),
+                mask=mask_pn, other=0.0).to(tl.float32)
+    if HAS_RUN:
+        decay = tl.load(edge.decay + _slot_head(chunk_slot, h, nheads))
+        S = tl.load(edge.run + _state_tile(run_slot, h, offs_p, offs_n, nheads, headdim, dstate), mask=mask_pn,
+                    other=0.0)
+        v += decay * S.to(tl.float32)
+    return v
 
 
 @triton.jit
 def _output_fwd_kernel(
-    x_ptr, B_ptr, C_ptr, dt_ptr, dt_bias_ptr, A_ptr, D_ptr, seq_ptr, y_ptr, entries,
-    seqlen, headdim, dstate, heads_per_group, heads_per_program, nheads, batch, chunks_per_seg, dt_min, dt_max,
-    stride_x, stride_B, stride_C, stride_dt, stride_D, stride_seq, stride_y,
+    x_ptr, B_ptr, C_ptr, dts, D_ptr, seq_ptr, y_ptr, in_edge,
+    seqlen, headdim, dstate, heads_per_group, heads_per_program, nheads, batch, chunks_per_run,
+    stride_x, stride_B, stride_C, stride_D, stride_seq, stride_y,
     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
     HAS_D: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_ENTRY: tl.constexpr,
@@ -609,9 +569,9 @@ def _output_fwd_kernel(
 ):
     """Outputs of one (chunk, batch, block of heads_per_program heads of one group, p-block):
     C.B is formed once and reused by the block's heads; then per head
-    y = (C.B * decay * dt') x + exp(cs) C S_in (+ D x), with
-    S_in = states(c) + gamma(c) S_entry (entries, a _ChunkEdge): the segment's entry state is
-    folded in here."""
+        y = (C.B * L * dt') x + e C S_in (+ D x)
+    with L the chunk's pair decays, e the entry's decays, and S_in = states(c) + gamma(c) S_entry
+    (in_edge, a _ChunkEdge): the run's entry state is folded in here."""
     # heads_per_program heads of one group (a divisor of heads_per_group) per program; head
     # blocks vary fastest in the grid, so the programs running at once share a chunk's B and C
     pid = tl.program_id(0)
@@ -629,39 +589,24 @@ def _output_fwd_kernel(
     valid = t < seqlen
     mask_qp = valid[:, None] & (offs_p[None, :] < headdim)
     mask_qn = valid[:, None] & (offs_n[None, :] < dstate)
+    mask_pn = (offs_p[:, None] < headdim) & (offs_n[None, :] < dstate)
     t64 = t.to(tl.int64)
     b64 = b.to(tl.int64)
-    chunk_row, seg_row = _chunk_rows(b, c, seqlen, chunks_per_seg, Q)
+    chunk_slot, run_slot = _chunk_slots(b, c, seqlen, chunks_per_run, Q)
 
     Bm = _load_tile(B_ptr, stride_B, b64, t64, g, offs_n, mask_qn)          # (Q, BN)
     Cm = _load_tile(C_ptr, stride_C, b64, t64, g, offs_n, mask_qn)          # (Q, BN)
     CB = tl.dot(Cm, tl.trans(Bm), input_precision=DOT_PRECISION)                   # (Q, Q)
-
-    causal = offs_q[:, None] >= offs_q[None, :]
-    entry = tl.full((Q,), 1, tl.int1)
-    if HAS_SEQ:
-        seq, last, prev = _seq_ids(seq_ptr, b, start, seqlen, stride_seq, Q)
-        causal = causal & (seq[:, None] == seq[None, :])
-        entry = seq == prev                  # the entry state reaches only the continuing document
-
     for hh in range(heads_per_program):
         h = h0 + hh
-        dt, dA, slope = _chunk_dt(dt_ptr, dt_bias_ptr, A_ptr, b, h, start, seqlen, stride_dt,
-                                  Q, HAS_DT_BIAS, DT_SOFTPLUS, dt_min, dt_max)
-        hi, lo = _cumsum_hi_lo(dA)
-        M = CB * _pair_decay(hi, lo, causal) * dt[None, :]                          # (Q, Q)
-        x = _load_tile(x_ptr, stride_x, b64, t64, h, offs_p, mask_qp)        # (Q, BP)
+        dt, slope, e, w_dec, decay, hi, lo, seq, total, continues = _chunk_decays(
+            dts, seq_ptr, stride_seq, b, h, start, seqlen, Q, HAS_DT_BIAS, DT_SOFTPLUS, HAS_SEQ)
+        M = CB * _pair_decay(hi, lo, seq, Q, HAS_SEQ) * dt[None, :]                 # (Q, Q)
+        x = _load_tile(x_ptr, stride_x, b64, t64, h, offs_p, mask_qp)              # (Q, BP)
         y = tl.dot(M.to(x.dtype), x, input_precision=DOT_PRECISION)                # (Q, BP)
-
-        mask_pn = (offs_p[:, None] < headdim) & (offs_n[None, :] < dstate)
-        S_in = tl.load(entries.stored + _state_tile(chunk_row, h, offs_p, offs_n, nheads, headdim, dstate),
-                       mask=mask_pn, other=0.0)                                    # (BP, BN)
-        if HAS_ENTRY:
-            S_in = S_in.to(tl.float32) + _entry_term(entries, chunk_row, seg_row, h, offs_p, offs_n, mask_pn,
-                                                     nheads, headdim, dstate)
-        e = tl.where(entry, tl.exp(hi + lo), 0.0)                                  # (Q,)
+        S_in = _true_chunk_edge(in_edge, chunk_slot, run_slot, h, offs_p, offs_n, mask_pn, nheads, headdim, dstate,
+                                HAS_ENTRY)                                         # (BP, BN)
         y += e[:, None] * tl.dot(Cm, tl.trans(S_in.to(Cm.dtype)), input_precision=DOT_PRECISION)
-
         if HAS_D:
             Dv = tl.load(D_ptr + h * stride_D.h + offs_p * stride_D.p, mask=offs_p < headdim, other=0.0)
             y += Dv.to(tl.float32)[None, :] * x.to(tl.float32)
@@ -675,21 +620,21 @@ def _D_strides(D):
     return _HP(D.stride(0), 0 if D.dim() == 1 else D.stride(1))
 
 
-def _output_fwd(inp, states, gamma, entry, plan, y=None):
-    """y (b, l, h, p) of the _SSDInputs inp; entry (b, nseg, h, p, n) fp32: each segment's entry
+def _output_fwd(inp, states, gamma, run_entry, plan, y=None):
+    """y (b, l, h, p) of the _SSDInputs inp; run_entry (b, nruns, h, p, n) fp32: each run's entry
     state, or None for zero."""
     x, dt, A, B, C, D, dt_bias, seq_idx = inp
     if y is None:
         y = torch.empty_like(x, memory_format=torch.contiguous_format)
     grid = (plan.nchunks * plan.batch * (plan.nheads // plan.heads_per_output), _cdiv(plan.headdim, plan.BP))
     _output_fwd_kernel[grid](
-        x, B, C, dt, dt_bias, A, D, seq_idx, y, _ChunkEdge(states, gamma, _stand_in(entry, gamma)),
+        x, B, C, plan.dts(inp), D, seq_idx, y, _ChunkEdge(states, gamma, _stand_in(run_entry, gamma)),
         plan.seqlen, plan.headdim, plan.dstate, plan.heads_per_group, plan.heads_per_output, plan.nheads, plan.batch,
-        plan.chunks_per_seg, plan.dt_min, plan.dt_max,
-        _BLHP(*x.stride()), _BLGN(*B.stride()), _BLGN(*C.stride()), _BLH(*dt.stride()), _D_strides(D),
-        _strides_of(seq_idx, _BL), _BLHP(*y.stride()),
+        plan.chunks_per_run,
+        _BLHP(*x.stride()), _BLGN(*B.stride()), _BLGN(*C.stride()), _D_strides(D), _strides_of(seq_idx, _BL),
+        _BLHP(*y.stride()),
         Q=plan.Q, BP=plan.BP, BN=plan.BN, HAS_D=D is not None,
-        HAS_ENTRY=entry is not None, DOT_PRECISION=plan.precision, **plan.launch["output"], **plan.flags)
+        HAS_ENTRY=run_entry is not None, DOT_PRECISION=plan.precision, **plan.options("output"), **plan.flags)
     return y
 
 
@@ -698,34 +643,31 @@ class Summary:
     the entry state. Its affine summary S_out = a * S_entry + S_ext (fp32) is `affine()`."""
 
     def __init__(self, inp, plan):
-        self.states, self.gamma, self.seg_ext, self.seg_a = _state_pass(inp.x, inp.B, inp.dt, inp.A, inp.dt_bias,
-                                                                        inp.seq_idx, plan, False)
+        self.states, self.gamma, self.run_ext, self.run_a = _state_pass(inp.x, inp.B, inp, plan, False)
         self.plan = plan
 
     def affine(self):
-        """(S_ext (b, h, p, n), a (b, h)): the internal segments composed."""
-        if self.plan.nseg == 1:
-            return self.seg_ext[:, 0], self.seg_a[:, 0]
-        return scan_segments(self.seg_ext, self.seg_a)[1], self.seg_a.prod(dim=1)
+        """(S_ext (b, h, p, n), a (b, h)): its runs composed."""
+        if self.plan.nruns == 1:
+            return self.run_ext[:, 0], self.run_a[:, 0]
+        return scan_summaries(self.run_ext, self.run_a)[1], self.run_a.prod(dim=1)
 
-    def segment_entries(self, entry, need_exit=False):
-        """Each internal segment's entry state (b, nseg, h, p, n), given the sequence's entry
-        (or None for zero), and with need_exit the sequence's exit state (b, h, p, n)."""
-        entry = _f32_contiguous(entry)        # the kernels read it as a (b, nseg, h, p, n) buffer
-        if self.plan.nseg == 1:
-            seg_entry = None if entry is None else entry[:, None]
-            if not need_exit:
-                return seg_entry, None
-            S_ext, a = self.affine()
-            return seg_entry, (S_ext if entry is None else S_ext + a[:, :, None, None] * entry)
-        return scan_segments(self.seg_ext, self.seg_a, entry)  # later segments start where earlier end
+    def run_entries(self, entry, need_exit=False):
+        """Each run's entry state (b, nruns, h, p, n) or None for zero, given the sequence's entry
+        (or None), and with need_exit the sequence's exit state (b, h, p, n)."""
+        entry = _f32_contiguous(entry)        # the kernels read it as a (b, nruns, h, p, n) buffer
+        if self.plan.nruns > 1:
+            return scan_summaries(self.run_ext, self.run_a, entry)  # later runs start where earlier end
+        S_ext, a = self.affine()        # one run: no scan, and an absent entry stays absent
+        exit_ = (S_ext if entry is None else S_ext + a[:, :, None, None] * entry) if need_exit else None
+        return (None if entry is None else entry[:, None]), exit_
 
 
 def ssd_output(inp, summary, entry=None, y=None, need_exit=False):
     """The outputs of a summarised sequence (_SSDInputs inp) entered with state `entry`
     (b, h, p, n) or zero; with need_exit also its exit state (else None)."""
-    seg_entry, exit_ = summary.segment_entries(entry, need_exit)
-    y = _output_fwd(inp, summary.states, summary.gamma, seg_entry, summary.plan, y)
+    run_entry, exit_ = summary.run_entries(entry, need_exit)
+    y = _output_fwd(inp, summary.states, summary.gamma, run_entry, summary.plan, y)
     return y, exit_
 
 
@@ -741,53 +683,22 @@ class GradPass:
     before the gradient at the exit is (it is what a CP rank all-gathers in backward)."""
 
     def __init__(self, dy, inp, plan):
-        self.dstates, self.rho, self.seg_G, self.seg_a = _state_pass(dy, inp.C, inp.dt, inp.A, inp.dt_bias,
-                                                                     inp.seq_idx, plan, True)
+        self.dstates, self.rho, self.run_G, self.run_a = _state_pass(dy, inp.C, inp, plan, True)
         self.plan = plan
 
     @property
     def G(self):
-        """The internal segments' pulls composed (one reverse scan); only CP needs it alone."""
-        return self.seg_G[:, 0] if self.plan.nseg == 1 else scan_segments_bwd(self.seg_G, self.seg_a)[1]
+        """Its runs' pulls composed (one reverse scan); only CP needs it alone."""
+        return self.run_G[:, 0] if self.plan.nruns == 1 else scan_summaries(self.run_G, self.run_a, reverse=True)[1]
 
     def exits_and_entry(self, dexit):
         """Given the gradient at the sequence's exit (b, h, p, n) or None: the gradient arriving
-        at each internal segment's exit (b, nseg, h, p, n) or None, and the gradient at the
+        at each run's exit (b, nruns, h, p, n) or None, and the gradient at the
         sequence's entry, G + a dexit (b, h, p, n), both from one reverse scan."""
-        dexit = _f32_contiguous(dexit)        # the kernels read it as a (b, nseg, h, p, n) buffer
-        if self.plan.nseg == 1:
-            G = self.seg_G[:, 0]
-            if dexit is None:
-                return None, G
-            return dexit[:, None], G + self.seg_a[:, 0, :, None, None] * dexit
-        return scan_segments_bwd(self.seg_G, self.seg_a, dexit)
-
-
-@triton.jit
-def _chunk_vector_decays(dt_ptr, dt_bias_ptr, A_ptr, seq_ptr, b, h, start, seqlen, stride_dt, stride_seq,
-                         Q: tl.constexpr, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
-                         HAS_SEQ: tl.constexpr, dt_min, dt_max):
-    """The per-token decays of one chunk of one head, for the backward:
-      dt', slope     (Q,) the processed dt and d dt'/d dt_raw
-      e              (Q,) exp(cs_i), the entry state's decay to token i (0 for a new document)
-      w_dec          (Q,) exp(cs_last - cs_j), token j's decay to the exit (0 if it never gets there)
-      decay          ()   exp(cs_last), the entry's decay to the exit (0 across a document start)
-    and the cumulative sums (hi, lo) and document ids that the pair decays are cut from."""
-    dt, dA, slope = _chunk_dt(dt_ptr, dt_bias_ptr, A_ptr, b, h, start, seqlen, stride_dt,
-                              Q, HAS_DT_BIAS, DT_SOFTPLUS, dt_min, dt_max)
-    hi, lo = _cumsum_hi_lo(dA)
-    cs64 = tl.cumsum(dA.to(tl.float64), axis=0)
-    total = tl.sum(dA.to(tl.float64), axis=0)
-    e = tl.exp(hi + lo)
-    w_dec = tl.exp((total - cs64).to(tl.float32))
-    decay = tl.exp(total.to(tl.float32))
-    seq = tl.zeros((Q,), dtype=tl.int32)
-    if HAS_SEQ:
-        seq, last, prev = _seq_ids(seq_ptr, b, start, seqlen, stride_seq, Q)
-        e = tl.where(seq == prev, e, 0.0)
-        w_dec = tl.where(seq == last, w_dec, 0.0)
-        decay = tl.where(last == prev, decay, 0.0)
-    return dt, slope, e, w_dec, decay, hi, lo, seq
+        dexit = _f32_contiguous(dexit)        # the kernels read it as a (b, nruns, h, p, n) buffer
+        if self.plan.nruns == 1 and dexit is None:
+            return None, self.run_G[:, 0]
+        return scan_summaries(self.run_G, self.run_a, dexit, reverse=True)
 
 
 @triton.jit
@@ -800,43 +711,14 @@ def _tf32_split(a):
 
 @triton.jit
 def _exact_dot(a, b01, PRECISION: tl.constexpr):
-    """a (M, K) float32 times b01 (K, N), a matrix of 0s and 1s, keeping float32's accuracy
-    whatever the kernel's precision: exact with "ieee"; with "tf32" (the products' precision for
-    bf16 and fp16 inputs), two tensor-core products of a's split (b01 is exact in tf32,
-    hi too, and lo loses at most 2^-11 of itself), each term then within 2^-20 of itself. Every
-    term keeps its own relative accuracy: nothing cancels that the exact sum would not cancel."""
+    """a (M, K) float32 times b01 (K, N), a matrix of 0s and 1s, at float32's accuracy whatever
+    the kernel's precision: with "tf32" (bf16 and fp16 inputs), two tensor-core products of a's
+    split (b01 and hi are exact in tf32, lo loses at most 2^-11 of itself), each term within
+    2^-20 of itself: nothing cancels that the exact sum would not cancel."""
     if PRECISION == "ieee":
         return tl.dot(a, b01, input_precision="ieee")
     hi, lo = _tf32_split(a)
     return tl.dot(hi, b01, input_precision="tf32") + tl.dot(lo, b01, input_precision="tf32")
-
-
-@triton.jit
-def _document_pair_decay(hi, lo, seq, Q: tl.constexpr, HAS_SEQ: tl.constexpr):
-    """L (Q, Q) of one chunk: exp(cs_i - cs_j) over its causal pairs i >= j of one document, else 0."""
-    offs_q = tl.arange(0, Q)
-    causal = offs_q[:, None] >= offs_q[None, :]
-    if HAS_SEQ:
-        causal = causal & (seq[:, None] == seq[None, :])
-    return _pair_decay(hi, lo, causal)
-
-
-@triton.jit
-def _chunk_tokens(c, seqlen, headdim, Q: tl.constexpr, BP: tl.constexpr):
-    """Chunk c's first token, its token offsets (Q,) and headdim offsets (BP,), the tokens' int64
-    positions, which of them exist, and the (Q, BP) mask of a head tile."""
-    start = c * Q
-    offs_q = tl.arange(0, Q)
-    offs_p = tl.arange(0, BP)
-    valid = start + offs_q < seqlen
-    return start, offs_q, offs_p, (start + offs_q).to(tl.int64), valid, valid[:, None] & (offs_p[None, :] < headdim)
-
-
-@triton.jit
-def _pair_tile(chunk_row, g, ngroups, Q: tl.constexpr):
-    """int64 offsets of group g's (Q, Q) tile in a contiguous (b * nchunks, ngroups, Q, Q) buffer."""
-    offs_q = tl.arange(0, Q)
-    return (chunk_row * ngroups + g) * (Q * Q) + offs_q[:, None] * Q + offs_q[None, :]
 
 
 # The chunk backward in three kernels, each one job: what a group's heads share (C.B and the
@@ -858,18 +740,16 @@ def _pair_tile(chunk_row, g, ngroups, Q: tl.constexpr):
 
 @triton.jit
 def _chunk_bwd_group_kernel(
-    x_ptr, B_ptr, C_ptr, dt_ptr, dt_bias_ptr, A_ptr, seq_ptr, dout_ptr,
+    x_ptr, B_ptr, C_ptr, dts, seq_ptr, dout_ptr,
     CB_ptr, dCB_ptr, ddt_pairs_ptr, ddA_pairs_ptr, dD_part_ptr,
-    seqlen, headdim, dstate, heads_per_group, ngroups, batch, dt_min, dt_max,
-    stride_x, stride_B, stride_C, stride_dt, stride_seq, stride_do,
+    seqlen, headdim, dstate, heads_per_group, ngroups, batch,
+    stride_x, stride_B, stride_C, stride_seq, stride_do,
     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_D: tl.constexpr, D_PER_CHANNEL: tl.constexpr,
     HAS_SEQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """One (chunk, batch, group): C.B and dCB for the buffers the other two kernels read, and
-    for each of the group's heads its pairs' share of dt' and of d(dt'A) (Q,) and its dD partial.
-    CB (b * nchunks, g, Q, Q) fp32, dCB the same in the input dtype, the head vectors
-    (b * nchunks, h, Q) fp32, dD (b * nchunks, h, p) fp32."""
+    """One (chunk, batch, group): C.B and dCB for the other two kernels, and for each of the
+    group's heads its pairs' share of dt' and of d(dt'A) (Q,) and its dD partial."""
     # groups vary fastest: the programs running at once share a chunk's x and dy in L2
     pid = tl.program_id(0)
     g = pid % ngroups
@@ -878,7 +758,7 @@ def _chunk_bwd_group_kernel(
     start, offs_q, offs_p, t64, valid, mask_qp = _chunk_tokens(c, seqlen, headdim, Q, BP)
     b64 = b.to(tl.int64)
     nheads = heads_per_group * ngroups
-    chunk_row = b64 * tl.cdiv(seqlen, Q) + c
+    chunk_slot = b64 * tl.cdiv(seqlen, Q) + c
 
     CB = tl.zeros((Q, Q), dtype=tl.float32)                                        # C_i . B_j
     for n0 in range(0, dstate, BN):
@@ -887,45 +767,44 @@ def _chunk_bwd_group_kernel(
         Cm = _load_tile(C_ptr, stride_C, b64, t64, g, offs_n, mask_qn)
         Bm = _load_tile(B_ptr, stride_B, b64, t64, g, offs_n, mask_qn)
         CB += tl.dot(Cm, tl.trans(Bm), input_precision=DOT_PRECISION)
-    tl.store(CB_ptr + _pair_tile(chunk_row, g, ngroups, Q), CB)
+    tl.store(CB_ptr + _pair_tile(chunk_slot, g, ngroups, Q), CB)
 
     before = (offs_q[:, None] < offs_q[None, :]).to(tl.float32)                   # (Q, Q) [j < k]
     dCB = tl.zeros((Q, Q), dtype=tl.float32)
     for hh in range(heads_per_group):
         h = g * heads_per_group + hh
-        dt, slope, e, w_dec, decay, hi, lo, seq = _chunk_vector_decays(
-            dt_ptr, dt_bias_ptr, A_ptr, seq_ptr, b, h, start, seqlen, stride_dt, stride_seq,
-            Q, HAS_DT_BIAS, DT_SOFTPLUS, HAS_SEQ, dt_min, dt_max)
-        L = _document_pair_decay(hi, lo, seq, Q, HAS_SEQ)
+        dt, slope, e, w_dec, decay, hi, lo, seq, total, continues = _chunk_decays(
+            dts, seq_ptr, stride_seq, b, h, start, seqlen, Q, HAS_DT_BIAS, DT_SOFTPLUS, HAS_SEQ)
+        L = _pair_decay(hi, lo, seq, Q, HAS_SEQ)
         x = _load_tile(x_ptr, stride_x, b64, t64, h, offs_p, mask_qp)              # (Q, BP)
         dy = _load_tile(dout_ptr, stride_do, b64, t64, h, offs_p, mask_qp).to(x.dtype)
         dxyL = tl.dot(dy, tl.trans(x), input_precision=DOT_PRECISION) * L          # (Q, Q) (dy_i . x_j) L_ij
         dCB += dxyL * dt[None, :]                                                  # this head's pull on C.B
         dxyM = dxyL * CB
-        row = _row_head(chunk_row, h, nheads) * Q + offs_q
-        tl.store(ddt_pairs_ptr + row, tl.sum(dxyM, axis=0))
+        at = _slot_head(chunk_slot, h, nheads) * Q + offs_q                            # this head's (Q,) slot
+        tl.store(ddt_pairs_ptr + at, tl.sum(dxyM, axis=0))
         # d(dt'_k A) from the pairs i >= k > j that span k: a sum along j < k, as a product with
         # the 0/1 matrix `before` on the tensor cores (in place of a scan along j), then a sum
         # over i >= k. L is 0 off the causal pairs of one document, so V needs no mask, and the
         # diagonal j = i never meets j < k <= i.
         V = dxyM * dt[None, :]                                                     # (Q, Q) pair (i, j)
         spans = _exact_dot(V, before, DOT_PRECISION)                     # [i, k]: sum_{j<k} V_ij
-        tl.store(ddA_pairs_ptr + row, tl.sum(tl.where(offs_q[:, None] >= offs_q[None, :], spans, 0.0), axis=0))
+        tl.store(ddA_pairs_ptr + at, tl.sum(tl.where(offs_q[:, None] >= offs_q[None, :], spans, 0.0), axis=0))
         if HAS_D and D_PER_CHANNEL:        # (h, p): sum over tokens of dy x, per channel
-            tl.store(dD_part_ptr + _row_head(chunk_row, h, nheads) * headdim + offs_p,
+            tl.store(dD_part_ptr + _slot_head(chunk_slot, h, nheads) * headdim + offs_p,
                      tl.sum(dy.to(tl.float32) * x.to(tl.float32), axis=0), mask=offs_p < headdim)
         elif HAS_D:                        # (h,): the trace of dy x^T, which dxyL holds (L_ii = 1)
-            tl.store(dD_part_ptr + _row_head(chunk_row, h, nheads),
+            tl.store(dD_part_ptr + _slot_head(chunk_slot, h, nheads),
                      tl.sum(tl.sum(tl.where(offs_q[:, None] == offs_q[None, :], dxyL, 0.0), axis=1), axis=0))
-    tl.store(dCB_ptr + _pair_tile(chunk_row, g, ngroups, Q), dCB.to(dCB_ptr.dtype.element_ty))
+    tl.store(dCB_ptr + _pair_tile(chunk_slot, g, ngroups, Q), dCB.to(dCB_ptr.dtype.element_ty))
 
 
 @triton.jit
 def _chunk_bwd_BC_kernel(
-    x_ptr, B_ptr, C_ptr, dt_ptr, dt_bias_ptr, A_ptr, seq_ptr, entries, exits, dout_ptr, dCB_ptr,
+    x_ptr, B_ptr, C_ptr, dts, seq_ptr, in_edge, out_edge, dout_ptr, dCB_ptr,
     dB_ptr, dC_ptr, ddA_entry_part_ptr, dw_part_ptr, carry_part_ptr,
-    seqlen, headdim, dstate, heads_per_group, ngroups, batch, n_n_tiles, chunks_per_seg, dt_min, dt_max,
-    stride_x, stride_B, stride_C, stride_dt, stride_seq, stride_do, stride_dB, stride_dC,
+    seqlen, headdim, dstate, heads_per_group, ngroups, batch, n_n_tiles, chunks_per_run,
+    stride_x, stride_B, stride_C, stride_seq, stride_do, stride_dB, stride_dC,
     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_SEQ: tl.constexpr,
     HAS_ENTRY: tl.constexpr, HAS_EXIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -933,8 +812,7 @@ def _chunk_bwd_BC_kernel(
     """dB and dC of one (chunk, batch, group, state tile), the group's heads summed in registers
     (each written once: no atomics), and per head, over this tile, what the x kernel needs of the
     states: the entry's share of d(dt'A), C_i . (e_i S_in^T dy_i) (Q,); the exit's pull on token
-    j's weight w_j, B_j . (x_j^T dS_out) (Q,); and <dS_out, S_in> (). The partials are
-    (b * nchunks, h, n_n_tiles, Q), twice, and (b * nchunks, h, n_n_tiles) fp32."""
+    j's weight w_j, B_j . (x_j^T dS_out) (Q,); and <dS_out, S_in> ()."""
     # state tiles vary fastest, then groups: the programs running at once share x and dy
     pid = tl.program_id(0)
     pid_n = pid % n_n_tiles
@@ -947,26 +825,25 @@ def _chunk_bwd_BC_kernel(
     mask_pn = (offs_p[:, None] < headdim) & (offs_n[None, :] < dstate)
     b64 = b.to(tl.int64)
     nheads = heads_per_group * ngroups
-    chunk_row, seg_row = _chunk_rows(b, c, seqlen, chunks_per_seg, Q)
+    chunk_slot, run_slot = _chunk_slots(b, c, seqlen, chunks_per_run, Q)
 
     Bm = _load_tile(B_ptr, stride_B, b64, t64, g, offs_n, mask_qn)                # (Q, BN)
     Cm = _load_tile(C_ptr, stride_C, b64, t64, g, offs_n, mask_qn)                # (Q, BN)
-    dCB = tl.load(dCB_ptr + _pair_tile(chunk_row, g, ngroups, Q)).to(Cm.dtype)     # (Q, Q)
+    dCB = tl.load(dCB_ptr + _pair_tile(chunk_slot, g, ngroups, Q)).to(Cm.dtype)     # (Q, Q)
     dC = tl.dot(dCB, Bm, input_precision=DOT_PRECISION)                            # (Q, BN)
     dB = tl.dot(tl.trans(dCB), Cm, input_precision=DOT_PRECISION)
     for hh in range(heads_per_group):
         h = g * heads_per_group + hh
-        dt, slope, e, w_dec, decay, hi, lo, seq = _chunk_vector_decays(
-            dt_ptr, dt_bias_ptr, A_ptr, seq_ptr, b, h, start, seqlen, stride_dt, stride_seq,
-            Q, HAS_DT_BIAS, DT_SOFTPLUS, HAS_SEQ, dt_min, dt_max)
+        dt, slope, e, w_dec, decay, hi, lo, seq, total, continues = _chunk_decays(
+            dts, seq_ptr, stride_seq, b, h, start, seqlen, Q, HAS_DT_BIAS, DT_SOFTPLUS, HAS_SEQ)
         x = _load_tile(x_ptr, stride_x, b64, t64, h, offs_p, mask_qp)              # (Q, BP)
         dy = _load_tile(dout_ptr, stride_do, b64, t64, h, offs_p, mask_qp)
         # the states in the products' operand dtype, as the forward's products take them
-        S_in = _true_chunk_edge(entries, chunk_row, seg_row, h, offs_p, offs_n, mask_pn, nheads, headdim, dstate,
+        S_in = _true_chunk_edge(in_edge, chunk_slot, run_slot, h, offs_p, offs_n, mask_pn, nheads, headdim, dstate,
                                 HAS_ENTRY).to(x.dtype)                             # (BP, BN)
-        dS_out = _true_chunk_edge(exits, chunk_row, seg_row, h, offs_p, offs_n, mask_pn, nheads, headdim, dstate,
+        dS_out = _true_chunk_edge(out_edge, chunk_slot, run_slot, h, offs_p, offs_n, mask_pn, nheads, headdim, dstate,
                                   HAS_EXIT).to(x.dtype)                            # (BP, BN)
-        part = _row_head(chunk_row, h, nheads) * n_n_tiles + pid_n
+        part = _slot_head(chunk_slot, h, nheads) * n_n_tiles + pid_n
         tl.store(carry_part_ptr + part, tl.sum(tl.sum(dS_out.to(tl.float32) * S_in.to(tl.float32), axis=1), axis=0))
         xdS = tl.dot(x, dS_out, input_precision=DOT_PRECISION)                     # (Q, BN) x_j^T dS_out
         dB += (w_dec * dt)[:, None] * xdS
@@ -980,10 +857,10 @@ def _chunk_bwd_BC_kernel(
 
 @triton.jit
 def _chunk_bwd_x_kernel(
-    B_ptr, dt_ptr, dt_bias_ptr, A_ptr, D_ptr, seq_ptr, exits, dout_ptr, CB_ptr,
+    B_ptr, dts, D_ptr, seq_ptr, out_edge, dout_ptr, CB_ptr,
     ddt_pairs_ptr, ddA_pairs_ptr, ddA_entry_part_ptr, dw_part_ptr, carry_part_ptr, dx_ptr, ddt_ptr, dA_part_ptr,
-    seqlen, headdim, dstate, heads_per_group, nheads, batch, chunks_per_seg, n_bc_tiles, dt_min, dt_max,
-    stride_B, stride_dt, stride_D, stride_seq, stride_do, stride_dx,
+    seqlen, headdim, dstate, heads_per_group, nheads, batch, chunks_per_run, n_bc_tiles,
+    stride_B, stride_D, stride_seq, stride_do, stride_dx,
     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_D: tl.constexpr, HAS_SEQ: tl.constexpr,
     HAS_EXIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -999,13 +876,12 @@ def _chunk_bwd_x_kernel(
     g = h // heads_per_group
     start, offs_q, offs_p, t64, valid, mask_qp = _chunk_tokens(c, seqlen, headdim, Q, BP)
     b64 = b.to(tl.int64)
-    chunk_row, seg_row = _chunk_rows(b, c, seqlen, chunks_per_seg, Q)
+    chunk_slot, run_slot = _chunk_slots(b, c, seqlen, chunks_per_run, Q)
 
-    dt, slope, e, w_dec, decay, hi, lo, seq = _chunk_vector_decays(
-        dt_ptr, dt_bias_ptr, A_ptr, seq_ptr, b, h, start, seqlen, stride_dt, stride_seq,
-        Q, HAS_DT_BIAS, DT_SOFTPLUS, HAS_SEQ, dt_min, dt_max)
-    L = _document_pair_decay(hi, lo, seq, Q, HAS_SEQ)
-    CB = tl.load(CB_ptr + _pair_tile(chunk_row, g, nheads // heads_per_group, Q))
+    dt, slope, e, w_dec, decay, hi, lo, seq, total, continues = _chunk_decays(
+        dts, seq_ptr, stride_seq, b, h, start, seqlen, Q, HAS_DT_BIAS, DT_SOFTPLUS, HAS_SEQ)
+    L = _pair_decay(hi, lo, seq, Q, HAS_SEQ)
+    CB = tl.load(CB_ptr + _pair_tile(chunk_slot, g, nheads // heads_per_group, Q))
     dy = _load_tile(dout_ptr, stride_do, b64, t64, h, offs_p, mask_qp)              # (Q, BP)
     Mdt = (CB * L * dt[None, :]).to(dy.dtype)                                      # (Q, Q)
     dx = tl.dot(tl.trans(Mdt), dy, input_precision=DOT_PRECISION)                  # (Q, BP)
@@ -1020,73 +896,73 @@ def _chunk_bwd_x_kernel(
         mask_pn = (offs_p[:, None] < headdim) & (offs_n[None, :] < dstate)
         # w folded into B before the product, rounded to the operand dtype as the state pass folds its own
         Bw = (_load_tile(B_ptr, stride_B, b64, t64, g, offs_n, mask_qn).to(tl.float32) * w[:, None]).to(dy.dtype)
-        dS_out = _true_chunk_edge(exits, chunk_row, seg_row, h, offs_p, offs_n, mask_pn, nheads, headdim, dstate,
+        dS_out = _true_chunk_edge(out_edge, chunk_slot, run_slot, h, offs_p, offs_n, mask_pn, nheads, headdim, dstate,
                                   HAS_EXIT).to(dy.dtype)                           # (BP, BN)
         dx = tl.dot(Bw, tl.trans(dS_out), acc=dx, input_precision=DOT_PRECISION)   # (Q, BP)
     tl.store(_tile_ptrs(dx_ptr, stride_dx, b64, t64, h, offs_p), dx.to(dx_ptr.dtype.element_ty), mask=mask_qp)
 
-    row = _row_head(chunk_row, h, nheads)
+    at = _slot_head(chunk_slot, h, nheads)
     entry_share = tl.zeros((Q,), dtype=tl.float32)
     dw = tl.zeros((Q,), dtype=tl.float32)                                         # d w_j = x_j . dS_out B_j
     carry = tl.zeros((), dtype=tl.float32)
     for i in range(n_bc_tiles):
-        entry_share += tl.load(ddA_entry_part_ptr + (row * n_bc_tiles + i) * Q + offs_q)
-        dw += tl.load(dw_part_ptr + (row * n_bc_tiles + i) * Q + offs_q)
-        carry += tl.load(carry_part_ptr + row * n_bc_tiles + i)
+        entry_share += tl.load(ddA_entry_part_ptr + (at * n_bc_tiles + i) * Q + offs_q)
+        dw += tl.load(dw_part_ptr + (at * n_bc_tiles + i) * Q + offs_q)
+        carry += tl.load(carry_part_ptr + at * n_bc_tiles + i)
     d_entry = tl.cumsum(entry_share, axis=0, reverse=True)                         # exp(cs_i), i >= k
     sw = (dw * w).to(tl.float64)
     d_exit = (tl.cumsum(sw, axis=0) - sw).to(tl.float32)                           # exp(cs_last-cs_j), j < k
-    ddA = tl.load(ddA_pairs_ptr + row * Q + offs_q) + d_entry + d_exit + decay * carry
-    ddt = tl.load(ddt_pairs_ptr + row * Q + offs_q) + dw * w_dec + ddA * tl.load(A_ptr + h).to(tl.float32)
-    tl.store(dA_part_ptr + row, tl.sum(ddA * dt, axis=0))
-    tl.store(ddt_ptr + _row_head(b64 * seqlen + t64, h, nheads), ddt * slope, mask=valid)
+    ddA = tl.load(ddA_pairs_ptr + at * Q + offs_q) + d_entry + d_exit + decay * carry
+    ddt = tl.load(ddt_pairs_ptr + at * Q + offs_q) + dw * w_dec + ddA * tl.load(dts.A + h).to(tl.float32)
+    tl.store(dA_part_ptr + at, tl.sum(ddA * dt, axis=0))
+    tl.store(ddt_ptr + (b64 * seqlen + t64) * nheads + h, ddt * slope, mask=valid)      # (b, l, h)
 
 
-def _chunk_bwd(inp, states, gamma, entry, dstates, rho, dexit, dout, plan, dx=None, dB=None, dC=None):
-    """Every gradient of the chunks of the _SSDInputs inp, given each segment's entry state and
-    the gradient at its exit (b, nseg, h, p, n) fp32 (either may be None for zero). dx, dB, dC
+def _chunk_bwd(inp, states, gamma, run_entry, dstates, rho, run_dexit, dout, plan, dx=None, dB=None, dC=None):
+    """Every gradient of the chunks of the _SSDInputs inp, given each run's entry state and the
+    gradient at its exit (b, nruns, h, p, n) fp32 (either may be None for zero). dx, dB, dC
     may be views into one buffer (the conv backward's input)."""
     x, dt, A, B, C, D, dt_bias, seq_idx = inp
-    dev, rows, Q = x.device, plan.batch * plan.nchunks, plan.Q
+    dev, slots, Q = x.device, plan.batch * plan.nchunks, plan.Q
     dx = torch.empty_like(x, memory_format=torch.contiguous_format) if dx is None else dx
     dB = torch.empty_like(B, memory_format=torch.contiguous_format) if dB is None else dB
     dC = torch.empty_like(C, memory_format=torch.contiguous_format) if dC is None else dC
     ddt = torch.empty(dt.shape, device=dev, dtype=torch.float32)
-    CB = torch.empty(rows, plan.ngroups, Q, Q, device=dev, dtype=torch.float32)
-    dCB = torch.empty(rows, plan.ngroups, Q, Q, device=dev, dtype=x.dtype)
-    ddt_pairs, ddA_pairs = (torch.empty(rows, plan.nheads, Q, device=dev, dtype=torch.float32) for _ in range(2))
+    CB = torch.empty(slots, plan.ngroups, Q, Q, device=dev, dtype=torch.float32)
+    dCB = torch.empty(slots, plan.ngroups, Q, Q, device=dev, dtype=x.dtype)
+    ddt_pairs, ddA_pairs = (torch.empty(slots, plan.nheads, Q, device=dev, dtype=torch.float32) for _ in range(2))
     n_bc_tiles = _cdiv(plan.dstate, plan.BN_bc)
-    ddA_entry_part, dw_part = (torch.empty(rows, plan.nheads, n_bc_tiles, Q, device=dev, dtype=torch.float32)
+    ddA_entry_part, dw_part = (torch.empty(slots, plan.nheads, n_bc_tiles, Q, device=dev, dtype=torch.float32)
                                for _ in range(2))
-    carry_part = torch.empty(rows, plan.nheads, n_bc_tiles, device=dev, dtype=torch.float32)
-    dA_part = torch.empty(rows, plan.nheads, device=dev, dtype=torch.float32)
+    carry_part = torch.empty(slots, plan.nheads, n_bc_tiles, device=dev, dtype=torch.float32)
+    dA_part = torch.empty(slots, plan.nheads, device=dev, dtype=torch.float32)
     d_width = plan.headdim if D is not None and D.dim() == 2 else 1
-    dD_part = torch.empty(rows, plan.nheads, d_width, device=dev, dtype=torch.float32) if D is not None else None
-    entries = _ChunkEdge(states, gamma, _stand_in(entry, gamma))
-    exits = _ChunkEdge(dstates, rho, _stand_in(dexit, rho))
-    s_x, s_B, s_C, s_dt = _BLHP(*x.stride()), _BLGN(*B.stride()), _BLGN(*C.stride()), _BLH(*dt.stride())
+    dD_part = torch.empty(slots, plan.nheads, d_width, device=dev, dtype=torch.float32) if D is not None else None
+    in_edge = _ChunkEdge(states, gamma, _stand_in(run_entry, gamma))
+    out_edge = _ChunkEdge(dstates, rho, _stand_in(run_dexit, rho))
+    dts = plan.dts(inp)
+    s_x, s_B, s_C = _BLHP(*x.stride()), _BLGN(*B.stride()), _BLGN(*C.stride())
     s_seq, s_do = _strides_of(seq_idx, _BL), _BLHP(*dout.stride())
     flags = dict(DOT_PRECISION=plan.precision, **plan.flags)
     _chunk_bwd_group_kernel[(plan.nchunks * plan.batch * plan.ngroups,)](
-        x, B, C, dt, dt_bias, A, seq_idx, dout, CB, dCB, ddt_pairs, ddA_pairs, _stand_in(dD_part, ddt_pairs),
+        x, B, C, dts, seq_idx, dout, CB, dCB, ddt_pairs, ddA_pairs, _stand_in(dD_part, ddt_pairs),
         plan.seqlen, plan.headdim, plan.dstate, plan.heads_per_group, plan.ngroups, plan.batch,
-        plan.dt_min, plan.dt_max, s_x, s_B, s_C, s_dt, s_seq, s_do,
+        s_x, s_B, s_C, s_seq, s_do,
         Q=Q, BP=plan.BP, BN=plan.BN_group, HAS_D=D is not None, D_PER_CHANNEL=d_width > 1,
-        **plan.launch["bwd_group"], **flags)
+        **plan.options("bwd_group"), **flags)
     _chunk_bwd_BC_kernel[(plan.nchunks * plan.batch * plan.ngroups * n_bc_tiles,)](
-        x, B, C, dt, dt_bias, A, seq_idx, entries, exits, dout, dCB, dB, dC, ddA_entry_part, dw_part, carry_part,
+        x, B, C, dts, seq_idx, in_edge, out_edge, dout, dCB, dB, dC, ddA_entry_part, dw_part, carry_part,
         plan.seqlen, plan.headdim, plan.dstate, plan.heads_per_group, plan.ngroups, plan.batch, n_bc_tiles,
-        plan.chunks_per_seg, plan.dt_min, plan.dt_max, s_x, s_B, s_C, s_dt, s_seq, s_do,
-        _BLGN(*dB.stride()), _BLGN(*dC.stride()),
-        Q=Q, BP=plan.BP, BN=plan.BN_bc, HAS_ENTRY=entry is not None, HAS_EXIT=dexit is not None,
-        **plan.launch["bwd_bc"], **flags)
+        plan.chunks_per_run, s_x, s_B, s_C, s_seq, s_do, _BLGN(*dB.stride()), _BLGN(*dC.stride()),
+        Q=Q, BP=plan.BP, BN=plan.BN_bc, HAS_ENTRY=run_entry is not None, HAS_EXIT=run_dexit is not None,
+        **plan.options("bwd_bc"), **flags)
     _chunk_bwd_x_kernel[(plan.nchunks * plan.batch * plan.nheads,)](
-        B, dt, dt_bias, A, D, seq_idx, exits, dout, CB, ddt_pairs, ddA_pairs, ddA_entry_part, dw_part, carry_part,
+        B, dts, D, seq_idx, out_edge, dout, CB, ddt_pairs, ddA_pairs, ddA_entry_part, dw_part, carry_part,
         dx, ddt, dA_part,
-        plan.seqlen, plan.headdim, plan.dstate, plan.heads_per_group, plan.nheads, plan.batch, plan.chunks_per_seg,
-        n_bc_tiles, plan.dt_min, plan.dt_max, s_B, s_dt, _D_strides(D), s_seq, s_do, _BLHP(*dx.stride()),
-        Q=Q, BP=plan.BP, BN=plan.BN_x, HAS_D=D is not None, HAS_EXIT=dexit is not None,
-        **plan.launch["bwd_x"], **flags)
+        plan.seqlen, plan.headdim, plan.dstate, plan.heads_per_group, plan.nheads, plan.batch, plan.chunks_per_run,
+        n_bc_tiles, s_B, _D_strides(D), s_seq, s_do, _BLHP(*dx.stride()),
+        Q=Q, BP=plan.BP, BN=plan.BN_x, HAS_D=D is not None, HAS_EXIT=run_dexit is not None,
+        **plan.options("bwd_x"), **flags)
     dA = dA_part.sum(dim=0)                                                         # (h,)
     dD = None
     if D is not None:
@@ -1099,9 +975,9 @@ def ssd_grads(inp, summary, grad_pass, dy, entry=None, dexit=None, dx=None, dB=N
     """Every gradient of a sequence (_SSDInputs inp) entered with state `entry` whose exit
     receives gradient `dexit` (either (b, h, p, n) or None). dx, dB, dC may be given as output
     views. Returns (dx, dB, dC, ddt (fp32, w.r.t. raw dt), dA, dD, d entry)."""
-    seg_exits, dentry = grad_pass.exits_and_entry(dexit)
-    grads = _chunk_bwd(inp, summary.states, summary.gamma, summary.segment_entries(entry)[0], grad_pass.dstates,
-                       grad_pass.rho, seg_exits, dy, summary.plan, dx, dB, dC)
+    run_dexits, dentry = grad_pass.exits_and_entry(dexit)
+    grads = _chunk_bwd(inp, summary.states, summary.gamma, summary.run_entries(entry)[0], grad_pass.dstates,
+                       grad_pass.rho, run_dexits, dy, summary.plan, dx, dB, dC)
     return (*grads, dentry)
 
 
@@ -1126,33 +1002,9 @@ def _pieces(rank, world, load_balancing):
     return [rank, 2 * world - 1 - rank], 2 * world
 
 
-def shard(x_full, rank, world, load_balancing="none", dim=1):
-    """This rank's local shard of a full-sequence tensor, in the given layout."""
-    _check_layout(load_balancing)
-    held, count = _pieces(rank, world, load_balancing)
-    L = x_full.shape[dim]
-    _expect(L % count == 0, "x_full", f"length {L} along dim {dim}",
-            f"a multiple of {count} (the number of pieces for load_balancing={load_balancing!r}, W={world})")
-    pieces = x_full.chunk(count, dim=dim)
-    return torch.cat([pieces[i] for i in held], dim=dim)
-
-
-def unshard(shards, load_balancing="none", dim=1):
-    """The full-sequence tensor from every rank's shard (a list indexed by rank)."""
-    _check_layout(load_balancing)
-    world = len(shards)
-    count = _pieces(0, world, load_balancing)[1]
-    pieces = [None] * count
-    for rank, local in enumerate(shards):
-        held = _pieces(rank, world, load_balancing)[0]
-        for i, piece in zip(held, local.chunk(len(held), dim=dim)):
-            pieces[i] = piece
-    return torch.cat(pieces, dim=dim)
-
-
 class _Segments:
     """How the fused function sees a rank's shard: `per_row` causal segments of equal length per
-    batch row, with global segment ids `ids` (in local order) out of `count`. "virtual" runs the
+    batch row, with global segment ids `ids` (in local order) out of `count`. "virtual" treats the
     zigzag halves as two segments; the permute layouts are first made contiguous ("none")."""
 
     def __init__(self, rank, world, load_balancing):
@@ -1190,22 +1042,6 @@ class _Segments:
 # 6. The exchange: summaries, their gradients and the conv halo, by all-gather
 #    README walkthrough d.
 # ---------------------------------------------------------------------------------------------
-
-
-# Under torch.compile every collective runs inside a custom op (section 13 says why): the compiler
-# records the call, and the op's own code runs the NCCL or gloo calls, which the compiler never
-# traces. A group travels to an op, and to the plain functions the ops wrap, by its handle.
-
-def _group_name(group):
-    """The handle the custom ops take for a process group: its name and its size ("" for none).
-    The size is part of it because some fake outputs depend on it (an all-gather's, the CP ops'
-    per-segment buffers), and inductor caches a compiled graph on disk under its arguments: by
-    name alone (the world is "0" at every size) a graph traced at W = 2 would be reused at W = 3."""
-    return "" if group is None else f"{group.group_name}:{dist.get_world_size(group)}"
-
-
-def _resolve_group(handle):
-    return None if handle == "" else dist.distributed_c10d._resolve_process_group(handle.rsplit(":", 1)[0])
 
 
 def _all_gather(t, cp_group, async_op=False):
@@ -1283,83 +1119,52 @@ def _document_flags(first, last):
     return cont
 
 
-def _gather_summaries(S_ext, a, seq_idx, cfg):
-    """Start the forward all-gather of every segment's summary: S_ext (rows, h, p, n), a
-    (rows, h) and, with documents, its first and last document ids, packed in one fp32 buffer.
-    Returns (buffer, work); work is None in a world of one."""
+def _entries_by_all_gather(S_ext, a, seq_idx, initial_states, cfg):
+    """Forward state passing across ranks: every segment's summary, S_ext (rows, h, p, n) and a
+    (rows, h) and, with documents, its first and last document ids, all-gathered in one fp32
+    buffer, then the exclusive scan in global segment order. Returns this rank's segment entry
+    states (rows, h, p, n), the final state of the whole sequence (b, h, p, n), and what
+    backward needs: a and cont in global order."""
     parts = [S_ext, a] + ([seq_idx[:, :1], seq_idx[:, -1:]] if seq_idx is not None else [])
     buf = _pack(S_ext.shape[0], *parts)
-    if cfg.world == 1:
-        return buf[None], None
-    return _all_gather(buf, cfg.group, async_op=True)
-
-
-def _entries_from_gathered(every, initial_states, has_seq, cfg):
-    """Finish forward state passing once the gather is done: the exclusive scan in global
-    segment order. Returns this rank's segment entry states (rows, h, p, n), the final state of
-    the whole sequence (b, h, p, n), and what backward needs: a and cont in global order."""
+    every = _all_gather(buf, cfg.group) if cfg.world > 1 else buf[None]
     h, p, n = cfg.state_shape
     shapes = [((h, p, n), torch.float32), ((h,), torch.float32)]
-    shapes += [((1,), torch.int32), ((1,), torch.int32)] if has_seq else []
+    shapes += [((1,), torch.int32), ((1,), torch.int32)] if seq_idx is not None else []
     S_all, a_all, *ids = _unpack(cfg.segs.gather_order(every, cfg.batch), shapes)  # (b, K, ...)
     cont = _document_flags(ids[0][..., 0], ids[1][..., 0]) if ids else None
-    entries, final = scan_segments(S_all.contiguous(), a_all.contiguous(), initial_states, cont)
+    entries, final = scan_summaries(S_all.contiguous(), a_all.contiguous(), initial_states, cont)
     return cfg.segs.own(entries), final, a_all.contiguous(), cont
 
 
-def _gather_G(G, dfinal, cfg):
-    """Start the backward all-gather: every segment's G (the pull of its own outputs on its
+def _exit_grads_by_all_gather(G, dfinal, a_all, cont, cfg, meanwhile):
+    """Backward state passing across ranks: every segment's G (the pull of its own outputs on its
     entry state, (rows, h, p, n)) and each rank's gradient of its copy of the final state (the
-    copies' gradients add up). Returns (buffer, work); work is None in a world of one."""
-    if dfinal is None:
-        dfinal = torch.zeros((cfg.batch, *G.shape[1:]), device=G.device)
-    buf = torch.cat([G.reshape(-1), dfinal.float().reshape(-1)])
-    if cfg.world == 1:
-        return buf[None], None
-    return _all_gather(buf, cfg.group, async_op=True)
-
-
-def _exit_grads_from_gathered(every, a_all, cont, cfg):
-    """Finish backward state passing once the gather is done: the reverse exclusive scan.
-    Returns the gradient arriving at this rank's segment exits (rows, h, p, n) and that of
-    initial_states (b, h, p, n)."""
+    copies' gradients add up) all-gathered, then the reverse exclusive scan. `meanwhile` runs
+    while the gather is in flight. Returns the gradient arriving at this rank's segment exits
+    (rows, h, p, n), that of initial_states (b, h, p, n), and meanwhile's result."""
     rows = cfg.batch * cfg.segs.per_row
     h, p, n = cfg.state_shape
+    if dfinal is None:
+        dfinal = torch.zeros((cfg.batch, h, p, n), device=G.device)
+    buf = torch.cat([G.reshape(-1), dfinal.float().reshape(-1)])
+    every, work = _all_gather(buf, cfg.group, async_op=True) if cfg.world > 1 else (buf[None], None)
+    done = meanwhile()
+    if work is not None:
+        work.wait()
     G_part, dfin = every[:, :rows * h * p * n], every[:, rows * h * p * n:]
     G_all = cfg.segs.gather_order(G_part.reshape(cfg.world, rows, h, p, n), cfg.batch)  # (b, K, h, p, n)
     dfinal = dfin.reshape(cfg.world, cfg.batch, h, p, n).sum(dim=0)
-    dexit_all, dinit = scan_segments_bwd(G_all.contiguous(), a_all, dfinal, cont)
-    return cfg.segs.own(dexit_all), dinit
+    dexit_all, dinit = scan_summaries(G_all.contiguous(), a_all, dfinal, cont, reverse=True)
+    return cfg.segs.own(dexit_all), dinit, done
 
 
 class _AllGatherExchange:
     """summary_exchange="all_gather": every rank receives every segment's summary (and, in the
-    backward, every G) and scans them itself. `meanwhile` is work that runs while the gather is
-    in flight; its result comes back last. Part II adds the prefix scan over ranks (its
-    _PrefixScanExchange has the same three methods) to EXCHANGES."""
-
+    backward, every G) and scans them itself. Other exchanges have the same three methods."""
     neighbours = staticmethod(_neighbours_by_all_gather)
-    overlaps = True             # meanwhile runs while the gather is in flight
-
-    @staticmethod
-    def entry_states(S_ext, a, seq_idx, initial_states, cfg, meanwhile):
-        """(entries (rows, h, p, n), final (b, h, p, n), a and cont as the backward needs them,
-        meanwhile's result)."""
-        every, work = _gather_summaries(S_ext, a, seq_idx, cfg)
-        done = meanwhile()
-        if work is not None:
-            work.wait()
-        return (*_entries_from_gathered(every, initial_states, seq_idx is not None, cfg), done)
-
-    @staticmethod
-    def exit_grads(G, dfinal, a_kept, cont, cfg, meanwhile):
-        """(the gradient at this rank's segment exits (rows, h, p, n), that of initial_states
-        (b, h, p, n), meanwhile's result)."""
-        every, work = _gather_G(G, dfinal, cfg)
-        done = meanwhile()
-        if work is not None:
-            work.wait()
-        return (*_exit_grads_from_gathered(every, a_kept, cont, cfg), done)
+    entry_states = staticmethod(_entries_by_all_gather)
+    exit_grads = staticmethod(_exit_grads_by_all_gather)
 
 
 EXCHANGES = {"all_gather": _AllGatherExchange}     # by summary_exchange name
@@ -1381,35 +1186,31 @@ EXCHANGES = {"all_gather": _AllGatherExchange}     # by summary_exchange name
 # it is not kept). With m_j(s) = 1 when s and s+j are in one document (the forward's tap mask):
 #     du[s, c]        = sum_j weight[c, d-1-j] * m_j(s) g[s+j, c]
 #     dweight[c, d-1-j] = sum_s u[s, c] * m_j(s) g[s+j, c]          dbias[c] = sum_t g[t, c]
-# so one pass over rows s of [halo, xBC] gives all three; du at s < 0 is the halo's gradient,
+# so one pass over tokens s of [halo, xBC] gives all three; du at s < 0 is the halo's gradient,
 # which the caller sends back to the halo's owner.
 #
-# Both kernels walk the rows in order, one row per step. A register tile cannot be shifted by
-# rows, so what a row needs from its neighbours is carried from step to step instead: the u of
-# the d-1 rows before it (the window) and, backward, the partial du of those rows, each of which
-# row t's g adds its share to; the oldest is then complete and stored. So u and dout are loaded
-# once and g computed once per row, except d-1 rows at each end of a run of rows: the window's
-# fill before it, and the g past its end that complete its last du. A program walks one run of
-# rows on a GPU (as many as registers allow in flight: a step loads several rows first), or many
+# Both kernels walk the tokens in order, one per step. A register tile cannot be shifted by
+# tokens, so what a token needs from its neighbours is carried from step to step: the u of the
+# d-1 tokens before it (the window) and, backward, the partial du of those tokens, to which token
+# t's g adds its share; the oldest is then complete and stored. So u and dout are loaded once per
+# token, but for d-1 tokens at each end of a strip. A program walks one strip on a GPU, or many
 # side by side as one tile in the interpreter, which pays per step. No atomics: dweight and dbias
-# are per-(batch, program) partial sums, summed by torch in a fixed order.
-#
-# Offsets that multiply a batch, token or channel index by a stride are int64: sequences reach
-# 2^20 tokens x 8k channels, and xBC may come in any layout.
+# are per-program partial sums, summed by torch in a fixed order. Offsets are int64 (2^20 tokens
+# x 8k channels, in any layout).
 # ---------------------------------------------------------------------------------------------
 
 
-# Conv pieces: a program's channels and operands, document ids and u of a step's rows, the
-# pre-activation. A kernel gathers its operands once into tuples: xs, u's rows (the shard, then
-# the halo before it: row pointer, channel offsets, row stride of each); w, the channels' tap
-# weights; seqs, the document ids of both.
+# Conv pieces: a program's channels and operands, document ids and u of a step's tokens, the
+# pre-activation. A kernel gathers its operands once into tuples: xs, u's two sources (the
+# shard, then the halo before it: base pointer, channel offsets, token stride of each); w, the
+# channels' tap weights; seqs, the document ids of both.
 
 
 @triton.jit
 def _conv_program(x_ptr, stride_x, halo_ptr, stride_h, w_ptr, stride_w, bias_ptr, stride_bias, seq_ptr, stride_s,
                   hseq_ptr, stride_hs, dim, BC: tl.constexpr, TAPS: tl.constexpr, HAS_BIAS: tl.constexpr):
     """This program's batch row bb and channels offs_c (int64, (BC,)) with their mask, and its
-    operands: xs, w (a tuple of TAPS (1, BC) fp32 rows, tap 0, the oldest token, first), bias
+    operands: xs, w (a tuple of TAPS (1, BC) fp32 tiles, tap 0, the oldest token, first), bias
     ((BC,) fp32, zeros without one), seqs."""
     bb = tl.program_id(2).to(tl.int64)
     offs_c = (tl.program_id(1) * BC + tl.arange(0, BC)).to(tl.int64)
@@ -1429,7 +1230,7 @@ def _conv_program(x_ptr, stride_x, halo_ptr, stride_h, w_ptr, stride_w, bias_ptr
 
 @triton.jit
 def _doc(seqs, t, seqlen, HALO: tl.constexpr, HAS_HALO_SEQ: tl.constexpr):
-    """Document id (M,) int64 of token rows t (M,); -1 where there is none (those rows hold zeros)."""
+    """Document id (M,) int64 of tokens t (M,); -1 where there is none (those tokens hold zeros)."""
     s_row0, stride_s_l, hs_row0, stride_hs_l = seqs
     r = t.to(tl.int64)
     doc = tl.load(s_row0 + r * stride_s_l, mask=(t >= 0) & (t < seqlen), other=-1)
@@ -1440,8 +1241,8 @@ def _doc(seqs, t, seqlen, HALO: tl.constexpr, HAS_HALO_SEQ: tl.constexpr):
 
 
 @triton.jit
-def _u_rows(xs, t, mask_c, seqlen, HALO: tl.constexpr, HAS_HALO: tl.constexpr):
-    """u at token rows t (M,) as an (M, BC) fp32 tile, zero outside [-HALO, seqlen). Rows < 0
+def _u_at(xs, t, mask_c, seqlen, HALO: tl.constexpr, HAS_HALO: tl.constexpr):
+    """u at tokens t (M,) as an (M, BC) fp32 tile, zero outside [-HALO, seqlen). Tokens < 0
     come from the halo."""
     x_row0, x_col, stride_x_l, h_row0, h_col, stride_h_l = xs
     r = t.to(tl.int64)
@@ -1457,8 +1258,8 @@ def _u_rows(xs, t, mask_c, seqlen, HALO: tl.constexpr, HAS_HALO: tl.constexpr):
 
 @triton.jit
 def _preact(w, bias, win, docs, u, doc, TAPS: tl.constexpr, HAS_SEQ: tl.constexpr):
-    """Pre-activation (M, BC) of rows t: bias + sum_k w_k u[t-(TAPS-1)+k], from the window
-    (u and ids of rows t-TAPS+1 .. t-1) and row t itself; a tap from another document dropped."""
+    """Pre-activation (M, BC) of tokens t: bias + sum_k w_k u[t-(TAPS-1)+k], from the window
+    (u and ids of tokens t-TAPS+1 .. t-1) and token t itself; a tap from another document dropped."""
     acc = bias[None, :] + w[TAPS - 1] * u
     for k in tl.static_range(TAPS - 1):
         uk = win[k]
@@ -1476,22 +1277,22 @@ def _conv_fwd_kernel(
     HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_HALO_SEQ: tl.constexpr,
     SILU: tl.constexpr,
 ):
-    """M runs of S output rows each (this program's), BC channels, one batch row: out =
-    silu(pre-activation), or the pre-activation itself without SILU. A step loads U rows of
-    every run, then convolves them one by one with the window of the d-1 rows before."""
+    """M strips of S output tokens each (this program's), BC channels, one batch row: out =
+    silu(pre-activation), or the pre-activation itself without SILU. A step loads U tokens of
+    every strip, then convolves them one by one with the window of the d-1 tokens before."""
     bb, offs_c, mask_c, xs, w, bias, seqs = _conv_program(
         x_ptr, stride_x, halo_ptr, stride_h, w_ptr, stride_w, bias_ptr, stride_bias, seq_ptr, stride_s, hseq_ptr,
         stride_hs, dim, BC, TAPS, HAS_BIAS)
     o_row0, o_col = out_ptr + bb * stride_o.b, offs_c * stride_o.c
-    first = (tl.program_id(0) * M + tl.arange(0, M)) * S       # (M,) each run's first row
-    win = (tl.zeros((M, BC), dtype=tl.float32),) * (TAPS - 1)  # u of the TAPS-1 rows before
+    first = (tl.program_id(0) * M + tl.arange(0, M)) * S       # (M,) each strip's first token
+    win = (tl.zeros((M, BC), dtype=tl.float32),) * (TAPS - 1)  # u of the TAPS-1 tokens before
     docs = (tl.full((M,), -1, tl.int64),) * (TAPS - 1)           # and their documents
     for i0 in range(-(TAPS - 1), S, U):     # the first TAPS-1 steps only fill the window
         ahead = ()
         for k in tl.static_range(U):
             t = first + (i0 + k)
             doc = _doc(seqs, t, seqlen, TAPS - 1, HAS_HALO_SEQ) if HAS_SEQ else t.to(tl.int64)
-            ahead = ahead + ((_u_rows(xs, t, mask_c, seqlen, TAPS - 1, HAS_HALO), doc),)
+            ahead = ahead + ((_u_at(xs, t, mask_c, seqlen, TAPS - 1, HAS_HALO), doc),)
         for k in tl.static_range(U):
             t = first + (i0 + k)
             u, doc = ahead[k]
@@ -1509,24 +1310,25 @@ def _conv_flags(bias, halo, seq_idx, silu):
                 HAS_HALO_SEQ=has_seq and halo is not None, SILU=bool(silu))  # without a halo its ids don't matter
 
 
-def _conv_runs(rows, dim, launch):
-    """(runs M, rows per run S, channels BC, programs per batch row) of a conv launch over `rows`
-    token rows: the tuning's, no larger than the tensor needs."""
-    M, BC = launch.runs, min(launch.channels, max(16, _next_pow2(dim)))
-    S = max(1, min(launch.rows, _cdiv(rows, M)))
-    return M, S, BC, _cdiv(rows, M * S)
+def _conv_strips(tokens, dim, launch):
+    """(strips M, tokens per strip S, channels BC, programs per batch row) of a conv launch over
+    `tokens` tokens: the tuning's, no larger than the tensor needs."""
+    M, BC = launch.strips, min(launch.channels, max(16, _next_pow2(dim)))
+    S = max(1, min(launch.tokens, _cdiv(tokens, M)))
+    return M, S, BC, _cdiv(tokens, M * S)
 
 
 def _conv1d_fwd(xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=None, out=None, silu=True):
-    """silu(causal depthwise conv(xBC) + bias), (b, l, dim) in xBC's dtype, or written into out.
-    The arguments as conv1d_fwd (section 11) takes and checks them."""
+    """silu(causal depthwise conv(xBC) + bias) (without silu the conv alone), (b, l, dim) in xBC's
+    dtype, or written into out. xBC (b, l, dim); weight (dim, d); bias (dim,); halo (b, d-1, dim),
+    the tokens before the shard (None: zeros); seq_idx (b, l), halo_seq (b, d-1) document ids."""
     (b, l, dim), d = xBC.shape, weight.shape[1]
     flags = _conv_flags(bias, halo, seq_idx, silu)
     halo_seq = halo_seq.to(seq_idx.dtype) if flags["HAS_HALO_SEQ"] else None   # one id type in the kernel
     if out is None:
         out = torch.empty((b, l, dim), device=xBC.device, dtype=xBC.dtype)
     launch = tuning().conv_fwd
-    M, S, BC, n_t = _conv_runs(l, dim, launch)
+    M, S, BC, n_t = _conv_strips(l, dim, launch)
     _conv_fwd_kernel[(n_t, _cdiv(dim, BC), b)](
         xBC, weight, _stand_in(bias, xBC), _stand_in(halo, xBC), _stand_in(seq_idx, xBC), _stand_in(halo_seq, xBC),
         out, l, dim, S, _BLC(*xBC.stride()), _CK(*weight.stride()), 0 if bias is None else bias.stride(0),
@@ -1544,28 +1346,24 @@ def _conv_bwd_kernel(
     HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_HALO_SEQ: tl.constexpr,
     NEED_DHALO: tl.constexpr, SILU: tl.constexpr,
 ):
-    """M runs of S du rows each (this program's) of rows s of [halo, xBC] (from s = -SHIFT;
-    SHIFT is TAPS-1 with a halo), BC channels, one batch row: du per row (into dx, or dhalo for
-    s < 0), and dweight, dbias of the g rows it owns summed into this program's partial slot.
-    dhalo (b, TAPS-1, dim), the partials (b, programs, TAPS, dim) and (b, programs, dim) are
-    contiguous.
-
-    Step t computes g[t] and hands its share to the du of rows t-TAPS+1 .. t: the oldest of them
-    is then complete and stored, the others stay partial in registers (`part`). A run's steps
-    go from TAPS-1 rows before its first du row (to fill the window) to TAPS-1 rows past its
-    last (whose g complete it); those extra g rows count in the next run's dweight."""
+    """M strips of S du tokens each of tokens s of [halo, xBC] (from s = -SHIFT; SHIFT is TAPS-1
+    with a halo), BC channels, one batch row: du per token (into dx, or dhalo for s < 0), and the
+    dweight, dbias of the g tokens it owns, summed into this program's partial slot. Step t
+    computes g[t] and hands its share to the du of tokens t-TAPS+1 .. t (`part`), the oldest then
+    complete. A strip's steps run from TAPS-1 tokens before its first du token (the window's
+    fill) to TAPS-1 past its last (whose g complete it; they count in the next strip's dweight)."""
     bb, offs_c, mask_c, xs, w, bias, seqs = _conv_program(
         x_ptr, stride_x, halo_ptr, stride_h, w_ptr, stride_w, bias_ptr, stride_bias, seq_ptr, stride_s, hseq_ptr,
         stride_hs, dim, BC, TAPS, HAS_BIAS)
     do_row0, do_col = dout_ptr + bb * stride_do.b, offs_c * stride_do.c
     dx_row0, dx_col = dx_ptr + bb * stride_dx.b, offs_c * stride_dx.c
 
-    first = (tl.program_id(0) * M + tl.arange(0, M)) * S - SHIFT   # (M,) each run's first du row
+    first = (tl.program_id(0) * M + tl.arange(0, M)) * S - SHIFT   # (M,) each strip's first du token
     zero = tl.zeros((M, BC), dtype=tl.float32)
-    win = (zero,) * (TAPS - 1)                          # u of rows t-TAPS+1 .. t-1
+    win = (zero,) * (TAPS - 1)                          # u of tokens t-TAPS+1 .. t-1
     docs = (tl.full((M,), -1, tl.int64),) * (TAPS - 1)  # their documents
-    part = (zero,) * (TAPS - 1)                         # du of rows t-TAPS+1 .. t-1, so far
-    dw = (zero,) * TAPS                                 # dweight per tap, per run
+    part = (zero,) * (TAPS - 1)                         # du of tokens t-TAPS+1 .. t-1, so far
+    dw = (zero,) * TAPS                                 # dweight per tap, per strip
     db = zero
     for i0 in range(-(TAPS - 1), S + TAPS - 1, U):
         ahead = ()
@@ -1575,7 +1373,7 @@ def _conv_bwd_kernel(
             do = tl.load(do_row0 + t.to(tl.int64)[:, None] * stride_do.l + do_col[None, :],
                          mask=has_g[:, None] & mask_c[None, :], other=0.0)
             doc = _doc(seqs, t, seqlen, TAPS - 1, HAS_HALO_SEQ) if HAS_SEQ else t.to(tl.int64)
-            ahead = ahead + ((_u_rows(xs, t, mask_c, seqlen, TAPS - 1, HAS_HALO), do, doc),)
+            ahead = ahead + ((_u_at(xs, t, mask_c, seqlen, TAPS - 1, HAS_HALO), do, doc),)
         for k in tl.static_range(U):
             t = first + (i0 + k)
             u, do, doc = ahead[k]
@@ -1584,12 +1382,12 @@ def _conv_bwd_kernel(
                 p = _preact(w, bias, win, docs, u, doc, TAPS, HAS_SEQ)
                 sig = tl.sigmoid(p)
                 g = g * sig * (1.0 + p * (1.0 - sig))     # silu'(p) = sig(p) (1 + p (1 - sig(p)))
-            # g[t]'s share of du at row t-TAPS+1+j (weight j): zero across a document boundary
+            # g[t]'s share of du at token t-TAPS+1+j (weight j): zero across a document boundary
             share = ()
             for j in tl.static_range(TAPS - 1):
                 gj = tl.where((docs[j] == doc)[:, None], g, 0.0) if HAS_SEQ else g
                 share = share + (gj,)
-            s = t - (TAPS - 1)                                  # the du row g[t] completes
+            s = t - (TAPS - 1)                                  # the du token g[t] completes
             du = part[0] + w[0] * share[0]
             keep = (s >= first) & (s < first + S) & (s < seqlen)
             tl.store(dx_row0 + s.to(tl.int64)[:, None] * stride_dx.l + dx_col[None, :], du.to(dx_ptr.dtype.element_ty),
@@ -1601,7 +1399,7 @@ def _conv_bwd_kernel(
             for j in tl.static_range(1, TAPS - 1):
                 nxt = nxt + (part[j] + w[j] * share[j],)
             part = nxt + (w[TAPS - 1] * g,)
-            # dweight and dbias count the g rows this run owns
+            # dweight and dbias count the g tokens this strip owns
             own = ((t >= first) & (t < first + S))[:, None]
             sums = ()
             for j in tl.static_range(TAPS - 1):
@@ -1611,7 +1409,7 @@ def _conv_bwd_kernel(
             win = win[1:] + (u,)
             docs = docs[1:] + (doc,)
 
-    prow = bb * tl.num_programs(0) + tl.program_id(0)              # this program's partial row
+    prow = bb * tl.num_programs(0) + tl.program_id(0)              # this program's partial slot
     for j in tl.static_range(TAPS):
         tl.store(dw_part_ptr + (prow * TAPS + j) * dim + offs_c, tl.sum(dw[j], axis=0), mask=mask_c)
     if HAS_BIAS:
@@ -1620,14 +1418,15 @@ def _conv_bwd_kernel(
 
 def _conv1d_bwd(dout, xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=None, need_dhalo=True, silu=True,
                 dx=None):
-    """Gradients of _conv1d_fwd: (dxBC, dhalo, dweight, dbias), as conv1d_bwd (section 11) says."""
+    """Gradients of _conv1d_fwd: dxBC (into dx if given), dhalo (b, d-1, dim) fp32 (None without
+    need_dhalo or a halo), dweight (dim, d), dbias (dim,) or None."""
     (b, l, dim), d = xBC.shape, weight.shape[1]
     flags = _conv_flags(bias, halo, seq_idx, silu)
     halo_seq = halo_seq.to(seq_idx.dtype) if flags["HAS_HALO_SEQ"] else None   # one id type in the kernel
     need_dhalo = bool(need_dhalo) and halo is not None
-    shift = d - 1 if halo is not None else 0    # du rows start at the halo's
+    shift = d - 1 if halo is not None else 0    # du tokens start at the halo's
     launch = tuning().conv_bwd
-    M, S, BC, n_t = _conv_runs(shift + l, dim, launch)
+    M, S, BC, n_t = _conv_strips(shift + l, dim, launch)
 
     if dx is None:
         dx = torch.empty((b, l, dim), device=xBC.device, dtype=xBC.dtype)
@@ -1653,23 +1452,12 @@ def _conv1d_bwd(dout, xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=
 # ---------------------------------------------------------------------------------------------
 
 
-def _none_if_empty(t):
-    return None if t is None or t.numel() == 0 else t
-
-
-def _conv_channels(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, ch, silu):
-    """The conv of channels `ch` (a slice) alone, (rows, s, channels)."""
-    return _conv1d_fwd(xBC[..., ch], conv_weight[ch], None if conv_bias is None else conv_bias[ch],
-                      None if halo is None else halo[..., ch], seq_idx, halo_seq, silu=silu)
-
-
-def _split_xBC(u, cfg):
+def _split_xBC(conv_out, cfg):
     """Views of the conv output (rows, s, conv_dim) as x (rows, s, h, p), B and C (rows, s, g, n)."""
-    rows, s, _ = u.shape
     hp, gn = cfg.nheads * cfg.headdim, cfg.ngroups * cfg.dstate
-    x = u[..., :hp].unflatten(-1, (cfg.nheads, cfg.headdim))
-    B = u[..., hp:hp + gn].unflatten(-1, (cfg.ngroups, cfg.dstate))
-    C = u[..., hp + gn:].unflatten(-1, (cfg.ngroups, cfg.dstate))
+    x = conv_out[..., :hp].unflatten(-1, (cfg.nheads, cfg.headdim))
+    B = conv_out[..., hp:hp + gn].unflatten(-1, (cfg.ngroups, cfg.dstate))
+    C = conv_out[..., hp + gn:].unflatten(-1, (cfg.ngroups, cfg.dstate))
     return x, B, C
 
 
@@ -1679,114 +1467,71 @@ def _state_shape(xBC, dt, headdim, ngroups):
     return h, headdim, (xBC.shape[2] - h * headdim) // (2 * ngroups)
 
 
-class _CPConfig:
-    """What the CP function derives once per call from its arguments and the group."""
-
-    def __init__(self, xBC, dt, conv_weight, chunk_size, headdim, ngroups, cp_group, rank, world,
-                 load_balancing, dt_limit, batch=None, exchange="all_gather"):
-        self.group, self.rank, self.world = cp_group, rank, world
-        self.load_balancing = load_balancing
-        self.exchange = EXCHANGES[exchange]         # how the summaries and halos travel
-        self.segs = _Segments(rank, world, load_balancing)
-        self.holds_first = 0 in self.segs.ids
-        self.batch = xBC.shape[0] if batch is None else batch
-        self.d_conv = conv_weight.shape[1]
-        self.chunk = chunk_size
-        self.nheads, self.headdim, self.ngroups = dt.shape[2], headdim, ngroups
-        self.state_shape = _state_shape(xBC, dt, headdim, ngroups)
-        self.dstate = self.state_shape[2]
-        self.dt_limit = tuple(dt_limit)
-
-
 def _rank_and_world(group):
     return (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
 
 
-def _cp_config(xBC, dt, conv_weight, group_name, load_balancing, exchange, batch, chunk_size, headdim, ngroups,
-               dt_limit):
-    """The _CPConfig of a call of the plain functions below: xBC and dt hold one segment per row."""
-    group = _resolve_group(group_name)
-    rank, world = _rank_and_world(group)
-    return _CPConfig(xBC, dt, conv_weight, chunk_size, headdim, ngroups, group, rank, world, load_balancing,
-                     dt_limit, batch=batch, exchange=exchange)
+class _CPConfig:
+    """What the CP function derives once per call from its arguments and the group."""
+
+    def __init__(self, xBC, dt, conv_weight, chunk_size, headdim, ngroups, cp_group, rank, world,
+                 load_balancing, dt_limit, batch=None, exchange="all_gather", silu=True, state_dtype=None):
+        self.group, self.rank, self.world, self.load_balancing = cp_group, rank, world, load_balancing
+        self.exchange = EXCHANGES[exchange]         # how the summaries and halos travel
+        self.segs = _Segments(rank, world, load_balancing)
+        self.holds_first = 0 in self.segs.ids
+        self.batch = xBC.shape[0] if batch is None else batch
+        self.d_conv, self.chunk, self.dt_limit = conv_weight.shape[1], chunk_size, tuple(dt_limit)
+        self.nheads, self.headdim, self.ngroups = dt.shape[2], headdim, ngroups
+        self.state_shape = _state_shape(xBC, dt, headdim, ngroups)
+        self.dstate = self.state_shape[2]
+        self.silu, self.state_dtype = silu, state_dtype
 
 
-def _conv1d_ssd_cp_forward(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, group_name,
-                           load_balancing, exchange, batch, chunk_size, headdim, ngroups, dt_min, dt_max, silu,
-                           state_dtype):
+def _conv1d_ssd_cp_forward(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, cfg):
     """Forward of one causal segment per row: xBC (rows, s, conv_dim), dt (rows, s, h), seq_idx
-    (rows, s). Returns [y, final state, and what backward needs: halo, halo_seq, entries, a_kept,
-    cont] (absent ones empty, so that an op can return the list): a and cont of every segment
-    (b, K, h) and (b, K) with the all-gather exchange, of this rank's (rows, h) and (rows,) with
-    the scan.
-
-    Halo exchange, conv of the x and B channels, the state pass from a zero entry (the segment's
-    summary), the summary exchange (overlapped with the conv of the C channels, which the
-    summary does not need; in a world of one all channels are convolved at once) and exclusive
-    scan (true entry states and the global final state), the outputs with the entry state folded
-    in. Nothing kept for backward grows with length beyond the inputs."""
-    cfg = _cp_config(xBC, dt, conv_weight, group_name, load_balancing, exchange, batch, chunk_size, headdim, ngroups,
-                     (dt_min, dt_max))
+    (rows, s). Returns y (rows, s, h, p), the final state (b, h, p, n), and what backward needs,
+    `kept`: (halo, halo_seq, entries, a_kept, cont), None where absent; none of it grows with
+    length. Halo exchange, conv, the summary from a zero entry, the summary exchange and scan
+    (true entry states, the global final state), the outputs with the entry state folded in."""
     # a single segment in all (a world of one, contiguous) has nothing before it: no halo,
     # which spares every conv step the halo's masked loads
     halo, halo_seq = _exchange_halo(xBC, seq_idx, cfg) if cfg.segs.count > 1 else (None, None)
-    x_ch, B_ch = cfg.nheads * cfg.headdim, cfg.ngroups * cfg.dstate
-    overlap = cfg.world > 1 and cfg.exchange.overlaps
-    if overlap:   # the summaries need x and B only: C's conv runs while they travel
-        uxB = _conv_channels(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, slice(0, x_ch + B_ch), silu)
-        x = uxB[..., :x_ch].unflatten(-1, (cfg.nheads, cfg.headdim))
-        B = uxB[..., x_ch:].unflatten(-1, (cfg.ngroups, cfg.dstate))
-    else:
-        u = _conv1d_fwd(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, silu=silu)  # (rows, s, conv_dim)
-        x, B, C = _split_xBC(u, cfg)
-    plan = _LaunchPlan(x, B, min(cfg.chunk, tuning().chunk_fwd), dt_bias, True, cfg.dt_limit, seq_idx, state_dtype)
-    inp = _SSDInputs(x, dt, A, B, None if overlap else C, D, dt_bias, seq_idx)
+    conv_out = _conv1d_fwd(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, silu=cfg.silu)  # (rows, s, conv_dim)
+    x, B, C = _split_xBC(conv_out, cfg)
+    plan = _LaunchPlan(x, B, min(cfg.chunk, tuning().chunk_fwd), dt_bias, True, cfg.dt_limit, seq_idx, cfg.state_dtype)
+    inp = _SSDInputs(x, dt, A, B, C, D, dt_bias, seq_idx)
     summary = Summary(inp, plan)
     S_ext, a = summary.affine()                                                 # (rows, h, p, n), (rows, h)
-
-    def conv_of_C():
-        return _conv_channels(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, slice(x_ch + B_ch, None), silu)
-    entries, final, a_kept, cont, C_late = cfg.exchange.entry_states(S_ext, a, seq_idx, initial_states, cfg,
-                                                                     conv_of_C if overlap else lambda: None)
-    if overlap:
-        inp = inp._replace(C=C_late.unflatten(-1, (cfg.ngroups, cfg.dstate)))
+    entries, final, a_kept, cont = cfg.exchange.entry_states(S_ext, a, seq_idx, initial_states, cfg)
     y, _ = ssd_output(inp, summary, entries)
-    f32 = dict(device=xBC.device, dtype=torch.float32)
-    rows = xBC.shape[0]
-    return [y, final, xBC.new_empty((rows, 0, xBC.shape[2])) if halo is None else halo.clone(),
-            torch.empty((rows, 0) if seq_idx is not None else 0, device=xBC.device, dtype=torch.int32)
-            if halo_seq is None else halo_seq.clone(),
-            entries.contiguous(), a_kept.clone(), torch.empty(0, **f32) if cont is None else cont]
+    return y, final, (halo, halo_seq, entries, a_kept, cont)
 
 
 def _conv1d_ssd_cp_backward(dy, dfinal, xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx,
-                            halo, halo_seq, entries, a_kept, cont, group_name, load_balancing, exchange, batch,
-                            chunk_size, headdim, ngroups, dt_min, dt_max, silu, state_dtype, dxBC_into=None,
-                            ddt_into=None):
-    """The backward: [dxBC, ddt, dconv_weight, dconv_bias, ddt_bias, dA, dD,
-    dinitial_states], None where absent. Given dxBC_into (rows, s, conv_dim) and ddt_into (rows,
-    s, h), views into the caller's gradient buffer, dxBC and ddt are written there.
+                            kept, cfg, dxBC_into=None, ddt_into=None):
+    """The backward: [dxBC, ddt, dconv_weight, dconv_bias, ddt_bias, dA, dD, dinitial_states],
+    None where absent; kept is the forward's. Given dxBC_into (rows, s, conv_dim) and ddt_into
+    (rows, s, h), views into the caller's gradient buffer, dxBC and ddt are written there.
 
     Recompute the conv; the reverse state pass from a zero exit gradient gives G; its all-gather
     runs while the forward state pass is recomputed; the reverse scan gives each segment's exit
     gradient; one fused chunk backward writes dx, dB, dC straight into the conv backward's input;
     the halo's gradient goes back to its owner."""
-    cfg = _cp_config(xBC, dt, conv_weight, group_name, load_balancing, exchange, batch, chunk_size, headdim, ngroups,
-                     (dt_min, dt_max))
-    halo, halo_seq, cont = _none_if_empty(halo), _none_if_empty(halo_seq), _none_if_empty(cont)
-    u = _conv1d_fwd(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, silu=silu)
-    x, B, C = _split_xBC(u, cfg)
-    plan = _LaunchPlan(x, B, min(cfg.chunk, tuning().chunk_bwd), dt_bias, True, cfg.dt_limit, seq_idx, state_dtype)
+    halo, halo_seq, entries, a_kept, cont = kept
+    conv_out = _conv1d_fwd(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, silu=cfg.silu)
+    x, B, C = _split_xBC(conv_out, cfg)
+    plan = _LaunchPlan(x, B, min(cfg.chunk, tuning().chunk_bwd), dt_bias, True, cfg.dt_limit, seq_idx, cfg.state_dtype)
     inp = _SSDInputs(x, dt, A, B, C, D, dt_bias, seq_idx)
     grad_pass = GradPass(dy, inp, plan)
     dexit, dinit, summary = cfg.exchange.exit_grads(grad_pass.G, dfinal, a_kept, cont, cfg,
                                                     lambda: Summary(inp, plan))
 
-    du = torch.empty_like(u)
-    dx, dB, dC = _split_xBC(du, cfg)
+    dconv_out = torch.empty_like(conv_out)
+    dx, dB, dC = _split_xBC(dconv_out, cfg)
     _, _, _, ddt, dA, dD, _ = ssd_grads(inp, summary, grad_pass, dy, entries, dexit, dx=dx, dB=dB, dC=dC)  # ddt fp32
-    dxBC, dhalo, dweight, dbias = _conv1d_bwd(du, xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, silu=silu,
-                                             dx=dxBC_into)
+    dxBC, dhalo, dweight, dbias = _conv1d_bwd(dconv_out, xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq,
+                                             silu=cfg.silu, dx=dxBC_into)
     if dhalo is not None:
         _return_halo_grad(dxBC, dhalo, cfg)
     dinit = dinit if cfg.holds_first else torch.zeros_like(dinit)               # one rank contributes it
@@ -1796,128 +1541,51 @@ def _conv1d_ssd_cp_backward(dy, dfinal, xBC, dt, conv_weight, conv_bias, dt_bias
             None if D is None else dD.to(D.dtype), None if initial_states is None else dinit.to(initial_states.dtype)]
 
 
-class _CoreOptions(NamedTuple):
-    """The fused core's scalar options; core_args puts them, with the group and the exchange, in
-    the order that ends the argument lists of _conv1d_ssd_cp_forward and its backward."""
-    batch: int
-    chunk: int
-    headdim: int
-    ngroups: int
-    dt_min: float
-    dt_max: float
-    silu: bool
-
-    def core_args(self, group_name, load_balancing, exchange, state_dtype):
-        return (group_name, load_balancing, exchange, self.batch, self.chunk, self.headdim, self.ngroups, self.dt_min,
-                self.dt_max, self.silu, state_dtype)
-
-
-class _CoreImpl(NamedTuple):
-    """What runs the forward and the backward: the plain functions above (_PLAIN), or Part II's
-    custom ops around the same functions (for torch.compile)."""
-    forward: Callable
-    backward: Callable
-
-
-_PLAIN = _CoreImpl(_conv1d_ssd_cp_forward, _conv1d_ssd_cp_backward)
-
-
 class _Conv1dSSDCPFn(torch.autograd.Function):
     """The fused conv1d + SSD with state-passing CP, one causal segment per row."""
 
     @staticmethod
-    def forward(ctx, xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, opts, impl):
-        """opts: _CoreOptions.core_args."""
-        y, final, *kept = impl.forward(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, *opts)
+    def forward(ctx, xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, cfg):
+        y, final, kept = _conv1d_ssd_cp_forward(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states,
+                                                seq_idx, cfg)
         ctx.save_for_backward(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, *kept)
-        ctx.opts, ctx.impl = opts, impl
+        ctx.cfg = cfg
         return y, final
 
     @staticmethod
     def backward(ctx, dy, dfinal):
-        grads = ctx.impl.backward(dy, dfinal, *ctx.saved_tensors, *ctx.opts)
-        return (*(_none_if_empty(g) for g in grads), None, None, None)
+        saved = ctx.saved_tensors
+        grads = _conv1d_ssd_cp_backward(dy, dfinal, *saved[:9], saved[9:], ctx.cfg)
+        return (*grads, None, None)
 
 
 def _conv1d_ssd_cp(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size, headdim, ngroups, cp_group,
                    load_balancing="none", seq_idx=None, initial_states=None, dt_limit=(0.0, float("inf")), silu=True,
-                   state_dtype=None, exchange="all_gather", impl=_PLAIN):
+                   state_dtype=None, exchange="all_gather"):
     """The method end to end: y (b, l_local, h, p) in the layout `load_balancing` ("none" or
     "virtual") and the fp32 final state (b, h, p, n), differentiable. The local tensors become
-    rows of causal segments for the autograd function and come back. mamba_conv1d_ssd_cp
-    (section 13) is this with its inputs checked on every rank, the exchange chosen, the permute
-    layouts, and the compile layer's ops as impl."""
+    rows of causal segments for the autograd function and come back. The public
+    mamba_conv1d_ssd_cp runs the same two functions, with its inputs checked on every
+    rank, the exchange chosen, the permute layouts, and each function as one op for
+    torch.compile."""
     rank, world = _rank_and_world(cp_group)
     cfg = _CPConfig(xBC, dt, conv_weight, chunk_size, headdim, ngroups, cp_group, rank, world, load_balancing,
-                    dt_limit)
+                    dt_limit, exchange=exchange, silu=silu, state_dtype=state_dtype)
     rows = cfg.segs.to_rows
-    core = _CoreOptions(cfg.batch, chunk_size, headdim, ngroups, dt_limit[0], dt_limit[1], silu)
-    y, final = _Conv1dSSDCPFn.apply(
-        rows(xBC), rows(dt), conv_weight, conv_bias, dt_bias, A, D, initial_states,
-        None if seq_idx is None else rows(seq_idx.to(torch.int32)).contiguous(),
-        core.core_args(_group_name(cp_group), load_balancing, exchange, state_dtype), impl)
+    y, final = _Conv1dSSDCPFn.apply(rows(xBC), rows(dt), conv_weight, conv_bias, dt_bias, A, D, initial_states,
+                                    None if seq_idx is None else rows(seq_idx.to(torch.int32)).contiguous(), cfg)
     return cfg.segs.from_rows(y, cfg.batch), final
-
-
-# ---------------------------------------------------------------------------------------------
-# 9. A worked example
-#    `python mamba_cp.py` runs two gloo ranks on this machine over a handful of tokens and
-#    prints each step of state passing, checked against the float64 oracle.
-# ---------------------------------------------------------------------------------------------
-
-
-def _worked_example(rank, world, port):
-    import reference_ssd  # the oracle lives beside this file in the repository
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    torch.set_printoptions(precision=4, sci_mode=False)
-    say = (lambda *a: print(f"[rank {rank}]", *a, flush=True))
-    g = torch.Generator().manual_seed(0)
-    b, L, h, p, n, d_conv = 1, 12, 1, 2, 2, 2                       # one head: x (p=2), state 2x2
-    conv_dim = h * p + 2 * n
-    xBC = torch.randn(b, L, conv_dim, generator=g)
-    dt = torch.randn(b, L, h, generator=g) - 1.0
-    w, bias = torch.randn(conv_dim, d_conv, generator=g) * 0.5, torch.zeros(conv_dim)
-    dt_bias, A, D = torch.zeros(h), -torch.ones(h), torch.ones(h)
-    cfg = _CPConfig(xBC, dt, w, 16, p, 1, dist.group.WORLD, rank, world, "none", (0.0, float("inf")))
-    x_loc, dt_loc = shard(xBC, rank, world), shard(dt, rank, world)    # 6 tokens each
-
-    # 1. the conv, fed by the halo: the last d_conv - 1 pre-conv tokens of the previous rank
-    halo, _ = _exchange_halo(x_loc, None, cfg)
-    u = _conv1d_fwd(x_loc, w, bias, halo)
-    x, B, C = _split_xBC(u, cfg)
-    # 2. this rank's summary, from a zero entry state: S_out = a * S_in + S_ext
-    plan = _LaunchPlan(x, B, 16, dt_bias, True, (0.0, float("inf")), None)
-    inp = _SSDInputs(x, dt_loc, A, B, C, D, dt_bias, None)
-    summary = Summary(inp, plan)
-    S_ext, a = summary.affine()
-    say(f"summary: a = {a.flatten().tolist()}, S_ext =\n{S_ext[0, 0]}")
-    # 3. all-gather the summaries and scan: S_in(0) = 0, S_in(1) = a_0 S_in(0) + S_ext(0)
-    every, work = _gather_summaries(S_ext, a, None, cfg)
-    work.wait()
-    entries, final, _, _ = _entries_from_gathered(every, None, False, cfg)
-    say(f"entry state after the scan =\n{entries[0, 0]}")
-    # 4. the outputs with the entry state folded in, against the oracle on the whole sequence
-    y, _ = ssd_output(inp, summary, entries)
-    y_ref, final_ref = reference_ssd.conv1d_ssd_reference(xBC, dt, w, bias, dt_bias, A, D, headdim=p, ngroups=1)
-    err = (y - shard(y_ref, rank, world)).abs().max().item()
-    say(f"y (this rank's 6 tokens) = {y.flatten(1).tolist()[0][:4]}...; max |y - oracle| = {err:.1e}; "
-        f"max |final - oracle| = {(final - final_ref).abs().max().item():.1e}")
-    # 5. the fused function does all of the above (and the backward); mamba_conv1d_ssd_cp is it with
-    #    the production extras of Part II
-    y_fused, _ = _conv1d_ssd_cp(x_loc, dt_loc, w, bias, dt_bias, A, D, 16, p, 1, dist.group.WORLD)
-    say(f"_conv1d_ssd_cp gives the same y: {torch.equal(y_fused, y)}")
-    dist.destroy_process_group()
 
 
 # =============================================================================================
 # PART II. THE EXTRAS
-# Sections 10 to 17: what production adds. Each depends on Part I only, never the reverse.
+# Sections 9 to 18: what production adds, and a worked example. Each depends on Part I only,
+# never the reverse.
 # =============================================================================================
 
 
 # ---------------------------------------------------------------------------------------------
-# 10. The prefix-scan exchange and the model that chooses
+# 9. The prefix-scan exchange and the model that chooses
 #    summary_exchange="scan" and "auto".
 # ---------------------------------------------------------------------------------------------
 
@@ -1952,11 +1620,11 @@ def _run_p2p(ops):
 # summaries; the rounds cost latency, which is why "auto" (below) keeps the all-gather for
 # small worlds.
 
-class _RunMap(NamedTuple):
-    """The affine map E -> a * E + S that a run of consecutive segments applies to the state
-    entering it, per batch row: a (b, h), S (b, h, p, n) fp32. first and last (b,) int32: the
-    document ids at the run's two ends (None without documents); the run carries the state in
-    only where its first id is the last id before it."""
+class _SummaryMap(NamedTuple):
+    """The summary of consecutive segments as the affine map E -> a * E + S they apply to the
+    state entering them, per batch row: a (b, h), S (b, h, p, n) fp32. first and last (b,) int32:
+    the document ids at their two ends (None without documents); they carry the state in only
+    where their first id is the last id before them."""
     a: Tensor
     S: Tensor
     first: Optional[Tensor] = None
@@ -1969,7 +1637,7 @@ def _then(earlier, later):
     a2 = later.a
     if later.first is not None:
         a2 = a2 * (later.first == earlier.last).to(a2.dtype)[:, None]
-    return _RunMap(a2 * earlier.a, a2[..., None, None] * earlier.S + later.S, earlier.first, later.last)
+    return _SummaryMap(a2 * earlier.a, a2[..., None, None] * earlier.S + later.S, earlier.first, later.last)
 
 
 def _applied(m, E):
@@ -1984,7 +1652,7 @@ def _packed_map(m):
 def _unpacked_map(buf, like):
     fields = [t for t in like if t is not None]
     parts = iter(_unpack(buf, [(tuple(t.shape[1:]), t.dtype) for t in fields]))
-    return _RunMap(*(None if t is None else next(parts) for t in like))
+    return _SummaryMap(*(None if t is None else next(parts) for t in like))
 
 
 def _prefix_over_ranks(chains, cfg):
@@ -2033,7 +1701,7 @@ def _own_maps(a, S, seq_idx, cfg):
         return None if t is None else t.reshape(cfg.batch, per, *t.shape[1:])[:, j]
 
     first, last = (None, None) if seq_idx is None else (seq_idx[:, 0], seq_idx[:, -1])
-    return [_RunMap(j_of(a, j), j_of(S, j), j_of(first, j), j_of(last, j)) for j in range(per)]
+    return [_SummaryMap(j_of(a, j), j_of(S, j), j_of(first, j), j_of(last, j)) for j in range(per)]
 
 
 def _chains(cfg, backward):
@@ -2137,11 +1805,10 @@ class _PrefixScanExchange:
     `meanwhile` there runs here after the (blocking) rounds."""
 
     neighbours = staticmethod(_from_neighbours)
-    overlaps = False            # the rounds block: nothing to overlap, the conv runs whole
 
     @staticmethod
-    def entry_states(S_ext, a, seq_idx, initial_states, cfg, meanwhile):
-        return (*_entries_by_prefix_scan(S_ext, a, seq_idx, initial_states, cfg), meanwhile())
+    def entry_states(S_ext, a, seq_idx, initial_states, cfg):
+        return _entries_by_prefix_scan(S_ext, a, seq_idx, initial_states, cfg)
 
     @staticmethod
     def exit_grads(G, dfinal, a_kept, cont, cfg, meanwhile):
@@ -2151,19 +1818,24 @@ class _PrefixScanExchange:
 EXCHANGES["scan"] = _PrefixScanExchange
 
 
-# Which exchange: a latency-bandwidth model of the link. A message of m bytes costs alpha +
-# beta * m. The all-gather is W - 1 ring steps of the per-rank block; the scan ceil(log2 W)
-# rounds of one block plus a broadcast of the totals (a pipelined tree: log2 W latencies, the
-# bytes once). Per layer call, forward and backward, with s the bytes of one segment's summary
-# and k segments per rank:
-#     all_gather  (W-1)(alpha + k s beta) + (W-1)(alpha + (k+1) s beta)
-#     scan        2 ceil(log2 W)(alpha + k s beta) + the broadcasts and the final gradient's
-#                 all-reduce, about (k + 2) (ceil(log2 W) alpha + s beta)
-# (and the halos, small either way). At the record shape (a 2 MiB summary, batch 1) with the
-# figures of LINKS below, the scan is the faster from W = 4 with "none" (k = 1), and with
-# "virtual" (k = 2) from W = 6 on NVLink, W = 4 between nodes; at W = 2 the all-gather takes
-# half the scan's time (bench.py --model prints the table). The all-gather also holds W k s
-# bytes of summaries per rank: 4 GiB at W = 1024 with "virtual".
+# Which exchange: a latency-bandwidth model of the link, one cost model for every path. A message
+# of m bytes costs alpha + beta * m; a cost is a list of terms, each its bytes and its messages
+# in sequence (an all-gather W - 1 ring steps, a prefix round or a neighbour's message 1, a
+# broadcast ceil(log2 W): a pipelined tree, the bytes once), and modelled_seconds sums them.
+# comm_bytes (section 16, after the all-to-all's head split it needs) gives every path's terms
+# and their notation; _exchange_terms below the exchange's own, which are what "auto" compares
+# (chosen_exchange). Per layer call, forward and backward, with s the bytes of one segment's
+# summary, k segments per rank and R = ceil(log2 W):
+#     all_gather  four all-gathers, W - 1 messages each: the summaries (k s), G with the final
+#                 state's gradient (about (k + 1) s), the halos and their gradients
+#     scan        2 R rounds of k s (the summaries, then G), the totals' broadcasts (k s, k R
+#                 messages), the final gradient's all-reduce (2 (W-1)/W s, 2 R), with "virtual"
+#                 one more broadcast backward (s, R), and the halos to and from the neighbours
+# At the record shape (a 2 MiB summary, batch 1) with the figures of LINKS below, the scan is
+# the faster from W = 4 with "none" (k = 1), and with "virtual" (k = 2) from W = 6 on NVLink,
+# W = 4 between nodes; at W = 2 the all-gather takes 0.5 to 0.7 of the scan's time (bench.py
+# --model prints the table). The all-gather also holds W k s bytes of summaries per rank: 4 GiB
+# at W = 1024 with "virtual".
 
 SUMMARY_EXCHANGES = ("auto", "all_gather", "scan")
 
@@ -2178,18 +1850,6 @@ class LinkModel:
 
     alpha: float      # seconds per message
     beta: float       # seconds per byte
-
-    def p2p(self, m):
-        return self.alpha + self.beta * m
-
-    def all_gather(self, m, world):
-        return (world - 1) * self.p2p(m)
-
-    def broadcast(self, m, world):
-        return _log2_rounds(world) * self.alpha + self.beta * m
-
-    def all_reduce(self, m, world):
-        return 2 * self.broadcast(m, world)
 
 
 # Assumed figures, not measured here (one GPU was lent): NVLink 4 as NCCL reaches it between
@@ -2210,41 +1870,64 @@ def set_link_model(link):
     return previous
 
 
-def exchange_seconds(exchange, world, per_row, summary_bytes, halo_bytes, link=None):
-    """The model's time of one layer call's exchanges, forward plus backward: `exchange`
-    "all_gather" or "scan", per_row segments per rank, summary_bytes and halo_bytes those of one
-    segment (all batch rows), link a LinkModel (default: the one set_link_model chose)."""
+def _exchange_terms(exchange, world, k, batch, nheads, headdim, dstate, d_conv, conv_dim, documents):
+    """The terms of one layer call's summary and halo exchanges, k segments per rank, as
+    comm_bytes states them (its docstring has the notation): [(side, name, bytes, messages in
+    sequence)], side "fwd" or "bwd". Every summary and halo travels as fp32 (_pack), whatever the
+    input dtype. In a world of one nothing moves: every term is 0."""
+    o, R, ids, f4 = world - 1, _log2_rounds(world), int(documents), 4
+    rows, h, state, d1, cd = batch * k, nheads, nheads * headdim * dstate, d_conv - 1, conv_dim
+    if exchange == "all_gather":
+        terms = [("fwd", "halo all-gather", o * rows * d1 * (cd + ids) * f4, o),
+                 ("fwd", "summary all-gather", o * rows * (state + h + 2 * ids) * f4, o),
+                 ("bwd", "G all-gather", o * (rows + batch) * state * f4, o),
+                 ("bwd", "halo-gradient all-gather", o * rows * d1 * cd * f4, o)]
+    else:
+        terms = [("fwd", "halos from the neighbours", rows * d1 * (cd + ids) * f4, 1),
+                 ("fwd", "summary prefix rounds", R * rows * (state + h + 2 * ids) * f4, R),
+                 ("fwd", "totals broadcast", rows * (state + h + 2 * ids) * f4, k * R),
+                 ("bwd", "final-gradient all-reduce", 2 * o * batch * state * f4 // world, 2 * R),
+                 ("bwd", "gradient prefix rounds", R * rows * (state + h) * f4, R)]
+        if k == 2:
+            terms.append(("bwd", "second halves broadcast", batch * (state + h) * f4, R))
+        terms.append(("bwd", "halo gradients to the neighbours", rows * d1 * cd * f4, 1))
+    return [(side, name, 0, 0) for side, name, _, _ in terms] if world == 1 else terms
+
+
+def _cost(terms):
+    """A cost as comm_bytes returns it, from [(side, name, bytes, messages)]: the forward's
+    terms first, each side's in their order."""
+    terms = sorted(terms, key=lambda t: t[0] != "fwd")                  # stable
+    return dict(fwd=sum(t[2] for t in terms if t[0] == "fwd"), bwd=sum(t[2] for t in terms if t[0] == "bwd"),
+                terms={f"{side}: {name}": nbytes for side, name, nbytes, _ in terms},
+                latencies={f"{side}: {name}": messages for side, name, _, messages in terms})
+
+
+def modelled_seconds(cost, link=None):
+    """The model's time of a cost (comm_bytes' dict) on `link`, a LinkModel (default: the one
+    set_link_model chose): each term's messages in sequence times alpha plus its bytes times
+    beta, summed over the terms, forward and backward (no overlap with compute)."""
     link = link or _LINK[0]
-    if world == 1:
-        return 0.0
-    m, rounds = per_row * summary_bytes, _log2_rounds(world)
-    if exchange == "all_gather":    # summaries; G with the final state's gradient; halos both ways
-        return (link.all_gather(m, world) + link.all_gather(m + summary_bytes, world)
-                + 2 * link.all_gather(per_row * halo_bytes, world))
-    forward = rounds * link.p2p(m) + per_row * link.broadcast(summary_bytes, world)
-    backward = (link.all_reduce(summary_bytes, world) + rounds * link.p2p(m)
-                + (per_row - 1) * link.broadcast(summary_bytes, world))
-    return forward + backward + 2 * link.p2p(per_row * halo_bytes)
+    return sum(cost["latencies"][name] * link.alpha + nbytes * link.beta for name, nbytes in cost["terms"].items())
 
 
-def _segment_bytes(batch, state_shape, conv_dim, d_conv):
-    """(summary, halo) bytes of one segment as they travel: fp32, with their document ids."""
-    h, p, n = state_shape
-    return batch * (h * p * n + h + 2) * 4, batch * (d_conv - 1) * (conv_dim + 1) * 4
-
-
-def _chosen_exchange(choice, world, load_balancing, batch, state_shape, conv_dim, d_conv):
-    """summary_exchange resolved: "auto" takes the faster by the model (the all-gather on a tie)."""
+def chosen_exchange(choice, world, load_balancing, batch, state_shape, conv_dim, d_conv):
+    """summary_exchange resolved: `choice` unless it is "auto", which takes the exchange whose own
+    terms (those in which "all_gather" and "scan" differ; without document ids) have the
+    smaller modelled_seconds on the link of set_link_model, the all-gather on a tie and in a
+    world of one. state_shape is (nheads, headdim, dstate)."""
     if choice != "auto":
         return choice
-    per_row = 2 if load_balancing == "virtual" else 1
-    s, halo = _segment_bytes(batch, state_shape, conv_dim, d_conv)
-    scan, gather = (exchange_seconds(e, world, per_row, s, halo) for e in ("scan", "all_gather"))
+    k = 2 if load_balancing == "virtual" else 1
+    scan, gather = (modelled_seconds(_cost(_exchange_terms(e, world, k, batch, *state_shape, d_conv, conv_dim, False)))
+                    for e in ("scan", "all_gather"))
     return "scan" if scan < gather else "all_gather"
 
 
+
+
 # ---------------------------------------------------------------------------------------------
-# 11. Input checks and the ranks' agreement
+# 10. Input checks and the ranks' agreement
 #    Every bad input gets a ValueError naming the argument, what was seen, and what was expected.
 #    The public conv launchers, conv1d_fwd and conv1d_bwd, are section 7's with their inputs checked.
 # ---------------------------------------------------------------------------------------------
@@ -2545,9 +2228,50 @@ def _check_cp_inputs(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size,
 
 
 # ---------------------------------------------------------------------------------------------
-# 12. The permute layouts
-#    load_balancing="permute_p2p" and "permute_a2a": tokens moved to the contiguous layout and back.
+# 11. Shard, unshard, and the permute layouts
+#    A full sequence's shards in a layout, and load_balancing="permute_p2p" and "permute_a2a": tokens
+#    moved to the contiguous layout and back.
 # ---------------------------------------------------------------------------------------------
+
+
+def shard(x_full, rank, world, load_balancing="none", dim=1):
+    """This rank's local shard of a full-sequence tensor, in the given layout."""
+    _check_layout(load_balancing)
+    held, count = _pieces(rank, world, load_balancing)
+    L = x_full.shape[dim]
+    _expect(L % count == 0, "x_full", f"length {L} along dim {dim}",
+            f"a multiple of {count} (the number of pieces for load_balancing={load_balancing!r}, W={world})")
+    pieces = x_full.chunk(count, dim=dim)
+    return torch.cat([pieces[i] for i in held], dim=dim)
+
+
+def unshard(shards, load_balancing="none", dim=1):
+    """The full-sequence tensor from every rank's shard (a list indexed by rank)."""
+    _check_layout(load_balancing)
+    world = len(shards)
+    count = _pieces(0, world, load_balancing)[1]
+    pieces = [None] * count
+    for rank, local in enumerate(shards):
+        held = _pieces(rank, world, load_balancing)[0]
+        for i, piece in zip(held, local.chunk(len(held), dim=dim)):
+            pieces[i] = piece
+    return torch.cat(pieces, dim=dim)
+
+
+# Under torch.compile every collective runs inside a custom op (section 12 says why): the compiler
+# records the call, and the op's own code runs the NCCL or gloo calls, which the compiler never
+# traces. A group travels to an op by its handle.
+
+def _group_name(group):
+    """The handle the custom ops take for a process group: its name and its size ("" for none).
+    The size is part of it because some fake outputs depend on it (an all-gather's, the CP ops'
+    per-segment buffers), and inductor caches a compiled graph on disk under its arguments: by
+    name alone (the world is "0" at every size) a graph traced at W = 2 would be reused at W = 3."""
+    return "" if group is None else f"{group.group_name}:{dist.get_world_size(group)}"
+
+
+def _resolve_group(handle):
+    return None if handle == "" else dist.distributed_c10d._resolve_process_group(handle.rsplit(":", 1)[0])
 
 
 def _zigzag_and_contiguous(world):
@@ -2631,7 +2355,7 @@ class _PermuteFn(torch.autograd.Function):
 
 
 # ---------------------------------------------------------------------------------------------
-# 13. The compile layer and the public CP function: mamba_conv1d_ssd_cp
+# 12. The compile layer and the public CP function: mamba_conv1d_ssd_cp
 # ---------------------------------------------------------------------------------------------
 
 
@@ -2641,13 +2365,43 @@ class _PermuteFn(torch.autograd.Function):
 # writes into views (the fused backward writes dx, dB, dC into channel slices of one buffer)
 # become inductor's copies of those views and back, and at torch 2.11 such a copy read past its
 # source: the illegal memory access of README "torch.compile". In the interpreter the compiler
-# would trace NumPy. Absent outputs are empty tensors (an op returns tensors only), and so are
-# absent gradients. The ops wrap section 8's plain functions, and _Conv1dSSDCPFn runs them as
-# its impl (_COMPILABLE), eager calls too.
+# would trace NumPy. An op takes plain values (the options as numbers and strings, the group as
+# its handle) and returns tensors only: absent outputs are empty tensors, and so are absent
+# gradients. The ops wrap section 8's plain functions; every public call, eager too, runs them
+# through _Conv1dSSDCPOpFn.
+
+
+def _none_if_empty(t):
+    return None if t is None or t.numel() == 0 else t
 
 
 def _empty_if_none(t, ref, dtype=None):
     return ref.new_empty(0, dtype=dtype or ref.dtype) if t is None else t
+
+
+class _CoreOptions(NamedTuple):
+    """The fused core's scalar options; core_args puts them, with the group and the exchange, in
+    the order that ends the argument lists of the ops and of _core_backward."""
+    batch: int
+    chunk: int
+    headdim: int
+    ngroups: int
+    dt_min: float
+    dt_max: float
+    silu: bool
+
+    def core_args(self, group_name, load_balancing, exchange, state_dtype):
+        return (group_name, load_balancing, exchange, self.batch, self.chunk, self.headdim, self.ngroups, self.dt_min,
+                self.dt_max, self.silu, state_dtype)
+
+
+def _cp_config(xBC, dt, conv_weight, group_name, load_balancing, exchange, batch, chunk_size, headdim, ngroups,
+               dt_min, dt_max, silu, state_dtype):
+    """The _CPConfig of an op's call, from core_args: xBC and dt hold one segment per row."""
+    group = _resolve_group(group_name)
+    rank, world = _rank_and_world(group)
+    return _CPConfig(xBC, dt, conv_weight, chunk_size, headdim, ngroups, group, rank, world, load_balancing,
+                     (dt_min, dt_max), batch=batch, exchange=exchange, silu=silu, state_dtype=state_dtype)
 
 
 @torch.library.custom_op("mamba_cp::conv1d_ssd_cp_fwd", mutates_args=())
@@ -2656,17 +2410,23 @@ def _conv1d_ssd_cp_fwd_op(xBC: Tensor, dt: Tensor, conv_weight: Tensor, conv_bia
                           seq_idx: Optional[Tensor], group_name: str, load_balancing: str, exchange: str, batch: int,
                           chunk_size: int, headdim: int, ngroups: int, dt_min: float, dt_max: float, silu: bool,
                           state_dtype: Optional[torch.dtype], agree: bool) -> list[Tensor]:
-    """_conv1d_ssd_cp_forward as one op. With agree (a compiled call in a world of several), the
-    checks that read device values and the ranks' agreement run here first, where an eager call
-    has run them before."""
+    """_conv1d_ssd_cp_forward as one op: [y, final, halo, halo_seq, entries, a_kept, cont], the
+    absent ones empty. With agree (a compiled call in a world of several), the checks that read
+    device values and the ranks' agreement run here first, where an eager call has run them
+    before."""
     if agree:
         group = _resolve_group(group_name)
         _validate_everywhere(lambda: _check_document_values(seq_idx), group, _rank_and_world(group)[1], xBC,
                              **_op_signature(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx,
                                              chunk_size, headdim, ngroups))
-    return _conv1d_ssd_cp_forward(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, group_name,
-                                  load_balancing, exchange, batch, chunk_size, headdim, ngroups, dt_min, dt_max, silu,
-                                  state_dtype)
+    cfg = _cp_config(xBC, dt, conv_weight, group_name, load_balancing, exchange, batch, chunk_size, headdim, ngroups,
+                     dt_min, dt_max, silu, state_dtype)
+    y, final, (halo, halo_seq, entries, a_kept, cont) = _conv1d_ssd_cp_forward(
+        xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, cfg)
+    rows, ids = xBC.shape[0], dict(device=xBC.device, dtype=torch.int32)
+    return [y, final, xBC.new_empty((rows, 0, xBC.shape[2])) if halo is None else halo.clone(),   # an op's outputs
+            torch.empty((rows, 0) if seq_idx is not None else 0, **ids) if halo_seq is None else halo_seq.clone(),
+            entries.contiguous(), a_kept.clone(), torch.empty(0, device=xBC.device) if cont is None else cont]
 
 
 @_conv1d_ssd_cp_fwd_op.register_fake
@@ -2674,7 +2434,7 @@ def _conv1d_ssd_cp_fwd_fake(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, init
                             load_balancing, exchange, batch, chunk_size, headdim, ngroups, dt_min, dt_max, silu,
                             state_dtype, agree):
     cfg = _cp_config(xBC, dt, conv_weight, group_name, load_balancing, exchange, batch, chunk_size, headdim, ngroups,
-                     (dt_min, dt_max))
+                     dt_min, dt_max, silu, state_dtype)
     rows, s, conv_dim = xBC.shape
     h, p, n = cfg.state_shape
     K, scan = cfg.segs.count, exchange == "scan"
@@ -2687,6 +2447,16 @@ def _conv1d_ssd_cp_fwd_fake(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, init
             torch.empty(((rows,) if scan else (batch, K)) if seq_idx is not None else 0, **f32)]
 
 
+def _core_backward(dy, dfinal, xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, halo, halo_seq,
+                   entries, a_kept, cont, *core_args, dxBC_into=None, ddt_into=None):
+    """_conv1d_ssd_cp_backward from an op's arguments: the forward op's kept tensors (empty where
+    absent) and core_args."""
+    cfg = _cp_config(xBC, dt, conv_weight, *core_args)
+    kept = (_none_if_empty(halo), _none_if_empty(halo_seq), entries, a_kept, _none_if_empty(cont))
+    return _conv1d_ssd_cp_backward(dy, dfinal, xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx,
+                                   kept, cfg, dxBC_into, ddt_into)
+
+
 @torch.library.custom_op("mamba_cp::conv1d_ssd_cp_bwd", mutates_args=())
 def _conv1d_ssd_cp_bwd_op(dy: Tensor, dfinal: Optional[Tensor], xBC: Tensor, dt: Tensor, conv_weight: Tensor,
                           conv_bias: Optional[Tensor], dt_bias: Optional[Tensor], A: Tensor, D: Optional[Tensor],
@@ -2696,9 +2466,9 @@ def _conv1d_ssd_cp_bwd_op(dy: Tensor, dfinal: Optional[Tensor], xBC: Tensor, dt:
                           dt_max: float, silu: bool, state_dtype: Optional[torch.dtype]) -> list[Tensor]:
     """_conv1d_ssd_cp_backward as one op: [dxBC, ddt, dconv_weight, dconv_bias, ddt_bias, dA, dD,
     dinitial_states] (absent ones empty)."""
-    grads = _conv1d_ssd_cp_backward(dy, dfinal, xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states,
-                                    seq_idx, halo, halo_seq, entries, a_kept, cont, group_name, load_balancing,
-                                    exchange, batch, chunk_size, headdim, ngroups, dt_min, dt_max, silu, state_dtype)
+    grads = _core_backward(dy, dfinal, xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, halo,
+                           halo_seq, entries, a_kept, cont, group_name, load_balancing, exchange, batch, chunk_size,
+                           headdim, ngroups, dt_min, dt_max, silu, state_dtype)
     return [_empty_if_none(g, xBC) for g in grads]
 
 
@@ -2721,7 +2491,21 @@ def _conv1d_ssd_cp_fwd_agreeing(*args):
     return _conv1d_ssd_cp_fwd_op(*args, torch.compiler.is_compiling() and _world_of(args[9]) > 1)
 
 
-_COMPILABLE = _CoreImpl(_conv1d_ssd_cp_fwd_agreeing, _conv1d_ssd_cp_bwd_op)
+class _Conv1dSSDCPOpFn(torch.autograd.Function):
+    """_Conv1dSSDCPFn (section 8) with its forward and backward each one op."""
+
+    @staticmethod
+    def forward(ctx, xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, core_args):
+        y, final, *kept = _conv1d_ssd_cp_fwd_agreeing(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states,
+                                                      seq_idx, *core_args)
+        ctx.save_for_backward(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, *kept)
+        ctx.core_args = core_args
+        return y, final
+
+    @staticmethod
+    def backward(ctx, dy, dfinal):
+        grads = _conv1d_ssd_cp_bwd_op(dy, dfinal, *ctx.saved_tensors, *ctx.core_args)
+        return (*(_none_if_empty(g) for g in grads), None, None)
 
 
 def _core_numbers(core):
@@ -2764,23 +2548,27 @@ def mamba_conv1d_ssd_cp(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_si
         cp_group, world, ref, **_call_signature(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size, headdim,
                                                 ngroups, seq_idx, initial_states, load_balancing, return_final_states,
                                                 summary_exchange))
-    exchange = _chosen_exchange(summary_exchange, world, load_balancing, xBC.shape[0],
+    exchange = chosen_exchange(summary_exchange, world, load_balancing, xBC.shape[0],
                                 _state_shape(xBC, dt, headdim, ngroups), xBC.shape[2], conv_weight.shape[1])
     permuted = load_balancing.startswith("permute") and world > 1
     if permuted:
         xBC, dt = (_PermuteFn.apply(t, cp_group, load_balancing, True) for t in (xBC, dt))
         seq_idx = None if seq_idx is None else _permute_op(seq_idx.to(torch.int32), _group_name(cp_group),
                                                            load_balancing, True)
-    y, final = _conv1d_ssd_cp(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size, headdim, ngroups, cp_group,
-                              load_balancing, seq_idx, initial_states, dt_limit, activation is not None, state_dtype,
-                              exchange, _COMPILABLE)
+    segs, batch = _Segments(rank, world, load_balancing), xBC.shape[0]
+    core = _CoreOptions(batch, chunk_size, headdim, ngroups, dt_limit[0], dt_limit[1], activation is not None)
+    y, final = _Conv1dSSDCPOpFn.apply(
+        segs.to_rows(xBC), segs.to_rows(dt), conv_weight, conv_bias, dt_bias, A, D, initial_states,
+        None if seq_idx is None else segs.to_rows(seq_idx.to(torch.int32)).contiguous(),
+        core.core_args(_group_name(cp_group), load_balancing, exchange, state_dtype))
+    y = segs.from_rows(y, batch)
     if permuted:
         y = _PermuteFn.apply(y, cp_group, load_balancing, False)
     return (y, final) if return_final_states else y
 
 
 # ---------------------------------------------------------------------------------------------
-# 14. The gate and the gated RMSNorm
+# 13. The gate and the gated RMSNorm
 #    y * silu(z), or the gated RMSNorm, as the mixer entry and the single-device function apply it.
 #
 # Gated RMSNorm over groups of c = dim / ngroups channels, r = (mean_group(v^2) + eps)^-1/2:
@@ -2912,22 +2700,22 @@ _Z_GATE = _GateNorm(None, 0.0, 0, True)   # the plain gate y * silu(z), also mam
 
 
 # ---------------------------------------------------------------------------------------------
-# 15. The single-device function: mamba_chunk_scan_combined, and the packed documents' states
+# 14. The single-device function: mamba_chunk_scan_combined, and the packed documents' states
 # ---------------------------------------------------------------------------------------------
 
 
 @triton.jit
 def _document_end_state_kernel(
-    x_ptr, B_ptr, dt_ptr, dt_bias_ptr, A_ptr, cu_ptr, entries, out_ptr,
-    seqlen, nheads, headdim, dstate, heads_per_group, chunks_per_seg, n_n_tiles, dt_min, dt_max,
-    stride_x, stride_B, stride_dt,
+    x_ptr, B_ptr, dts, cu_ptr, in_edge, out_ptr,
+    seqlen, nheads, headdim, dstate, heads_per_group, chunks_per_run, n_n_tiles,
+    stride_x, stride_B,
     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
     HAS_ENTRY: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """The state after the last token e of one packed document (batch row 0), for one (head,
-    state tile): the chunk c holding e is entered with S_in (its stored state from a zero segment
-    entry, plus gamma(c) times the segment's entry state), so
+    state tile): the chunk c holding e is entered with S_in (its stored state from a zero run
+    entry, plus gamma(c) times the run's entry state), so
         S_e = exp(cs_e) S_in [if it reaches e]  +  sum_j exp(cs_e - cs_j) dt'_j x_j B_j^T
     over the document's tokens j <= e of chunk c. The same arithmetic as the state pass, stopped
     at e. out is (num_docs, nheads, headdim, dstate), contiguous."""
@@ -2946,8 +2734,7 @@ def _document_end_state_kernel(
     offs_n = pid_n * BN + tl.arange(0, BN)
     mask_pn = (offs_p[:, None] < headdim) & (offs_n[None, :] < dstate)
 
-    dt, dA, slope = _chunk_dt(dt_ptr, dt_bias_ptr, A_ptr, zero, h, start, seqlen, stride_dt,
-                              Q, HAS_DT_BIAS, DT_SOFTPLUS, dt_min, dt_max)
+    dt, dA, slope = _chunk_dt(dts, zero, h, start, seqlen, Q, HAS_DT_BIAS, DT_SOFTPLUS)
     cs = tl.cumsum(dA.to(tl.float64), axis=0)                                    # (Q,) float64
     cs_e = tl.sum(tl.where(offs_q == last - start, cs, 0.0), axis=0)
     t = start + offs_q
@@ -2961,8 +2748,8 @@ def _document_end_state_kernel(
     xw = (x.to(tl.float32) * w[:, None]).to(x.dtype)
     S = tl.dot(tl.trans(xw), Bm, input_precision=DOT_PRECISION)                 # (BP, BN)
     if (first < start) | (first == 0):   # c's entry state reaches e (initial_states reach document 0)
-        chunk_row, seg_row = _chunk_rows(zero, c, seqlen, chunks_per_seg, Q)
-        S_in = _true_chunk_edge(entries, chunk_row, seg_row, h, offs_p, offs_n, mask_pn, nheads, headdim, dstate,
+        chunk_slot, run_slot = _chunk_slots(zero, c, seqlen, chunks_per_run, Q)
+        S_in = _true_chunk_edge(in_edge, chunk_slot, run_slot, h, offs_p, offs_n, mask_pn, nheads, headdim, dstate,
                                 HAS_ENTRY)
         S += tl.exp(cs_e.to(tl.float32)) * S_in
     tl.store(out_ptr + _state_tile(d, h, offs_p, offs_n, nheads, headdim, dstate), S, mask=mask_pn)
@@ -2971,18 +2758,17 @@ def _document_end_state_kernel(
 def document_end_states(inp, summary, cu_seqlens, entry=None):
     """The float32 state after each packed document of batch row 0, (num_docs, h, p, n), given
     the documents' bounds cu_seqlens (num_docs + 1,) and the sequence's entry state (or None)."""
-    x, dt, A, B, dt_bias = inp.x, inp.dt, inp.A, inp.B, inp.dt_bias
+    x, B = inp.x, inp.B
     plan = summary.plan
-    seg_entry, _ = summary.segment_entries(entry)
+    run_entry, _ = summary.run_entries(entry)
     ndocs = cu_seqlens.shape[0] - 1
     out = torch.empty(ndocs, plan.nheads, plan.headdim, plan.dstate, device=x.device, dtype=torch.float32)
     gamma = summary.gamma
     _document_end_state_kernel[(ndocs, plan.nheads, plan.n_p_tiles * plan.n_n_tiles)](
-        x, B, dt, dt_bias, A, cu_seqlens, _ChunkEdge(summary.states, gamma, _stand_in(seg_entry, gamma)), out,
-        plan.seqlen, plan.nheads, plan.headdim, plan.dstate, plan.heads_per_group, plan.chunks_per_seg,
-        plan.n_n_tiles, plan.dt_min, plan.dt_max,
-        _BLHP(*x.stride()), _BLGN(*B.stride()), _BLH(*dt.stride()),
-        Q=plan.Q, BP=plan.BP_state, BN=plan.BN_state, HAS_ENTRY=seg_entry is not None, DOT_PRECISION=plan.precision,
+        x, B, plan.dts(inp), cu_seqlens, _ChunkEdge(summary.states, gamma, _stand_in(run_entry, gamma)), out,
+        plan.seqlen, plan.nheads, plan.headdim, plan.dstate, plan.heads_per_group, plan.chunks_per_run,
+        plan.n_n_tiles, _BLHP(*x.stride()), _BLGN(*B.stride()),
+        Q=plan.Q, BP=plan.BP_state, BN=plan.BN_state, HAS_ENTRY=run_entry is not None, DOT_PRECISION=plan.precision,
         **{f: v for f, v in plan.flags.items() if f != "HAS_SEQ"})
     return out
 
@@ -3002,7 +2788,7 @@ def _chunk_scan_fwd(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chun
     """The output (gated with z), the final state (empty unless need_final), each packed
     document's end state (empty unless need_doc_states), and y before the gate (empty without z).
 
-    The gate y * silu(z) runs as its own kernel (section 14's) on y, which is kept for the
+    The gate y * silu(z) runs as its own kernel (section 13's) on y, which is kept for the
     backward, as mamba_ssm keeps it: folded into the SSD kernels it cost less in the forward but
     more in the backward, which had to load z in three kernels and recompute y in one
     (BENCHMARKS.md, "The launch choices")."""
@@ -3138,7 +2924,7 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
 
 
 # ---------------------------------------------------------------------------------------------
-# 16. The mixer entry: mamba_split_conv1d_scan_combined
+# 15. The mixer entry: mamba_split_conv1d_scan_combined
 #    mamba_ssm's fused entry, the one Mamba2 mixers call.
 #
 # zxbcdt = [z0 | x0 | z | xBC | dt] (widths d_nonssm, d_nonssm, dim, conv_dim, nheads). The core
@@ -3260,10 +3046,10 @@ def _split_conv1d_scan_bwd(dout: Tensor, dfinal: Optional[Tensor], zxbcdt: Tenso
     # the core writes dxBC and ddt into dzxbcdt, unless the rows travel (permute) or its
     # strides allow no per-segment view: then they are copied in once
     into = (None, None) if permute else (_rows_view(segs, dxBC_out), _rows_view(segs, ddt_out))
-    grads = _conv1d_ssd_cp_backward(dy, dfinal, xBC_rows, dt_rows, conv_weight, conv_bias, dt_bias, A, D,
-                                    initial_states, seq_idx, halo, halo_seq, entries, a_kept, cont,
-                                    *core.core_args(group_name, load_balancing, exchange, state_dtype),
-                                    dxBC_into=into[0], ddt_into=into[1])
+    grads = _core_backward(dy, dfinal, xBC_rows, dt_rows, conv_weight, conv_bias, dt_bias, A, D, initial_states,
+                           seq_idx, halo, halo_seq, entries, a_kept, cont,
+                           *core.core_args(group_name, load_balancing, exchange, state_dtype),
+                           dxBC_into=into[0], ddt_into=into[1])
     dxBC, ddt, dconv_w, dconv_b, ddt_bias, dA, dD, dinit = grads
     for rows_grad, view, out in ((dxBC, into[0], dxBC_out), (ddt, into[1], ddt_out)):
         if view is None:
@@ -3377,7 +3163,7 @@ def mamba_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias
         initial_states, load_balancing, return_final_states, summary_exchange))
     widths, p = found["widths"], found["headdim"]
     dstate = (widths[3] - widths[2]) // (2 * ngroups)
-    exchange = _chosen_exchange(summary_exchange, world, load_balancing, zxbcdt.shape[0],
+    exchange = chosen_exchange(summary_exchange, world, load_balancing, zxbcdt.shape[0],
                                 (widths[4], p, dstate), widths[3], conv1d_weight.shape[1])
     if zxbcdt.stride(-1) != 1:                     # the gate's kernels take unit channel strides
         zxbcdt = zxbcdt.contiguous()
@@ -3398,7 +3184,7 @@ def mamba_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias
 
 
 # ---------------------------------------------------------------------------------------------
-# 17. The all-to-all baseline
+# 16. The all-to-all baseline
 #    The head-parallel CP it replaces.
 # ---------------------------------------------------------------------------------------------
 
@@ -3480,6 +3266,99 @@ def _a2a_heads(nheads, ngroups, world, rank):
     else:
         groups = [hh // hpg for hh in heads]
     return heads, groups
+
+
+# The bytes every path moves: the cost model's terms (section 9 says how they become time).
+# They live here, after the head split above, because the baseline's terms follow it.
+
+def _permuted_pieces(world):
+    """Pieces of L/(2W) tokens that the busiest rank moves in one zigzag <-> contiguous
+    permutation: rank r holds pieces {r, 2W-1-r} zigzag (_pieces) and {2r, 2r+1} contiguous; the
+    pieces in both sets stay. It sends as many as it receives. 1 for W = 2, 2 for W >= 3 (rank 1
+    moves both), 0 in a world of one."""
+    return max(2 - len(set(_pieces(r, world, "virtual")[0]) & {2 * r, 2 * r + 1}) for r in range(world))
+
+
+def comm_bytes(path, world, L, batch, *, nheads, headdim, dstate, ngroups, d_conv, dtype_bytes,
+               summary_exchange="all_gather", documents=False):
+    """Bytes one rank receives from the other ranks, per layer call, forward and backward, as
+    this module moves them (for every exchange here a rank sends as much as it receives; where
+    ranks differ, the busiest rank). path: "a2a" (mamba_conv1d_ssd_a2a) or the load_balancing of
+    mamba_conv1d_ssd_cp, whose summaries go by summary_exchange ("all_gather" or "scan"); world
+    W, global length L. Returns dict(fwd=, bwd=, terms={name: bytes}, latencies={name: messages
+    in sequence}), names "fwd: ..." and "bwd: ...", or None when the path cannot run (a2a with
+    nheads not divisible by W; L not divisible by 2W). modelled_seconds turns the two into time.
+
+    Notation: b batch, h nheads, p headdim, n dstate, g ngroups, d1 = d_conv - 1, conv_dim =
+    h*p + 2*g*n, e = dtype_bytes (xBC, y and their gradients), dt and its gradient fp32 (4 bytes),
+    l = L/W tokens per rank, s = L/(2W) tokens per zigzag piece, R = ceil(log2 W). An all-gather
+    of a block of B bytes per rank makes each rank receive (W-1) * B, in W-1 ring steps.
+    `documents` adds the seq_idx terms (int32 ids). In a world of one every term is 0.
+
+    Every path, forward: the input check's all-gather ("validation"), the int64 values each rank
+    contributes to the agreement on the inputs (_agreement_ints, 70 today): (W-1) * 70 * 8.
+
+    State passing, "none" (k = 1 segment per rank) and "virtual" (k = 2), rows = b*k, with the
+    summaries all-gathered:
+      fwd  conv halo all-gather: (W-1) * rows * d1 * conv_dim * 4 (the halo travels packed as
+           fp32 whatever the input dtype) [+ (W-1) * rows * d1 * 4 ids]
+      fwd  summary all-gather, fp32: (W-1) * rows * (h*p*n + h [+ 2 ids]) * 4
+      bwd  G all-gather, fp32: (W-1) * (rows * h*p*n + b*h*p*n) * 4 (G of every segment plus the
+           rank's final-state gradient, sent even when zero)
+      bwd  halo-gradient all-gather, fp32: (W-1) * rows * d1 * conv_dim * 4
+    summary_exchange="scan", the same quantities point to point:
+      fwd  halos from the neighbours: rows * d1 * conv_dim * 4 [+ rows * d1 * 4 ids]; 1 message
+      fwd  R prefix rounds of one map per segment: R * rows * (h*p*n + h [+ 2 ids]) * 4; R
+      fwd  the totals' broadcasts, one per chain: rows * (h*p*n + h [+ 2 ids]) * 4; k * R
+      bwd  the final-state gradient's all-reduce: 2 (W-1)/W * b*h*p*n * 4; 2R
+      bwd  R rounds of the gradient maps: R * rows * (h*p*n + h) * 4; R
+      bwd  "virtual": the second halves' total, broadcast: b * (h*p*n + h) * 4; R
+      bwd  halo gradients to the neighbours: rows * d1 * conv_dim * 4; 1
+
+    "permute_p2p" / "permute_a2a": the state passing of "none" plus the zigzag <-> contiguous
+    moves of the activations, P = _permuted_pieces(W) pieces per direction (both variants move
+    the same bytes; pieces a rank keeps do not count; p2p in 1 message time, a2a in W-1):
+      fwd  xBC and dt to contiguous: P * b * s * (conv_dim*e + h*4) [+ P * b * s * 4 ids]
+      fwd  y back to zigzag: P * b * s * h*p*e
+      bwd  dy to contiguous: P * b * s * h*p*e
+      bwd  dxBC and ddt back to zigzag: P * b * s * (conv_dim*e + h*4)
+
+    "a2a" (head-parallel; needs h % W == 0; hw = h/W heads per rank; gr = groups of B and C a
+    rank needs, as _a2a_heads splits them: g/W when W divides g, else 1 when its heads share one
+    group, else one copy per head, hw): every rank sends each other rank that rank's channels of
+    its l local tokens (its own block stays), W-1 messages each:
+      fwd  xBC all-to-all: (W-1) * b * l * (hw*p + 2*gr*n) * e
+      fwd  dt all-to-all: (W-1) * b * l * hw * 4
+      fwd  y all-to-all back: (W-1) * b * l * hw*p * e
+           [+ seq_idx all-gather (W-1) * b * l * 4]
+      bwd  the same three all-to-alls for dy, dxBC, ddt: the same bytes (not the seq_idx term).
+    The final-state gather (return_final_states) is not counted."""
+    _expect(path == "a2a" or path in LAYOUTS, "path", repr(path), f"'a2a' or one of {LAYOUTS}")
+    _expect(summary_exchange in ("all_gather", "scan"), "summary_exchange", repr(summary_exchange),
+            "'all_gather' or 'scan' (what chosen_exchange resolves 'auto' to)")
+    h, p, n, g, e, f4 = nheads, headdim, dstate, ngroups, dtype_bytes, 4
+    if L % (2 * world) or (path == "a2a" and h % world):
+        return None
+    o, ids, cd = world - 1, int(documents), h * p + 2 * g * n
+    terms = [("fwd", "validation all-gather", o * _agreement_ints() * 8, o)]
+    if path == "a2a":
+        hw, gr, l = h // world, len(_a2a_heads(h, g, world, 0)[1]), L // world
+        for side, d in (("fwd", ""), ("bwd", "d")):
+            terms += [(side, f"{d}xBC all-to-all", o * batch * l * (hw * p + 2 * gr * n) * e, o),
+                      (side, f"{d}dt all-to-all", o * batch * l * hw * f4, o),
+                      (side, f"{d}y all-to-all", o * batch * l * hw * p * e, o)]
+        if documents:
+            terms.append(("fwd", "seq_idx all-gather", o * batch * l * 4, o))
+        return _cost(terms)
+    k = 2 if path == "virtual" else 1
+    terms += _exchange_terms(summary_exchange, world, k, batch, h, p, n, d_conv, cd, documents)
+    if path.startswith("permute"):
+        P, s, m = _permuted_pieces(world), L // (2 * world), 1 if path == "permute_p2p" else o
+        terms += [("fwd", "xBC, dt to contiguous", P * batch * s * (cd * e + h * f4 + 4 * ids), m),
+                  ("fwd", "y to zigzag", P * batch * s * h * p * e, m),
+                  ("bwd", "dy to contiguous", P * batch * s * h * p * e, m),
+                  ("bwd", "dxBC, ddt to zigzag", P * batch * s * (cd * e + h * f4), m)]
+    return _cost(terms)
 
 
 def _a2a_channels(cfg, heads, groups):
@@ -3573,6 +3452,104 @@ def mamba_conv1d_ssd_a2a(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_s
     if not return_final_states:
         return y
     return y, _GatherHeadsFn.apply(final_mine.contiguous(), cp_group, rank)
+
+
+# ---------------------------------------------------------------------------------------------
+# 17. Launch tuning: the GPU's choices
+#    set_tuning, and the table it chooses from.
+# ---------------------------------------------------------------------------------------------
+
+
+# The GPU's choices are the fastest measured on an H200 at the record shape (BENCHMARKS.md,
+# "Where the time goes", "The launch choices"); the interpreter's are Part I's (section 2).
+# What they trade:
+#   chunk_fwd, chunk_bwd  the (Q, Q) tiles live in registers.
+#   chunks_per_run        runs of this many chunks run the sequential state pass in parallel,
+#                         joined by the summary scan; the interpreter's tiny runs make the CPU
+#                         tests exercise that scan.
+#   state_tile            the state passes split (p, n) into tiles of this width, one per program.
+#   heads_per_output      one head per output program runs more programs, which hides latency
+#                         better than a group's heads sharing C.B.
+#   launch                the chunk kernels are latency-bound chains of small products: what
+#                         pays is programs per SM, hence 4 warps and, where it buys a program
+#                         without costing more in spills, a register cap (maxnreg).
+#   conv_fwd, conv_bwd    on a GPU one strip a program: registers bound the loads in flight
+#                         (unroll of them per step). The interpreter pays per step: many strips.
+TUNED_KERNELS = ("state", "output", "bwd_group", "bwd_bc", "bwd_x")     # the chunk kernels that take launch options
+TUNINGS = {
+    "gpu": Tuning("gpu", chunk_fwd=64, chunk_bwd=64, chunks_per_run=16, state_tile=64,
+                  bwd_state_tiles=(64, 64, 64), heads_per_output=1,
+                  launch=dict(state=dict(num_warps=4, num_stages=2, maxnreg=128),
+                              output=dict(num_warps=4, num_stages=1, maxnreg=168),
+                              bwd_group=dict(num_warps=4, num_stages=2), bwd_bc=dict(num_warps=4, num_stages=2),
+                              bwd_x=dict(num_warps=4, num_stages=1, maxnreg=128)),
+                  scan_block=1024, conv_fwd=ConvLaunch(1, 256, 128, 8, 2), conv_bwd=ConvLaunch(1, 128, 256, 8, 1),
+                  gate_tile=4096, gate_programs=4096),
+    "interpreter": _TUNING[0],
+}
+
+
+def set_tuning(choice):
+    """Make `choice` (a Tuning, or a name in TUNINGS) the one every launch uses; returns the
+    previous one. Tests pick the GPU's in the interpreter this way; bench.py its variants."""
+    if isinstance(choice, str) and choice not in TUNINGS or not isinstance(choice, (str, Tuning)):
+        raise ValueError(f"set_tuning: got {choice!r}, expected a Tuning or one of {sorted(TUNINGS)}")
+    previous = _TUNING[0]
+    _TUNING[0] = TUNINGS[choice] if isinstance(choice, str) else choice
+    return previous
+
+
+if not INTERPRET:
+    set_tuning("gpu")
+
+
+# ---------------------------------------------------------------------------------------------
+# 18. A worked example
+#    `python mamba_cp.py` runs two gloo ranks on this machine over a handful of tokens and
+#    prints each step of state passing, checked against the float64 oracle.
+# ---------------------------------------------------------------------------------------------
+
+
+def _worked_example(rank, world, port):
+    import reference_ssd  # the oracle lives beside this file in the repository
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.set_printoptions(precision=4, sci_mode=False)
+    say = (lambda *a: print(f"[rank {rank}]", *a, flush=True))
+    g = torch.Generator().manual_seed(0)
+    b, L, h, p, n, d_conv = 1, 12, 1, 2, 2, 2                       # one head: x (p=2), state 2x2
+    conv_dim = h * p + 2 * n
+    xBC = torch.randn(b, L, conv_dim, generator=g)
+    dt = torch.randn(b, L, h, generator=g) - 1.0
+    w, bias = torch.randn(conv_dim, d_conv, generator=g) * 0.5, torch.zeros(conv_dim)
+    dt_bias, A, D = torch.zeros(h), -torch.ones(h), torch.ones(h)
+    cfg = _CPConfig(xBC, dt, w, 16, p, 1, dist.group.WORLD, rank, world, "none", (0.0, float("inf")))
+    x_loc, dt_loc = shard(xBC, rank, world), shard(dt, rank, world)    # 6 tokens each
+
+    # 1. the conv, fed by the halo: the last d_conv - 1 pre-conv tokens of the previous rank
+    halo, _ = _exchange_halo(x_loc, None, cfg)
+    conv_out = _conv1d_fwd(x_loc, w, bias, halo)
+    x, B, C = _split_xBC(conv_out, cfg)
+    # 2. this rank's summary, from a zero entry state: S_out = a * S_in + S_ext
+    plan = _LaunchPlan(x, B, 16, dt_bias, True, (0.0, float("inf")), None)
+    inp = _SSDInputs(x, dt_loc, A, B, C, D, dt_bias, None)
+    summary = Summary(inp, plan)
+    S_ext, a = summary.affine()
+    say(f"summary: a = {a.flatten().tolist()}, S_ext =\n{S_ext[0, 0]}")
+    # 3. all-gather the summaries and scan: S_in(0) = 0, S_in(1) = a_0 S_in(0) + S_ext(0)
+    entries, final, _, _ = _entries_by_all_gather(S_ext, a, None, None, cfg)
+    say(f"entry state after the scan =\n{entries[0, 0]}")
+    # 4. the outputs with the entry state folded in, against the oracle on the whole sequence
+    y, _ = ssd_output(inp, summary, entries)
+    y_ref, final_ref = reference_ssd.conv1d_ssd_reference(xBC, dt, w, bias, dt_bias, A, D, headdim=p, ngroups=1)
+    err = (y - shard(y_ref, rank, world)).abs().max().item()
+    say(f"y (this rank's 6 tokens) = {y.flatten(1).tolist()[0][:4]}...; max |y - oracle| = {err:.1e}; "
+        f"max |final - oracle| = {(final - final_ref).abs().max().item():.1e}")
+    # 5. the fused function (Part I's end) does all of the above, and the backward; mamba_conv1d_ssd_cp
+    #    is it with the production extras of Part II
+    y_fused, _ = _conv1d_ssd_cp(x_loc, dt_loc, w, bias, dt_bias, A, D, 16, p, 1, dist.group.WORLD)
+    say(f"_conv1d_ssd_cp gives the same y: {torch.equal(y_fused, y)}")
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

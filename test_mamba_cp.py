@@ -16,12 +16,12 @@ tests in the order of mamba_cp.py's sections, the torchrun mode last.
     Helpers: one call against the oracle
     Helpers: the process harness (@check, world_check; main runs the same checks)
     The oracle checks itself
-    mamba_cp sections 1-4 and 15: the single-device SSD, forward and backward
-    mamba_cp section 11: bad input
-    mamba_cp sections 5, 6, 10 and 12: layouts and communication
+    mamba_cp sections 1-4 and 14: the single-device SSD, forward and backward
+    mamba_cp section 10: bad input
+    mamba_cp sections 5, 6, 9 and 11: layouts and communication
     mamba_cp section 7: the causal conv1d
-    mamba_cp sections 8, 13 and 17: the fused conv1d + SSD under CP, and the all-to-all baseline
-    mamba_cp sections 14 and 16: mamba_split_conv1d_scan_combined
+    mamba_cp sections 8, 12 and 16: the fused conv1d + SSD under CP, and the all-to-all baseline
+    mamba_cp sections 13 and 15: mamba_split_conv1d_scan_combined
     torch.compile
     Vendoring: a tiny mixer trained under CP; Hugging Face transformers
     GPU only
@@ -962,7 +962,7 @@ def test_state_passing_reference_world_range():
 
 
 # ---------------------------------------------------------------------------------------------
-# mamba_cp sections 1-4 and 15: the single-device SSD against the oracle, forward and backward
+# mamba_cp sections 1-4 and 14: the single-device SSD against the oracle, forward and backward
 # (section 2's tuning too)
 # ---------------------------------------------------------------------------------------------
 
@@ -1188,7 +1188,7 @@ def test_varlen_states_have_no_backward():
 
 
 # ---------------------------------------------------------------------------------------------
-# mamba_cp section 11: bad input, a ValueError naming the argument
+# mamba_cp section 10: bad input, a ValueError naming the argument
 # ---------------------------------------------------------------------------------------------
 
 def _bad_cases():
@@ -1247,7 +1247,7 @@ def test_bad_input_raises(case):
 
 
 # ---------------------------------------------------------------------------------------------
-# mamba_cp sections 5, 6, 10 and 12: layouts and communication. The layouts by hand; the zigzag
+# mamba_cp sections 5, 6, 9 and 11: layouts and communication. The layouts by hand; the zigzag
 # permutation each way (a case of the fused core's check); the prefix scan over ranks (summary_exchange="scan")
 # alone, on random summaries of every global segment: against the float64 recurrence
 # (forward) and its autograd (backward), and bitwise against the same compositions in the
@@ -1337,9 +1337,9 @@ def scan_in_one_process(s, layout, world, rank):
     """This rank's expected entries and final, and dexit and dinit, composed as the module does."""
     then, applied = mamba_cp._then, mamba_cp._applied
     segs = mamba_cp._Segments(rank, world, layout)
-    fwd = [mamba_cp._RunMap(s["a"][:, k], s["S"][:, k], s["first"][:, k], s["last"][:, k]) for k in range(segs.count)]
+    fwd = [mamba_cp._SummaryMap(s["a"][:, k], s["S"][:, k], s["first"][:, k], s["last"][:, k]) for k in range(segs.count)]
     cont = sequential_summaries({k: v.cpu() for k, v in s.items()})["cont"].float().to(s["S"].device)
-    bwd = [mamba_cp._RunMap(cont[:, k, None] * s["a"][:, k], cont[:, k, None, None, None] * s["G"][:, k])
+    bwd = [mamba_cp._SummaryMap(cont[:, k, None] * s["a"][:, k], cont[:, k, None, None, None] * s["G"][:, k])
            for k in range(segs.count)]
     dfin = s["dfinal"].sum(0) if world > 1 else s["dfinal"][0]
     fe, fi = kogge_stone(fwd[:world])
@@ -1431,6 +1431,52 @@ def test_cp_summary_exchanges(world):
     verdict = world_check(world, exchange_world_check)
     assert all(len(verdict[f"{layout} scan vs all_gather"]) == 10 for layout in mamba_cp.LAYOUTS), verdict
     print({case: max(errs.values()) for case, errs in verdict.items()})
+
+
+def test_exchange_cost_model():
+    """The cost model (comm_bytes, modelled_seconds, chosen_exchange) against numbers worked by
+    hand: a tiny shape (h = p = n = 2, g = 1, d_conv = 2, so conv_dim 8; batch 1, bf16, L = 16)
+    term by term, a hand cost on a hand link, and the crossovers of "auto" at the record shape
+    that README "d" states. Pure arithmetic: no kernel runs."""
+    tiny = dict(nheads=2, headdim=2, dstate=2, ngroups=1, d_conv=2, dtype_bytes=2)
+    bill = lambda path, W, **kw: mamba_cp.comm_bytes(path, W, 16, 1, **tiny, **kw)  # noqa: E731
+    want = {   # (path, W, summary_exchange): {term: (bytes, messages)}, the agreement's all-gather apart
+        ("none", 4, "all_gather"): {"fwd: halo all-gather": (3 * 8 * 4, 3), "fwd: summary all-gather": (3 * 10 * 4, 3),
+                                    "bwd: G all-gather": (3 * 2 * 8 * 4, 3),
+                                    "bwd: halo-gradient all-gather": (3 * 8 * 4, 3)},
+        ("virtual", 4, "scan"): {"fwd: halos from the neighbours": (2 * 8 * 4, 1),
+                                 "fwd: summary prefix rounds": (2 * 2 * 10 * 4, 2), "fwd: totals broadcast": (80, 4),
+                                 "bwd: final-gradient all-reduce": (2 * 8 * 4 * 3 // 4, 4),
+                                 "bwd: gradient prefix rounds": (160, 2), "bwd: second halves broadcast": (40, 2),
+                                 "bwd: halo gradients to the neighbours": (64, 1)},
+        ("a2a", 2, "all_gather"): {f"{s}: {d}{t} all-to-all": (nbytes, 1) for s, d in (("fwd", ""), ("bwd", "d"))
+                                   for t, nbytes in (("xBC", 8 * (2 + 2 * 2) * 2), ("dt", 8 * 4), ("y", 8 * 2 * 2))},
+        ("permute_p2p", 4, "all_gather"): {"fwd: xBC, dt to contiguous": (2 * 2 * (8 * 2 + 2 * 4), 1),
+                                           "fwd: y to zigzag": (2 * 2 * 4 * 2, 1), "bwd: dy to contiguous": (32, 1),
+                                           "bwd: dxBC, ddt to zigzag": (96, 1)},
+    }
+    for (path, W, exchange), terms in want.items():
+        c = bill(path, W, summary_exchange=exchange)
+        check = "fwd: validation all-gather"
+        assert (c["terms"].pop(check), c["latencies"].pop(check)) == ((W - 1) * 8 * mamba_cp._agreement_ints(), W - 1)
+        if path == "permute_p2p":     # the state passing of "none", then the pieces that move
+            terms = dict(terms, **want[("none", 4, "all_gather")])
+        assert {k: (v, c["latencies"][k]) for k, v in c["terms"].items()} == terms, (path, c)
+        assert c["fwd"] + c["bwd"] == sum(v for v, _ in terms.values()) + (W - 1) * 8 * mamba_cp._agreement_ints()
+    assert bill("a2a", 4) is None and mamba_cp.comm_bytes("none", 4, 12, 1, **tiny) is None   # h % W, L % 2W
+    cost = dict(terms={"fwd: a": 100, "bwd: b": 10}, latencies={"fwd: a": 3, "bwd: b": 1})
+    assert mamba_cp.modelled_seconds(cost, mamba_cp.LinkModel(alpha=1.0, beta=0.5)) == 3 + 50 + 1 + 5
+    previous = mamba_cp.set_link_model("nvlink")
+    try:    # the first W at which "auto" takes the scan, and it keeps it up to W = 1024
+        for link, layout, first in (("nvlink", "none", 4), ("nvlink", "virtual", 6), ("inter_node", "none", 4),
+                                    ("inter_node", "virtual", 4)):
+            mamba_cp.set_link_model(link)
+            picks = [mamba_cp.chosen_exchange("auto", W, layout, 1, (64, 64, 128), 64 * 64 + 2 * 8 * 128, 4)
+                     for W in range(1, 1025)]
+            assert picks == ["all_gather"] * (first - 1) + ["scan"] * (1025 - first), (link, layout)
+        assert mamba_cp.chosen_exchange("all_gather", 64, "none", 1, (64, 64, 128), 6144, 4) == "all_gather"
+    finally:
+        mamba_cp.set_link_model(previous)
 
 
 def cp_bad_input_messages(rank, world, group, device):
@@ -1596,9 +1642,9 @@ def test_conv_small_tiles_many_programs(tuned):
     """Two runs a program, five programs a row, channel tiles smaller than the channels, and an
     unroll that does not divide a run's steps: windows and partial du cross run and program
     edges, channel masks, the extra steps masked, partial sums folded across programs."""
-    launch = mamba_cp.ConvLaunch(runs=2, channels=32, rows=9, unroll=2, warps=1)
+    launch = mamba_cp.ConvLaunch(strips=2, channels=32, tokens=9, unroll=2, warps=1)
     tuned(dataclasses.replace(mamba_cp.tuning(), conv_fwd=launch, conv_bwd=launch))
-    assert mamba_cp._conv_runs(3 + 77, 40, launch)[3] == 5
+    assert mamba_cp._conv_strips(3 + 77, 40, launch)[3] == 5
     inp, dout = conv_inputs(CONV_SMALL, 3, halo=True, bias=True, starts=CONV_STARTS["mixed"])
     conv_check(inp, dout)
 
@@ -1607,8 +1653,8 @@ def test_conv_gpu_tiles(tuned):
     """The GPU's conv launches (one run a program, its channel tile and unroll) in the
     interpreter, with runs cut to 32 rows so that a row of 77 tokens and a halo spans programs."""
     gpu = mamba_cp.TUNINGS["gpu"]
-    tuned(dataclasses.replace(gpu, conv_fwd=gpu.conv_fwd._replace(rows=32), conv_bwd=gpu.conv_bwd._replace(rows=32)))
-    assert mamba_cp._conv_runs(3 + 77, 40, mamba_cp.tuning().conv_bwd)[3] == 3
+    tuned(dataclasses.replace(gpu, conv_fwd=gpu.conv_fwd._replace(tokens=32), conv_bwd=gpu.conv_bwd._replace(tokens=32)))
+    assert mamba_cp._conv_strips(3 + 77, 40, mamba_cp.tuning().conv_bwd)[3] == 3
     inp, dout = conv_inputs(CONV_SMALL, 3, halo=True, bias=True, starts=CONV_STARTS["mixed"])
     conv_check(inp, dout)
 
@@ -1617,7 +1663,7 @@ def test_conv_deterministic(tuned):
     """Two calls, bitwise alike, with four runs a program and several programs a row. On a GPU
     programs run at once; in the interpreter, one at a time, this catches reads of memory that
     no program wrote (the partial sums are torch.empty)."""
-    launch = mamba_cp.ConvLaunch(runs=4, channels=16, rows=5, unroll=2, warps=1)
+    launch = mamba_cp.ConvLaunch(strips=4, channels=16, tokens=5, unroll=2, warps=1)
     tuned(dataclasses.replace(mamba_cp.tuning(), conv_fwd=launch, conv_bwd=launch))
     inp, dout = conv_inputs(CONV_SMALL, 11, halo=True, bias=True, starts=CONV_STARTS["mixed"])
     a, b = mamba_cp.conv1d_bwd(dout, **inp), mamba_cp.conv1d_bwd(dout, **inp)
@@ -1656,7 +1702,7 @@ def test_conv_bad_inputs():
 
 
 # ---------------------------------------------------------------------------------------------
-# mamba_cp sections 8, 13 and 17: the fused conv1d + SSD with context parallelism, and the
+# mamba_cp sections 8, 12 and 16: the fused conv1d + SSD with context parallelism, and the
 # all-to-all baseline, rank by rank against the oracle on the full sequence. Every rank builds
 # the full inputs from one seed, runs the float64 oracle on the whole sequence, and compares
 # its local output shard, its local input gradients, and the parameter gradients summed over
@@ -1736,7 +1782,7 @@ def test_cp_against_oracle(world):
 
 
 # ---------------------------------------------------------------------------------------------
-# mamba_cp sections 14 and 16: mamba_split_conv1d_scan_combined. zxbcdt = [z0 | x0 | z | xBC | dt] in,
+# mamba_cp sections 13 and 15: mamba_split_conv1d_scan_combined. zxbcdt = [z0 | x0 | z | xBC | dt] in,
 # the gated (or gated-RMSNorm'd, optionally out-projected) output out, against the float64
 # oracle on the whole sequence, rank by rank.
 # ---------------------------------------------------------------------------------------------

@@ -215,13 +215,11 @@ def _selected_exp(keep, log_v):
 # ---------------------------------------------------------------------------------------------
 
 
-# A caller's tensor comes with its strides as one named tuple (Triton kernels take tuples and
-# specialise their fields as they do scalars: a unit stride still vectorises). The buffers the
-# module allocates itself are contiguous, and the kernels compute their offsets from the sizes.
-# Strides by name: x, y and their gradients (batch, token, head, headdim); B, C and theirs
-# (batch, token, group, dstate); dt (batch, token, head); seq_idx (batch, token); D (head,
-# headdim; a (nheads,) D broadcasts over headdim with p = 0); the conv's xBC, halo and their
-# gradients (batch, token, channel); the conv weight (channel, tap).
+# A caller's tensor comes with its strides as one named tuple (Triton specialises a tuple's
+# fields as it does scalars: a unit stride still vectorises): x, y (batch, token, head, headdim);
+# B, C (batch, token, group, dstate); dt; seq_idx; D (head, headdim: a (nheads,) D has p = 0);
+# the conv's xBC and halo (batch, token, channel) and weight (channel, tap). The module's own
+# buffers are contiguous, and the kernels compute their offsets from the sizes.
 _BLHP = collections.namedtuple("_BLHP", "b l h p")
 _BLGN = collections.namedtuple("_BLGN", "b l g n")
 _BLH = collections.namedtuple("_BLH", "b l h")
@@ -323,10 +321,8 @@ ConvLaunch = collections.namedtuple("ConvLaunch", "strips channels tokens unroll
 
 @dataclasses.dataclass(frozen=True)
 class Tuning:
-    """The launch choices: the same results under any of them (the chunked form computes the
-    same recurrence for any chunk length and run length). The one here is the interpreter's,
-    simple and small, so that CPU tests walk every loop (several runs, state tiles, head blocks).
-    The GPU's, measured, come with set_tuning after the method."""
+    """The launch choices, the same results under any of them. The one here is the interpreter's:
+    small, so that CPU tests walk every loop. The GPU's, measured, come after the method."""
     name: str
     chunk_fwd: int                      # kernel chunk lengths (may be shorter than the caller's)
     chunk_bwd: int
@@ -1120,11 +1116,9 @@ def _document_flags(first, last):
 
 
 def _entries_by_all_gather(S_ext, a, seq_idx, initial_states, cfg):
-    """Forward state passing across ranks: every segment's summary, S_ext (rows, h, p, n) and a
-    (rows, h) and, with documents, its first and last document ids, all-gathered in one fp32
-    buffer, then the exclusive scan in global segment order. Returns this rank's segment entry
-    states (rows, h, p, n), the final state of the whole sequence (b, h, p, n), and what
-    backward needs: a and cont in global order."""
+    """Every segment's summary (S_ext (rows, h, p, n), a (rows, h), with documents its first and
+    last ids) all-gathered in one fp32 buffer, then the scan in global segment order: this rank's
+    segment entry states (rows, h, p, n), the final state (b, h, p, n), a and cont (b, K)."""
     parts = [S_ext, a] + ([seq_idx[:, :1], seq_idx[:, -1:]] if seq_idx is not None else [])
     buf = _pack(S_ext.shape[0], *parts)
     every = _all_gather(buf, cfg.group) if cfg.world > 1 else buf[None]
@@ -1138,11 +1132,10 @@ def _entries_by_all_gather(S_ext, a, seq_idx, initial_states, cfg):
 
 
 def _exit_grads_by_all_gather(G, dfinal, a_all, cont, cfg, meanwhile):
-    """Backward state passing across ranks: every segment's G (the pull of its own outputs on its
-    entry state, (rows, h, p, n)) and each rank's gradient of its copy of the final state (the
-    copies' gradients add up) all-gathered, then the reverse exclusive scan. `meanwhile` runs
-    while the gather is in flight. Returns the gradient arriving at this rank's segment exits
-    (rows, h, p, n), that of initial_states (b, h, p, n), and meanwhile's result."""
+    """Every segment's G (rows, h, p, n) and each rank's gradient of its copy of the final state
+    (the copies' add up) all-gathered, `meanwhile` run while they travel, then the reverse scan:
+    the gradient at this rank's segment exits (rows, h, p, n), initial_states' (b, h, p, n), and
+    meanwhile's result."""
     rows = cfg.batch * cfg.segs.per_row
     h, p, n = cfg.state_shape
     if dfinal is None:

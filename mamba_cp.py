@@ -83,7 +83,7 @@ are opaque custom ops (mamba_cp::...): section 12 says why.
 import collections
 import dataclasses
 import os
-from typing import Callable, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist

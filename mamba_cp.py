@@ -119,9 +119,10 @@ def _softplus(v):
     return tl.where(v > 20.0, v, tl.maximum(v, 0.0) + log1p_u)
 
 
-# What a kernel needs to form dt', as one tuple (Triton takes tuples): raw dt (b, l, h) and its
-# strides (_BLH), dt_bias (h,) (a stand-in when absent), A (h,), and dt_limit's bounds.
-_DtArgs = collections.namedtuple("_DtArgs", "dt stride dt_bias A dt_min dt_max")
+# What a kernel needs to form dt', as one flat tuple (Triton takes tuples; triton 3.6 cannot read
+# a tuple nested in one): raw dt (b, l, h) and its strides, dt_bias (h,) (a stand-in when
+# absent), A (h,), and dt_limit's bounds.
+_DtArgs = collections.namedtuple("_DtArgs", "dt stride_b stride_l stride_h dt_bias A dt_min dt_max")
 
 
 @triton.jit
@@ -130,7 +131,7 @@ def _chunk_dt(dts, b, h, start, seqlen, Q: tl.constexpr, HAS_DT_BIAS: tl.constex
     chunk of one head, (Q,) float32 each; zero past the sequence end. dts is a _DtArgs."""
     t = start + tl.arange(0, Q)
     valid = t < seqlen
-    dt = tl.load(dts.dt + b.to(tl.int64) * dts.stride.b + t.to(tl.int64) * dts.stride.l + h * dts.stride.h,
+    dt = tl.load(dts.dt + b.to(tl.int64) * dts.stride_b + t.to(tl.int64) * dts.stride_l + h * dts.stride_h,
                  mask=valid, other=0.0).to(tl.float32)
     if HAS_DT_BIAS:
         dt += tl.load(dts.dt_bias + h).to(tl.float32)
@@ -222,7 +223,6 @@ def _selected_exp(keep, log_v):
 # buffers are contiguous, and the kernels compute their offsets from the sizes.
 _BLHP = collections.namedtuple("_BLHP", "b l h p")
 _BLGN = collections.namedtuple("_BLGN", "b l g n")
-_BLH = collections.namedtuple("_BLH", "b l h")
 _BL = collections.namedtuple("_BL", "b l")
 _HP = collections.namedtuple("_HP", "h p")
 _BLC = collections.namedtuple("_BLC", "b l c")
@@ -383,7 +383,7 @@ class _LaunchPlan:
 
     def dts(self, inp):
         """inp's _DtArgs."""
-        return _DtArgs(inp.dt, _BLH(*inp.dt.stride()), _stand_in(inp.dt_bias, inp.A), inp.A, *self.dt_limit)
+        return _DtArgs(inp.dt, *inp.dt.stride(), _stand_in(inp.dt_bias, inp.A), inp.A, *self.dt_limit)
 
     def options(self, kernel):
         """The launch options of one chunk kernel."""

@@ -654,9 +654,11 @@ class Summary:
         entry = _f32_contiguous(entry)        # the kernels read it as a (b, nruns, h, p, n) buffer
         if self.plan.nruns > 1:
             return scan_summaries(self.run_ext, self.run_a, entry)  # later runs start where earlier end
-        S_ext, a = self.affine()        # one run: no scan, and an absent entry stays absent
-        exit_ = (S_ext if entry is None else S_ext + a[:, :, None, None] * entry) if need_exit else None
-        return (None if entry is None else entry[:, None]), exit_
+        run_entry = None if entry is None else entry[:, None]     # one run: no scan; absent stays absent
+        if not need_exit:
+            return run_entry, None
+        S_ext, a = self.affine()
+        return run_entry, (S_ext if entry is None else S_ext + a[:, :, None, None] * entry)
 
 
 def ssd_output(inp, summary, entry=None, y=None, need_exit=False):
@@ -1915,8 +1917,6 @@ def chosen_exchange(choice, world, load_balancing, batch, state_shape, conv_dim,
     scan, gather = (modelled_seconds(_cost(_exchange_terms(e, world, k, batch, *state_shape, d_conv, conv_dim, False)))
                     for e in ("scan", "all_gather"))
     return "scan" if scan < gather else "all_gather"
-
-
 
 
 # ---------------------------------------------------------------------------------------------

@@ -375,7 +375,11 @@ class _LaunchPlan:
         self.dt_limit = (float(dt_limit[0]), float(dt_limit[1]))
         self.flags = dict(HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus),
                           HAS_SEQ=seq_idx is not None)
-        self.precision = "ieee" if x.dtype == torch.float32 else "tf32"
+        # float32 products: as three tf32 tensor-core products (each operand split hi + lo, lo.lo
+        # dropped: within about 2^-21 of each term) where that is faster than IEEE's CUDA-core
+        # FMAs, everywhere but the state pass (measured: BENCHMARKS.md)
+        self.precision = "tf32x3" if x.dtype == torch.float32 else "tf32"
+        self.state_precision = "ieee" if x.dtype == torch.float32 else "tf32"
         # the chunk entry states (and, in backward, exit gradients) as stored between kernels;
         # the kernels carry them in float32 and read them back to float32
         self.state_dtype = state_dtype or (torch.float32 if x.dtype == torch.float32 else x.dtype)
@@ -471,7 +475,7 @@ def _state_pass(head_in, group_in, inp, plan, reverse):
         plan.seqlen, plan.nheads, plan.headdim, plan.dstate, plan.nchunks, plan.chunks_per_run, plan.n_p_tiles,
         plan.n_n_tiles, plan.heads_per_group,
         _BLHP(*head_in.stride()), _BLGN(*group_in.stride()), _strides_of(inp.seq_idx, _BL),
-        Q=plan.Q, BP=plan.BP_state, BN=plan.BN_state, REVERSE=reverse, DOT_PRECISION=plan.precision,
+        Q=plan.Q, BP=plan.BP_state, BN=plan.BN_state, REVERSE=reverse, DOT_PRECISION=plan.state_precision,
         **plan.options("state"), **plan.flags)
     return per_chunk, decay, left, a
 
@@ -708,13 +712,11 @@ def _tf32_split(a):
 
 
 @triton.jit
-def _exact_dot(a, b01, PRECISION: tl.constexpr):
+def _exact_dot(a, b01):
     """a (M, K) float32 times b01 (K, N), a matrix of 0s and 1s, at float32's accuracy whatever
-    the kernel's precision: with "tf32" (bf16 and fp16 inputs), two tensor-core products of a's
-    split (b01 and hi are exact in tf32, lo loses at most 2^-11 of itself), each term within
-    2^-20 of itself: nothing cancels that the exact sum would not cancel."""
-    if PRECISION == "ieee":
-        return tl.dot(a, b01, input_precision="ieee")
+    the kernel's precision: two tensor-core products of a's split (b01 and hi are exact in tf32,
+    lo loses at most 2^-11 of itself), each term within 2^-20 of itself: nothing cancels that the
+    exact sum would not cancel."""
     hi, lo = _tf32_split(a)
     return tl.dot(hi, b01, input_precision="tf32") + tl.dot(lo, b01, input_precision="tf32")
 
@@ -786,7 +788,7 @@ def _chunk_bwd_group_kernel(
         # over i >= k. L is 0 off the causal pairs of one document, so V needs no mask, and the
         # diagonal j = i never meets j < k <= i.
         V = dxyM * dt[None, :]                                                     # (Q, Q) pair (i, j)
-        spans = _exact_dot(V, before, DOT_PRECISION)                     # [i, k]: sum_{j<k} V_ij
+        spans = _exact_dot(V, before)                                    # [i, k]: sum_{j<k} V_ij
         tl.store(ddA_pairs_ptr + at, tl.sum(tl.where(offs_q[:, None] >= offs_q[None, :], spans, 0.0), axis=0))
         if HAS_D and D_PER_CHANNEL:        # (h, p): sum over tokens of dy x, per channel
             tl.store(dD_part_ptr + _slot_head(chunk_slot, h, nheads) * headdim + offs_p,
@@ -2124,49 +2126,103 @@ def _group_info(cp_group, ref):
     return rank, world
 
 
-def _agree(signature, names, local_error, cp_group, device):
-    """Every rank checks that all ranks called with the same shapes and options, and that none
-    rejected its own inputs: one all-gather of a fixed-size integer signature, so a mismatch
-    cannot hang. A difference raises the same ValueError on every rank; a rank that rejected
-    its inputs raises its own error and the others say which rank stopped them."""
-    mine = torch.tensor(signature + [local_error is not None], dtype=torch.int64, device=device)
-    world = dist.get_world_size(cp_group)
-    every = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(every, mine, group=cp_group)
-    every = torch.stack(every).cpu()
+# When the verdict is read. Reading the gathered vector on the host waits for the GPU, and an
+# eager caller that never waits keeps the GPU fed. So each rank reads it on the first call of
+# each signature (per group), when every rank that was called alike reads it too: a clear
+# ValueError on every rank. On later calls of a signature already agreed, a device-side assert
+# checks the same vector: a mismatch then stops every rank's stream (a RuntimeError at its next
+# synchronisation, the CUDA context lost, as with any device assert) before any later
+# collective can run. set_input_checks("always") reads it on every call.
+_CHECKS = {"mode": "first", "world_of_one": False}    # world_of_one: gather in a world of one too (tests)
+_AGREED = {}                                          # (group, signature) -> the signature on the device
+
+
+def set_input_checks(mode):
+    """When the CP entries read the ranks' agreement (shapes, dtypes and options alike on every
+    rank, and seq_idx non-decreasing) on the host: "first" (the default) on the first call of
+    each signature, checking later calls on the device without waiting for it; "always" on every
+    call, one synchronisation each."""
+    _expect(mode in ("first", "always"), "mode", repr(mode), "'first' or 'always'")
+    _CHECKS["mode"] = mode
+
+
+def _decreasing(seq_idx, device):
+    """(1,) int64 on the device: 1 where some row of seq_idx steps down."""
+    if seq_idx is None or seq_idx.shape[1] < 2:
+        return torch.zeros(1, dtype=torch.int64, device=device)
+    return (seq_idx[:, 1:] < seq_idx[:, :-1]).any().reshape(1).long()
+
+
+def _raise_disagreement(every, names, local_error):
+    """The host's reading of the gathered (world, len(names) + 2) verdicts."""
     for i, name in enumerate(names):
         values = every[:, i].tolist()
         if len(set(values)) > 1:
             raise ValueError(f"{name}: got {values} across the ranks of cp_group, expected the same on every rank")
-    rejected = [r for r, flag in enumerate(every[:, -1].tolist()) if flag]
     if local_error is not None:
         raise local_error
+    rejected = [r for r, flag in enumerate(every[:, -2].tolist()) if flag]
     if rejected:
         raise ValueError(f"inputs: got a ValueError on rank(s) {rejected} of cp_group, expected valid inputs "
                          "on every rank (all ranks stop before any collective that could hang)")
+    decreasing = [r for r, flag in enumerate(every[:, -1].tolist()) if flag]
+    _expect(not decreasing, "seq_idx", f"a decreasing step on rank(s) {decreasing} of cp_group",
+            "non-decreasing document ids along each row")
+
+
+def _agree(signature, names, local_error, seq_idx, cp_group, device):
+    """Every rank checks that all ranks called with the same shapes and options, that none
+    rejected its own inputs, and that no seq_idx steps down: one all-gather of a fixed-size
+    integer vector (the signature, then those two verdicts), so a mismatch cannot hang. A
+    difference raises the same ValueError on every rank (on a signature's first call; later,
+    the device-side assert above); a rank that rejected its inputs raises its own error and the
+    others say which rank stopped them. cp_group None: a world of one, nothing gathered."""
+    key = (None if cp_group is None else id(cp_group), tuple(signature))
+    known = _AGREED.get(key)
+    read = _CHECKS["mode"] == "always" or local_error is not None or known is None or known.device != device
+    mine = torch.cat([torch.tensor(signature, dtype=torch.int64, device=device) if read else known,
+                      torch.full((1,), int(local_error is not None), dtype=torch.int64, device=device),
+                      _decreasing(seq_idx, device)])
+    every = _all_gather(mine, cp_group) if cp_group is not None else mine[None]   # (world, len(names) + 2)
+    if not read:
+        torch._assert_async((every == mine).all() & (every[:, -2:] == 0).all(),
+                            "mamba_cp: the ranks of cp_group were called with different shapes or options, "
+                            "or a seq_idx steps down (set_input_checks('always') names it)")
+        return
+    _raise_disagreement(every.cpu(), names, local_error)
+    if len(_AGREED) >= 1024:
+        _AGREED.clear()
+    _AGREED[key] = mine[:len(signature)]
 
 
 def _validate_everywhere(check, cp_group, world, ref, **signature_args):
-    """Run the local checks, then (in a world of several, outside CUDA-graph capture) agree
-    with the other ranks before anything else is sent. While torch.compile traces, the check
-    sees shapes only: the CP forward op agrees when it runs."""
+    """Run the local checks, then (outside CUDA-graph capture) agree with the other ranks before
+    anything else is sent; a world of one checks only seq_idx's order. While torch.compile
+    traces, the check sees shapes only: the CP forward op agrees when it runs."""
     try:
         check()
         local_error = None
     except ValueError as e:
         local_error = e
-    if world > 1 and not _capturing(ref) and not torch.compiler.is_compiling():
-        values, names = _signature(**signature_args)
-        _agree(values, names, local_error, cp_group, ref.device)
-    elif local_error is not None:
-        raise local_error
+    if _capturing(ref) or torch.compiler.is_compiling():
+        if local_error is not None:
+            raise local_error
+        return
+    seq_idx = signature_args.get("seq_idx") if local_error is None else None
+    group = cp_group if world > 1 or (_CHECKS["world_of_one"] and cp_group is not None) else None
+    if group is None and seq_idx is None:          # a world of one without documents: nothing to agree
+        if local_error is not None:
+            raise local_error
+        return
+    values, names = _signature(**signature_args)
+    _agree(values, names, local_error, seq_idx, group, ref.device)
 
 
 def _agreement_ints():
     """How many int64 values each rank all-gathers when the public CP functions agree on their
-    inputs (the signature and the verdict): the count bench.py's volume model uses."""
+    inputs (the signature and two verdicts): the count the volume model uses."""
     values, _ = _signature(**_call_signature(*([None] * 12), "none", False))
-    return len(values) + 1
+    return len(values) + 2
 
 
 _ACTIVATIONS = ("silu", "swish", None)
@@ -2211,8 +2267,6 @@ def _check_cp_inputs(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size,
     _expect(n <= 256 and headdim <= 256, "xBC", f"headdim {headdim}, dstate {n}", "headdim and dstate <= 256")
     _check_tensor(initial_states, "initial_states", (b, h, headdim, n), xBC)
     _check_options(chunk_size, seq_idx, dt_limit, (b, l), xBC)
-    if not torch.compiler.is_compiling():   # compiled, the forward op checks them when it runs
-        _check_document_values(seq_idx)
     _expect(l % per_row == 0, "xBC", f"local length {l}",
             f"a multiple of {per_row} (load_balancing={load_balancing!r} holds {per_row} equal pieces)")
     seg = l // 2 if load_balancing == "virtual" else l     # the permute layouts compute one segment
@@ -2404,12 +2458,11 @@ def _conv1d_ssd_cp_fwd_op(xBC: Tensor, dt: Tensor, conv_weight: Tensor, conv_bia
                           chunk_size: int, headdim: int, ngroups: int, dt_min: float, dt_max: float, silu: bool,
                           state_dtype: Optional[torch.dtype], agree: bool) -> list[Tensor]:
     """_conv1d_ssd_cp_forward as one op: [y, final, halo, halo_seq, entries, a_kept, cont], the
-    absent ones empty. With agree (a compiled call in a world of several), the checks that read
-    device values and the ranks' agreement run here first, where an eager call has run them
-    before."""
+    absent ones empty. With agree (a compiled call), the ranks' agreement and seq_idx's order
+    are checked here first, where an eager call has checked them before."""
     if agree:
         group = _resolve_group(group_name)
-        _validate_everywhere(lambda: _check_document_values(seq_idx), group, _rank_and_world(group)[1], xBC,
+        _validate_everywhere(lambda: None, group, _rank_and_world(group)[1], xBC,
                              **_op_signature(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx,
                                              chunk_size, headdim, ngroups))
     cfg = _cp_config(xBC, dt, conv_weight, group_name, load_balancing, exchange, batch, chunk_size, headdim, ngroups,
@@ -2479,9 +2532,8 @@ def _world_of(group_name):
 
 
 def _conv1d_ssd_cp_fwd_agreeing(*args):
-    """The forward op; a call being compiled in a world of several agrees inside it (the eager
-    call has agreed before)."""
-    return _conv1d_ssd_cp_fwd_op(*args, torch.compiler.is_compiling() and _world_of(args[9]) > 1)
+    """The forward op; a call being compiled agrees inside it (an eager call has agreed before)."""
+    return _conv1d_ssd_cp_fwd_op(*args, torch.compiler.is_compiling())
 
 
 class _Conv1dSSDCPOpFn(torch.autograd.Function):
@@ -2761,7 +2813,8 @@ def document_end_states(inp, summary, cu_seqlens, entry=None):
         x, B, plan.dts(inp), cu_seqlens, _ChunkEdge(summary.states, gamma, _stand_in(run_entry, gamma)), out,
         plan.seqlen, plan.nheads, plan.headdim, plan.dstate, plan.heads_per_group, plan.chunks_per_run,
         plan.n_n_tiles, _BLHP(*x.stride()), _BLGN(*B.stride()),
-        Q=plan.Q, BP=plan.BP_state, BN=plan.BN_state, HAS_ENTRY=run_entry is not None, DOT_PRECISION=plan.precision,
+        Q=plan.Q, BP=plan.BP_state, BN=plan.BN_state, HAS_ENTRY=run_entry is not None,
+        DOT_PRECISION=plan.state_precision,
         **{f: v for f, v in plan.flags.items() if f != "HAS_SEQ"})
     return out
 
@@ -3171,7 +3224,7 @@ def mamba_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias
     out, final = _SplitConv1dScanFn.apply(
         zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, initial_states, rmsnorm_weight, outproj_weight,
         outproj_bias, None if seq_idx is None else segs.to_rows(seq_idx).contiguous(), list(widths), core_opts,
-        (_group_name(cp_group), load_balancing, exchange, state_dtype), world > 1 and torch.compiler.is_compiling(),
+        (_group_name(cp_group), load_balancing, exchange, state_dtype), torch.compiler.is_compiling(),
         (float(rmsnorm_eps), widths[2] // ngroups, bool(norm_before_gate)), permute)
     return (out, final) if return_final_states else out
 
@@ -3289,7 +3342,7 @@ def comm_bytes(path, world, L, batch, *, nheads, headdim, dstate, ngroups, d_con
     `documents` adds the seq_idx terms (int32 ids). In a world of one every term is 0.
 
     Every path, forward: the input check's all-gather ("validation"), the int64 values each rank
-    contributes to the agreement on the inputs (_agreement_ints, 70 today): (W-1) * 70 * 8.
+    contributes to the agreement on the inputs (_agreement_ints, 71 today): (W-1) * 71 * 8.
 
     State passing, "none" (k = 1 segment per rank) and "virtual" (k = 2), rows = b*k, with the
     summaries all-gathered:

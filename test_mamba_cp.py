@@ -1480,8 +1480,11 @@ def test_exchange_cost_model():
 
 
 def cp_bad_input_messages(rank, world, group, device):
-    """Each bad call must raise a ValueError on every rank, before any collective that could hang.
-    Returns {case: message or 'no error'} for this rank."""
+    """Each bad call must raise a ValueError on every rank, before any collective that could hang;
+    once a signature is agreed, a bad later call of it raises on every rank too (a device-side
+    assert: RuntimeError here), and a named ValueError under set_input_checks("always").
+    Returns {case: (the argument to name, message or 'no error')} for this rank."""
+    mamba_cp._AGREED.clear()                               # every case below is a signature's first call
     full, opts = fused_inputs(CP_SMALL._replace(seqlen=12).per_world(world), 0)
     local = {k: (mamba_cp.shard(v, rank, world, "none") if k in CP_ACTIVATIONS + ("seq_idx",) and v is not None
                  else v) for k, v in full.items()}
@@ -1507,42 +1510,117 @@ def cp_bad_input_messages(rank, world, group, device):
                                                   lambda: call(exchange="scan" if rank else "all_gather")),
         "cp_group is not a process group": ("cp_group", lambda: call(cp_group="world")),
         "a2a: nheads not divisible by W": ("dt", lambda: call(fn=mamba_cp.mamba_conv1d_ssd_a2a)),
-        # the other ranks learn of rank 0's error in the agreement step, and name the inputs
-        "seq_idx decreasing on one rank": ("seq_idx" if rank == 0 else "inputs", lambda: call(
-            seq_idx=torch.zeros_like(xBC[..., 0], dtype=torch.int32) if rank
-            else -torch.arange(xBC.shape[1], dtype=torch.int32).expand(2, -1))),
+        # every rank learns of rank 0's decreasing ids in the agreement step
+        "seq_idx decreasing on one rank": ("seq_idx", lambda: call(seq_idx=bad_seq)),
     }
-    out = {}
-    for name, (argument, fn) in cases.items():
+    good_seq = torch.zeros_like(xBC[..., 0], dtype=torch.int32)
+    bad_seq = good_seq if rank else -torch.arange(xBC.shape[1], dtype=torch.int32).expand(2, -1)
+    steady = {  # after a good call of each signature: the device-side check (ValueError on a rank whose signature is new)
+        "later call: shapes differ across ranks": cases["shapes differ across ranks"],
+        "later call: seq_idx decreasing on one rank": ("seq_idx", lambda: call(seq_idx=bad_seq)),
+    }
+    def run(fn):
         try:
             fn()
-            out[name] = (argument, "no error")
+            return "no error"
         except ValueError as e:
-            out[name] = (argument, "ValueError: " + str(e))
+            return "ValueError: " + str(e)
         except Exception as e:  # noqa: BLE001
-            out[name] = (argument, f"{type(e).__name__}: {e}"[:300])
+            return f"{type(e).__name__}: {e}"[:300]
+
+    out = {name: (argument, run(fn)) for name, (argument, fn) in cases.items()}
     try:                                                   # the control: these arguments unchanged run
         call()
+        call(seq_idx=good_seq)
         out["a good call"] = ("", "no error")
     except Exception as e:  # noqa: BLE001
         out["a good call"] = ("", f"{type(e).__name__}: {e}"[:300])
+    try:
+        for name, (argument, fn) in steady.items():
+            out[name] = (argument, run(fn))
+        mamba_cp.set_input_checks("always")
+        out["always: seq_idx decreasing on one rank"] = ("seq_idx", run(steady["later call: seq_idx decreasing on "
+                                                                              "one rank"][1]))
+    finally:
+        mamba_cp.set_input_checks("first")
     return out
 
 
 def test_cp_bad_input_raises_on_every_rank():
     """W = 3 (nheads 4 is not divisible by 3 for the baseline): every bad call raises the same
     ValueError, naming the argument at fault, on every rank, and promptly (a hang would trip the
-    spawn's timeout); the same call with good arguments runs."""
+    spawn's timeout); the same call with good arguments runs. A bad later call of an agreed
+    signature raises on every rank: a device-side assert on the ranks whose signature is agreed
+    (RuntimeError), a ValueError where it is new; under set_input_checks("always") the
+    ValueError everywhere."""
     messages = world_results(3, "cp_bad_input_messages", timeout=240)
     for case in messages[0]:
         seen = [m[case][1] for m in messages]
         if case == "a good call":
             assert all(m == "no error" for m in seen), seen
             continue
+        if case.startswith("later call"):
+            assert all(m.startswith(("RuntimeError: mamba_cp: the ranks", f"ValueError: {argument}: got "))
+                       for argument, m in (r[case] for r in messages)), f"{case}: {seen}"
+            assert any(m.startswith("RuntimeError") for m in seen), f"{case}: no rank checked on the device: {seen}"
+            continue
         assert all(m.startswith(f"ValueError: {argument}: got ") for argument, m in (r[case] for r in messages)), \
             f"{case}: {seen}"
-        if case != "seq_idx decreasing on one rank":  # a local property: the other ranks pass it
-            assert len(set(seen)) == 1, f"{case}: ranks disagree: {seen}"
+        assert len(set(seen)) == 1, f"{case}: ranks disagree: {seen}"
+
+
+
+@gpu
+def test_eager_cp_calls_make_no_host_sync_gpu():
+    """A later eager call of every CP entry, forward and backward, never waits for the GPU: a world
+    of one over NCCL with the agreement's all-gather forced on (a world of one skips it), under
+    torch.cuda.set_sync_debug_mode("error"), with documents, both layouts and both exchanges. The
+    first call of each signature reads the verdict on the host (a sync, before the check). The
+    control: under set_input_checks("always") the same call is caught synchronising."""
+    shape = CP_SMALL._replace(seqlen=128, d_nonssm=8)
+    fused, fopts = fused_inputs(shape, 0, seq_idx=[50], device="cuda")
+    split, sopts = split_inputs(shape, 0, norm=True, outproj="bias", seq_idx=[50], device="cuda")
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    mamba_cp._CHECKS["world_of_one"] = True
+
+    def call(fn, layout, **kw):
+        if fn is mamba_cp.mamba_split_conv1d_scan_combined:
+            kw = dict(split, **sopts, **kw, zxbcdt=split["zxbcdt"].detach().clone().requires_grad_(True))
+            leaf = kw["zxbcdt"]
+        else:
+            kw = dict(fused, **fopts, **kw, xBC=fused["xBC"].detach().clone().requires_grad_(True))
+            leaf = kw["xBC"]
+        out = fn(**kw, cp_group=dist.group.WORLD, load_balancing=layout)
+        out.float().square().sum().backward()
+        return leaf.grad
+
+    calls = {f"{fn.__name__} {layout} {kw}": (fn, layout, kw)
+             for fn, kws in ((mamba_cp.mamba_conv1d_ssd_cp, [{"summary_exchange": "all_gather"},
+                                                            {"summary_exchange": "scan"}]),
+                             (mamba_cp.mamba_split_conv1d_scan_combined, [{}]), (mamba_cp.mamba_conv1d_ssd_a2a, [{}]))
+             for layout in ("none", "virtual") for kw in kws}
+    seen = {}
+    try:
+        for name, (fn, layout, kw) in list(calls.items()) + [("control", calls[next(iter(calls))])]:
+            call(fn, layout, **kw)                                  # the signature's first call
+            torch.cuda.synchronize()
+            mamba_cp.set_input_checks("always" if name == "control" else "first")
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                call(fn, layout, **kw)
+                seen[name] = "no sync"
+            except RuntimeError as e:
+                seen[name] = str(e)[:200]
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+                mamba_cp.set_input_checks("first")
+        torch.cuda.synchronize()
+    finally:
+        mamba_cp._CHECKS["world_of_one"] = False
+        dist.destroy_process_group()
+    control = seen.pop("control")
+    assert "synchroniz" in control, f"the control was not caught: {control}"
+    assert all(v == "no sync" for v in seen.values()), seen
 
 
 # ---------------------------------------------------------------------------------------------
@@ -2719,7 +2797,7 @@ def test_chunk_scan_matches_mamba_ssm_default_clamp(every_option, monkeypatch):
     heads of 8, one group, state 16, chunk 32), float32: mamba_ssm's kernels clamp dt' to 0 and so
     must ours. Output, final state and every gradient of each within 1e-5 of the float64 oracle
     and of each other. mamba_ssm's dots run in IEEE float32 here (by default Triton rounds their
-    float32 inputs to tf32, 1e-3 off; ours choose IEEE for float32 themselves)."""
+    float32 inputs to tf32, 1e-3 off; ours choose tf32x3 for float32 themselves)."""
     peer = _peer("mamba_chunk_scan_combined")
     if peer is None:
         pytest.skip("mamba_ssm's mamba_chunk_scan_combined is not importable")

@@ -7,7 +7,8 @@ set_link_model, and chosen_exchange, what summary_exchange="auto" picks by that 
 bytes and times printed here are the ones "auto" decides by; and, for the tuning flags,
 TUNED_KERNELS (the chunk kernels that take launch options) and the Tuning fields set_tuning takes.
 
-Three measurements, dispatched by main() (and a fourth elsewhere: `python bench.py --hybrid
+Three measurements, dispatched by main() (and two more: `python bench.py --conv` times the conv
+alone, plain, with a halo, with document ids and with both; `python bench.py --hybrid
 attention|step ...` runs examples/hybrid_bench.py, transformers hybrids under
 examples/transformers_cp.py):
 
@@ -106,6 +107,7 @@ only checks the script.
 import argparse
 import dataclasses
 import datetime
+import functools
 import gc
 import json
 import os
@@ -1254,6 +1256,8 @@ def parse_args(argv=None):
     ap.add_argument("--fwd-only", action="store_true", help="skip the backward")
     ap.add_argument("--no-graph", action="store_true", help="skip CUDA-graph replay timings")
     ap.add_argument("--profile", action="store_true", help="also print per-kernel GPU times per L")
+    ap.add_argument("--conv", action="store_true", help="time only the conv (conv1d_fwd, conv1d_bwd): plain, with a "
+                    "halo, with document ids, with both")
     ap.add_argument("--comm-shape", choices=("run", "record"), default="run",
                     help="shape of the bytes table and plot: this run's flags (default) or the record shape")
     ap.add_argument("--plot", metavar="FILE.png", help="draw time and communication vs L (needs matplotlib)")
@@ -1346,9 +1350,53 @@ def main_single(args):
              time_xlabel="sequence length L (tokens)")
 
 
+def bench_conv(args, L):
+    """The conv alone (mamba_cp.conv1d_fwd / conv1d_bwd on the record shape's xBC), forward and
+    forward+backward, eager and graphed, as the CP path runs it: plain (a world of one), with a
+    halo (a later segment), with document ids, and with both (packed documents under CP)."""
+    torch.manual_seed(args.seed)
+    dev, dt = ("cuda" if CUDA else "cpu"), DTYPES[args.dtype]
+    dim, d1 = args.nheads * args.headdim + 2 * args.ngroups * args.dstate, args.d_conv - 1
+    xBC = torch.randn(args.batch, L, dim, device=dev, dtype=dt)
+    w, bias = torch.randn(dim, args.d_conv, device=dev) * 0.3, torch.randn(dim, device=dev) * 0.1
+    dout = torch.randn_like(xBC)
+    halo = torch.randn(args.batch, d1, dim, device=dev, dtype=dt)
+    seq = (torch.arange(L, device=dev) // 1000).to(torch.int32).expand(args.batch, L).contiguous()  # 1,000-token docs
+    halo_seq = torch.zeros(args.batch, d1, device=dev, dtype=torch.int32)
+    out = {"bench": "conv", "L": L, "batch": args.batch, "dtype": args.dtype, "dim": dim, "d_conv": args.d_conv}
+    timer = time_cuda if CUDA else time_wall
+    for name, h, ids in (("plain", None, None), ("halo", halo, None), ("ids", None, seq), ("halo_ids", halo, seq)):
+        kw = dict(halo=h, seq_idx=ids, halo_seq=halo_seq if h is not None and ids is not None else None)
+        fwd = functools.partial(mamba_cp.conv1d_fwd, xBC, w, bias, **kw)
+
+        def fwdbwd(fwd=fwd, kw=kw):
+            fwd()
+            return mamba_cp.conv1d_bwd(dout, xBC, w, bias, **kw)[0]
+        for phase, fn in (("fwd", fwd), ("fwdbwd", fwdbwd)):
+            out[f"{name}_{phase}_ms"] = timer(fn, args.iters, args.warmup)
+            if CUDA and not args.no_graph:
+                out[f"{name}_{phase}_graph_ms"] = try_graph(f"{name} {phase}", fn, args.iters, args.warmup, [])[0]
+    return out
+
+
+def main_conv(args):
+    print(f"# the conv alone, {torch.cuda.get_device_name() if CUDA else 'CPU interpreter'}; xBC of "
+          f"{args.nheads * args.headdim + 2 * args.ngroups * args.dstate} channels, d_conv {args.d_conv}, "
+          f"{args.dtype}, batch {args.batch}; ms p50 of {args.iters}, eager (graphed)")
+    for L in args.lengths:
+        r = bench_conv(args, L)
+        for phase in ("fwd", "fwdbwd"):
+            cells = [f"{n} {r[f'{n}_{phase}_ms']:.3f}" + (f" ({fmt(r.get(f'{n}_{phase}_graph_ms'))})" if CUDA else "")
+                     for n in ("plain", "halo", "ids", "halo_ids")]
+            print(f"L={L:>7} {phase:>6}: " + ", ".join(cells))
+        print("RESULT " + json.dumps(dict(r, **tuned(args))), flush=True)
+
+
 def main(argv=None):
     args = parse_args(argv)
-    if args.hybrid is not None:
+    if args.conv:
+        main_conv(args)
+    elif args.hybrid is not None:
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "examples"))
         import hybrid_bench
         hybrid_bench.main(args.hybrid or ["step"])

@@ -1379,30 +1379,34 @@ def _conv_bwd_kernel(
                 p = _preact(w, bias, win, docs, u, doc, TAPS, HAS_SEQ)
                 sig = tl.sigmoid(p)
                 g = g * sig * (1.0 + p * (1.0 - sig))     # silu'(p) = sig(p) (1 + p (1 - sig(p)))
-            # g[t]'s share of du at token t-TAPS+1+j (weight j): zero across a document boundary
-            share = ()
-            for j in tl.static_range(TAPS - 1):
-                gj = tl.where((docs[j] == doc)[:, None], g, 0.0) if HAS_SEQ else g
-                share = share + (gj,)
+            # g[t]'s share of du at token t-TAPS+1+j (weight j) and of dweight (over the g tokens
+            # this strip owns), zero across a document boundary. Each share is used as it is made:
+            # with ids, all of them alive at once cost 63 registers (BENCHMARKS.md)
             s = t - (TAPS - 1)                                  # the du token g[t] completes
-            du = part[0] + w[0] * share[0]
             keep = (s >= first) & (s < first + S) & (s < seqlen)
-            tl.store(dx_row0 + s.to(tl.int64)[:, None] * stride_dx.l + dx_col[None, :], du.to(dx_ptr.dtype.element_ty),
-                     mask=(keep & (s >= 0))[:, None] & mask_c[None, :])
-            if NEED_DHALO:
-                tl.store(dhalo_ptr + (bb * (TAPS - 1) + s.to(tl.int64) + (TAPS - 1))[:, None] * dim + offs_c[None, :],
-                         du, mask=(keep & (s < 0))[:, None] & mask_c[None, :])
-            nxt = ()
-            for j in tl.static_range(1, TAPS - 1):
-                nxt = nxt + (part[j] + w[j] * share[j],)
-            part = nxt + (w[TAPS - 1] * g,)
-            # dweight and dbias count the g tokens this strip owns
-            own = ((t >= first) & (t < first + S))[:, None]
-            sums = ()
+            own = (t >= first) & (t < first + S)
+            nxt, sums = (), ()
             for j in tl.static_range(TAPS - 1):
-                sums = sums + (dw[j] + tl.where(own, win[j] * share[j], 0.0),)
-            dw = sums + (dw[TAPS - 1] + tl.where(own, u * g, 0.0),)
-            db += tl.where(own, g, 0.0)
+                if HAS_SEQ:
+                    same = docs[j] == doc
+                    gj = tl.where(same[:, None], g, 0.0)
+                    dwj = tl.where((own & same)[:, None], win[j] * g, 0.0)
+                else:
+                    gj = g
+                    dwj = tl.where(own[:, None], win[j] * g, 0.0)
+                if j == 0:
+                    du = part[0] + w[0] * gj
+                    tl.store(dx_row0 + s.to(tl.int64)[:, None] * stride_dx.l + dx_col[None, :],
+                             du.to(dx_ptr.dtype.element_ty), mask=(keep & (s >= 0))[:, None] & mask_c[None, :])
+                    if NEED_DHALO:
+                        tl.store(dhalo_ptr + (bb * (TAPS - 1) + s.to(tl.int64) + (TAPS - 1))[:, None] * dim
+                                 + offs_c[None, :], du, mask=(keep & (s < 0))[:, None] & mask_c[None, :])
+                else:
+                    nxt = nxt + (part[j] + w[j] * gj,)
+                sums = sums + (dw[j] + dwj,)
+            part = nxt + (w[TAPS - 1] * g,)
+            dw = sums + (dw[TAPS - 1] + tl.where(own[:, None], u * g, 0.0),)
+            db += tl.where(own[:, None], g, 0.0)
             win = win[1:] + (u,)
             docs = docs[1:] + (doc,)
 

@@ -1381,7 +1381,7 @@ def _conv_bwd_kernel(
                 g = g * sig * (1.0 + p * (1.0 - sig))     # silu'(p) = sig(p) (1 + p (1 - sig(p)))
             # g[t]'s share of du at token t-TAPS+1+j (weight j) and of dweight (over the g tokens
             # this strip owns), zero across a document boundary. Each share is used as it is made:
-            # with ids, all of them alive at once cost 63 registers (BENCHMARKS.md)
+            # with ids, all of them alive at once cost 63 registers under triton 3.9 (BENCHMARKS.md)
             s = t - (TAPS - 1)                                  # the du token g[t] completes
             keep = (s >= first) & (s < first + S) & (s < seqlen)
             own = (t >= first) & (t < first + S)

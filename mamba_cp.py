@@ -2145,9 +2145,11 @@ def set_input_checks(mode):
     """When the CP entries read the ranks' agreement (shapes, dtypes and options alike on every
     rank, and seq_idx non-decreasing) on the host: "first" (the default) on the first call of
     each signature, checking later calls on the device without waiting for it; "always" on every
-    call, one synchronisation each."""
+    call, one synchronisation each. Returns the previous mode. Every rank of a group must set the
+    same."""
     _expect(mode in ("first", "always"), "mode", repr(mode), "'first' or 'always'")
-    _CHECKS["mode"] = mode
+    previous, _CHECKS["mode"] = _CHECKS["mode"], mode
+    return previous
 
 
 def _decreasing(seq_idx, device):

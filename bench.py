@@ -1364,7 +1364,7 @@ def bench_conv(args, L):
     seq = (torch.arange(L, device=dev) // 1000).to(torch.int32).expand(args.batch, L).contiguous()  # 1,000-token docs
     halo_seq = torch.zeros(args.batch, d1, device=dev, dtype=torch.int32)
     out = {"bench": "conv", "L": L, "batch": args.batch, "dtype": args.dtype, "dim": dim, "d_conv": args.d_conv}
-    timer = time_cuda if CUDA else time_wall
+    timer, errors = (time_cuda if CUDA else time_wall), []
     for name, h, ids in (("plain", None, None), ("halo", halo, None), ("ids", None, seq), ("halo_ids", halo, seq)):
         kw = dict(halo=h, seq_idx=ids, halo_seq=halo_seq if h is not None and ids is not None else None)
         fwd = functools.partial(mamba_cp.conv1d_fwd, xBC, w, bias, **kw)
@@ -1375,7 +1375,8 @@ def bench_conv(args, L):
         for phase, fn in (("fwd", fwd), ("fwdbwd", fwdbwd)):
             out[f"{name}_{phase}_ms"] = timer(fn, args.iters, args.warmup)
             if CUDA and not args.no_graph:
-                out[f"{name}_{phase}_graph_ms"] = try_graph(f"{name} {phase}", fn, args.iters, args.warmup, [])[0]
+                out[f"{name}_{phase}_graph_ms"] = try_graph(f"{name} {phase}", fn, args.iters, args.warmup, errors)[0]
+    out["graph_error"] = "; ".join(errors) or None
     return out
 
 

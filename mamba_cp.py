@@ -1379,34 +1379,30 @@ def _conv_bwd_kernel(
                 p = _preact(w, bias, win, docs, u, doc, TAPS, HAS_SEQ)
                 sig = tl.sigmoid(p)
                 g = g * sig * (1.0 + p * (1.0 - sig))     # silu'(p) = sig(p) (1 + p (1 - sig(p)))
-            # g[t]'s share of du at token t-TAPS+1+j (weight j) and of dweight (over the g tokens
-            # this strip owns), zero across a document boundary. Each share is used as it is made:
-            # with ids, all of them alive at once cost 63 registers under triton 3.9 (BENCHMARKS.md)
-            s = t - (TAPS - 1)                                  # the du token g[t] completes
-            keep = (s >= first) & (s < first + S) & (s < seqlen)
-            own = (t >= first) & (t < first + S)
-            nxt, sums = (), ()
+            # g[t]'s share of du at token t-TAPS+1+j (weight j): zero across a document boundary
+            share = ()
             for j in tl.static_range(TAPS - 1):
-                if HAS_SEQ:
-                    same = docs[j] == doc
-                    gj = tl.where(same[:, None], g, 0.0)
-                    dwj = tl.where((own & same)[:, None], win[j] * g, 0.0)
-                else:
-                    gj = g
-                    dwj = tl.where(own[:, None], win[j] * g, 0.0)
-                if j == 0:
-                    du = part[0] + w[0] * gj
-                    tl.store(dx_row0 + s.to(tl.int64)[:, None] * stride_dx.l + dx_col[None, :],
-                             du.to(dx_ptr.dtype.element_ty), mask=(keep & (s >= 0))[:, None] & mask_c[None, :])
-                    if NEED_DHALO:
-                        tl.store(dhalo_ptr + (bb * (TAPS - 1) + s.to(tl.int64) + (TAPS - 1))[:, None] * dim
-                                 + offs_c[None, :], du, mask=(keep & (s < 0))[:, None] & mask_c[None, :])
-                else:
-                    nxt = nxt + (part[j] + w[j] * gj,)
-                sums = sums + (dw[j] + dwj,)
+                gj = tl.where((docs[j] == doc)[:, None], g, 0.0) if HAS_SEQ else g
+                share = share + (gj,)
+            s = t - (TAPS - 1)                                  # the du token g[t] completes
+            du = part[0] + w[0] * share[0]
+            keep = (s >= first) & (s < first + S) & (s < seqlen)
+            tl.store(dx_row0 + s.to(tl.int64)[:, None] * stride_dx.l + dx_col[None, :], du.to(dx_ptr.dtype.element_ty),
+                     mask=(keep & (s >= 0))[:, None] & mask_c[None, :])
+            if NEED_DHALO:
+                tl.store(dhalo_ptr + (bb * (TAPS - 1) + s.to(tl.int64) + (TAPS - 1))[:, None] * dim + offs_c[None, :],
+                         du, mask=(keep & (s < 0))[:, None] & mask_c[None, :])
+            nxt = ()
+            for j in tl.static_range(1, TAPS - 1):
+                nxt = nxt + (part[j] + w[j] * share[j],)
             part = nxt + (w[TAPS - 1] * g,)
-            dw = sums + (dw[TAPS - 1] + tl.where(own[:, None], u * g, 0.0),)
-            db += tl.where(own[:, None], g, 0.0)
+            # dweight and dbias count the g tokens this strip owns
+            own = ((t >= first) & (t < first + S))[:, None]
+            sums = ()
+            for j in tl.static_range(TAPS - 1):
+                sums = sums + (dw[j] + tl.where(own, win[j] * share[j], 0.0),)
+            dw = sums + (dw[TAPS - 1] + tl.where(own, u * g, 0.0),)
+            db += tl.where(own, g, 0.0)
             win = win[1:] + (u,)
             docs = docs[1:] + (doc,)
 
@@ -2138,7 +2134,7 @@ def _group_info(cp_group, ref):
 # synchronisation, the CUDA context lost, as with any device assert) before any later
 # collective can run. set_input_checks("always") reads it on every call.
 _CHECKS = {"mode": "first", "world_of_one": False}    # world_of_one: gather in a world of one too (tests)
-_AGREED = {}                                          # (group, signature) -> the signature on the device
+_AGREED = {}                                          # (group, device, signature) -> what all send
 
 
 def set_input_checks(mode):
@@ -2150,13 +2146,6 @@ def set_input_checks(mode):
     _expect(mode in ("first", "always"), "mode", repr(mode), "'first' or 'always'")
     previous, _CHECKS["mode"] = _CHECKS["mode"], mode
     return previous
-
-
-def _decreasing(seq_idx, device):
-    """(1,) int64 on the device: 1 where some row of seq_idx steps down."""
-    if seq_idx is None or seq_idx.shape[1] < 2:
-        return torch.zeros(1, dtype=torch.int64, device=device)
-    return (seq_idx[:, 1:] < seq_idx[:, :-1]).any().reshape(1).long()
 
 
 def _raise_disagreement(every, names, local_error):
@@ -2183,22 +2172,24 @@ def _agree(signature, names, local_error, seq_idx, cp_group, device):
     difference raises the same ValueError on every rank (on a signature's first call; later,
     the device-side assert above); a rank that rejected its inputs raises its own error and the
     others say which rank stopped them. cp_group None: a world of one, nothing gathered."""
-    key = (None if cp_group is None else id(cp_group), tuple(signature))
-    known = _AGREED.get(key)
-    read = _CHECKS["mode"] == "always" or local_error is not None or known is None or known.device != device
-    mine = torch.cat([torch.tensor(signature, dtype=torch.int64, device=device) if read else known,
-                      torch.full((1,), int(local_error is not None), dtype=torch.int64, device=device),
-                      _decreasing(seq_idx, device)])
+    key = (None if cp_group is None else id(cp_group), device, tuple(signature))
+    expected = _AGREED.get(key)            # what every rank sends when all is well
+    read = _CHECKS["mode"] == "always" or local_error is not None or expected is None
+    mine = (torch.tensor(signature + [local_error is not None, 0], dtype=torch.int64, device=device) if read
+            else expected)
+    if seq_idx is not None and seq_idx.shape[1] > 1:
+        mine = mine.clone()
+        mine[-1:] = (seq_idx[:, 1:] < seq_idx[:, :-1]).any()
     every = _all_gather(mine, cp_group) if cp_group is not None else mine[None]   # (world, len(names) + 2)
     if not read:
-        torch._assert_async((every == mine).all() & (every[:, -2:] == 0).all(),
+        torch._assert_async((every == expected).all(),
                             "mamba_cp: the ranks of cp_group were called with different shapes or options, "
                             "or a seq_idx steps down (set_input_checks('always') names it)")
         return
     _raise_disagreement(every.cpu(), names, local_error)
     if len(_AGREED) >= 1024:
         _AGREED.clear()
-    _AGREED[key] = mine[:len(signature)]
+    _AGREED[key] = torch.tensor(signature + [0, 0], dtype=torch.int64, device=device)
 
 
 def _validate_everywhere(check, cp_group, world, ref, **signature_args):
@@ -2210,18 +2201,14 @@ def _validate_everywhere(check, cp_group, world, ref, **signature_args):
         local_error = None
     except ValueError as e:
         local_error = e
-    if _capturing(ref) or torch.compiler.is_compiling():
-        if local_error is not None:
-            raise local_error
-        return
-    seq_idx = signature_args.get("seq_idx") if local_error is None else None
-    group = cp_group if world > 1 or (_CHECKS["world_of_one"] and cp_group is not None) else None
-    if group is None and seq_idx is None:          # a world of one without documents: nothing to agree
-        if local_error is not None:
-            raise local_error
-        return
-    values, names = _signature(**signature_args)
-    _agree(values, names, local_error, seq_idx, group, ref.device)
+    if not _capturing(ref) and not torch.compiler.is_compiling():
+        seq_idx = signature_args.get("seq_idx") if local_error is None else None
+        group = cp_group if world > 1 or (_CHECKS["world_of_one"] and cp_group is not None) else None
+        if group is not None or seq_idx is not None:    # a world of one without documents: nothing to agree
+            values, names = _signature(**signature_args)
+            _agree(values, names, local_error, seq_idx, group, ref.device)
+    if local_error is not None:
+        raise local_error
 
 
 def _agreement_ints():

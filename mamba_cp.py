@@ -146,6 +146,37 @@ def _chunk_dt(dts, b, h, start, seqlen, Q: tl.constexpr, HAS_DT_BIAS: tl.constex
     return dt, dt * tl.load(dts.A + h).to(tl.float32), tl.where(valid, slope, 0.0)
 
 
+# Every chunk kernel needs a chunk's dt' and the cumulative sum cs of dt'*A, per head. They are
+# computed once per call by _dt_cumsum_kernel into a (b * nchunks, h, 3, Q) float32 buffer (rows:
+# dt', cs as a (hi, lo) pair; the _LaunchPlan holds it) and read back by each kernel: a kernel
+# that formed them itself would repeat the softplus and the cumsum per head and program, on (Q,)
+# vectors that Triton lays out replicated across the threads of a product's tile.
+
+@triton.jit
+def _dt_cumsum_kernel(dts, out_ptr, seqlen, nheads, Q: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+                      DT_SOFTPLUS: tl.constexpr):
+    """dt' and cs of one (batch row, chunk, head); heads vary fastest, so the programs running at
+    once read neighbouring dt. cs is summed in float64, then split into a float32 (hi, lo) pair."""
+    pid = tl.program_id(0)
+    h, slot = pid % nheads, pid // nheads
+    nchunks = tl.cdiv(seqlen, Q)
+    dt, dA, _ = _chunk_dt(dts, slot // nchunks, h, (slot % nchunks) * Q, seqlen, Q, HAS_DT_BIAS, DT_SOFTPLUS)
+    cs = tl.cumsum(dA.to(tl.float64), axis=0)
+    hi = cs.to(tl.float32)
+    base = out_ptr + (slot.to(tl.int64) * nheads + h) * (3 * Q) + tl.arange(0, Q)
+    tl.store(base, dt)
+    tl.store(base + Q, hi)
+    tl.store(base + 2 * Q, (cs - hi.to(tl.float64)).to(tl.float32))
+
+
+def _dt_cumsums(inp, plan):
+    """The call's (b * nchunks, h, 3, Q) buffer of dt' and cs."""
+    out = torch.empty(plan.batch * plan.nchunks, plan.nheads, 3, plan.Q, device=inp.dt.device, dtype=torch.float32)
+    _dt_cumsum_kernel[(plan.batch * plan.nchunks * plan.nheads,)](
+        plan.dts(inp), out, plan.seqlen, plan.nheads, Q=plan.Q, **plan.options("cumsum"), **plan.dt_flags)
+    return out
+
+
 @triton.jit
 def _seq_ids(seq_ptr, stride_seq, b, start, seqlen, Q: tl.constexpr):
     """Document ids of one chunk: per token (Q,), the last valid token's, and the token's
@@ -159,11 +190,10 @@ def _seq_ids(seq_ptr, stride_seq, b, start, seqlen, Q: tl.constexpr):
 
 
 @triton.jit
-def _chunk_decays(dts, seq_ptr, stride_seq, b, h, start, seqlen, Q: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-                  DT_SOFTPLUS: tl.constexpr, HAS_SEQ: tl.constexpr):
-    """Every decay of one chunk of one head, the one place they are computed (a kernel's unused
-    ones are removed as dead code). With cs the inclusive cumsum of dt'*A:
-      dt', slope     (Q,) the processed dt and d dt'/d dt_raw
+def _chunk_decays(cums, seq_ptr, stride_seq, b, h, c, seqlen, nheads, Q: tl.constexpr, HAS_SEQ: tl.constexpr):
+    """Every decay of chunk c of one head, from the call's dt' and cs (cums, _dt_cumsum_kernel's
+    buffer); a kernel's unused ones are removed as dead code:
+      dt'            (Q,) the processed dt
       e              (Q,) exp(cs_i), the entry state's decay to token i (0 for a new document)
       w_dec          (Q,) exp(cs_last - cs_j), token j's decay to the exit (0 if it never gets there)
       decay          ()   exp(cs_last), the entry's decay to the exit (0 across a document start)
@@ -171,23 +201,25 @@ def _chunk_decays(dts, seq_ptr, stride_seq, b, h, start, seqlen, Q: tl.constexpr
       seq            (Q,) the tokens' document ids (zeros without documents)
       total          ()   cs_last in float64
       continues      ()   whether the chunk's last token continues the document it was entered in"""
-    dt, dA, slope = _chunk_dt(dts, b, h, start, seqlen, Q, HAS_DT_BIAS, DT_SOFTPLUS)
-    cs = tl.cumsum(dA.to(tl.float64), axis=0)
-    total = tl.sum(dA.to(tl.float64), axis=0)
-    hi = cs.to(tl.float32)
-    lo = (cs - hi.to(tl.float64)).to(tl.float32)
+    slot = b.to(tl.int64) * tl.cdiv(seqlen, Q) + c
+    base = cums + (slot * nheads + h) * (3 * Q)
+    offs_q = tl.arange(0, Q)
+    dt = tl.load(base + offs_q)
+    hi, lo = tl.load(base + Q + offs_q), tl.load(base + 2 * Q + offs_q)
+    # the last token's cs is the chunk's whole sum: past the sequence's end dt' = 0 and cs stays
+    hi_last, lo_last = tl.load(base + 2 * Q - 1), tl.load(base + 3 * Q - 1)
     e = tl.exp(hi + lo)
-    w_dec = tl.exp((total - cs).to(tl.float32))
-    decay = tl.exp(total.to(tl.float32))
+    w_dec = tl.exp((hi_last - hi) + (lo_last - lo))
+    decay = tl.exp(hi_last + lo_last)
     seq = tl.zeros((Q,), dtype=tl.int32)
     continues = tl.full((), 1, tl.int1)
     if HAS_SEQ:
-        seq, last, prev = _seq_ids(seq_ptr, stride_seq, b, start, seqlen, Q)
+        seq, last, prev = _seq_ids(seq_ptr, stride_seq, b, c * Q, seqlen, Q)
         e = tl.where(seq == prev, e, 0.0)               # the entry reaches only its own document
         w_dec = tl.where(seq == last, w_dec, 0.0)       # only the last document reaches the exit
         continues = last == prev
         decay = tl.where(continues, decay, 0.0)         # a document starts inside: the chunk cuts through
-    return dt, slope, e, w_dec, decay, hi, lo, seq, total, continues
+    return dt, e, w_dec, decay, hi, lo, seq, hi_last.to(tl.float64) + lo_last.to(tl.float64), continues
 
 
 @triton.jit
@@ -373,8 +405,8 @@ class _LaunchPlan:
         self.BN_group, self.BN_bc, self.BN_x = (min(self.BN, n) for n in t.bwd_state_tiles)
         self.heads_per_output = t.heads_per_output or self.heads_per_group    # a divisor of heads_per_group
         self.dt_limit = (float(dt_limit[0]), float(dt_limit[1]))
-        self.flags = dict(HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus),
-                          HAS_SEQ=seq_idx is not None)
+        self.dt_flags = dict(HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus))
+        self.flags = dict(HAS_SEQ=seq_idx is not None)
         # float32 products: as three tf32 tensor-core products (each operand split hi + lo, lo.lo
         # dropped: within about 2^-21 of each term) where that is faster than IEEE's CUDA-core
         # FMAs, everywhere but the state pass (measured: BENCHMARKS.md)
@@ -384,6 +416,14 @@ class _LaunchPlan:
         # the kernels carry them in float32 and read them back to float32
         self.state_dtype = state_dtype or (torch.float32 if x.dtype == torch.float32 else x.dtype)
         self.launch = {} if INTERPRET else t.launch        # the interpreter takes no launch options
+        self._cums = None
+
+    def cums(self, inp):
+        """inp's dt' and cs per chunk and head (section 1), formed on first use: every kernel of
+        the call reads this one buffer."""
+        if self._cums is None:
+            self._cums = _dt_cumsums(inp, self)
+        return self._cums
 
     def dts(self, inp):
         """inp's _DtArgs."""
@@ -402,11 +442,10 @@ class _LaunchPlan:
 
 @triton.jit
 def _state_pass_kernel(
-    head_ptr, group_ptr, dts, seq_ptr, chunk_ptr, decay_ptr, sum_ptr, a_ptr,
+    head_ptr, group_ptr, cums, seq_ptr, chunk_ptr, decay_ptr, sum_ptr, a_ptr,
     seqlen, nheads, headdim, dstate, nchunks, chunks_per_run, n_p_tiles, n_n_tiles, heads_per_group,
     stride_head, stride_group, stride_seq,
     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-    HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
     HAS_SEQ: tl.constexpr, REVERSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One run of one (batch, head, state tile), from zero: walk its chunks carrying a (BP, BN)
@@ -442,8 +481,8 @@ def _state_pass_kernel(
                  V.to(chunk_ptr.dtype.element_ty), mask=mask_pn)
         tl.store(decay_ptr + _slot_head(b64 * nchunks + c, h, nheads), _selected_exp(alive, log_decay),
                  mask=first_tile)
-        dt, slope, e, w_dec, decay, hi, lo, seq, total, continues = _chunk_decays(
-            dts, seq_ptr, stride_seq, b, h, start, seqlen, Q, HAS_DT_BIAS, DT_SOFTPLUS, HAS_SEQ)
+        dt, e, w_dec, decay, hi, lo, seq, total, continues = _chunk_decays(
+            cums, seq_ptr, stride_seq, b, h, c, seqlen, nheads, Q, HAS_SEQ)
         w = e if REVERSE else w_dec * dt                                           # (Q,)
         log_decay += total
         alive = alive & continues
@@ -471,7 +510,7 @@ def _state_pass(head_in, group_in, inp, plan, reverse):
     a = torch.empty(plan.batch, plan.nruns, plan.nheads, device=dev, dtype=torch.float32)
     grid = (plan.nruns * plan.n_p_tiles * plan.n_n_tiles, plan.batch * plan.nheads)
     _state_pass_kernel[grid](
-        head_in, group_in, plan.dts(inp), inp.seq_idx, per_chunk, decay, left, a,
+        head_in, group_in, plan.cums(inp), inp.seq_idx, per_chunk, decay, left, a,
         plan.seqlen, plan.nheads, plan.headdim, plan.dstate, plan.nchunks, plan.chunks_per_run, plan.n_p_tiles,
         plan.n_n_tiles, plan.heads_per_group,
         _BLHP(*head_in.stride()), _BLGN(*group_in.stride()), _strides_of(inp.seq_idx, _BL),
@@ -559,11 +598,10 @@ def _true_chunk_edge(edge, chunk_slot, run_slot, h, offs_p, offs_n, mask_pn, nhe
 
 @triton.jit
 def _output_fwd_kernel(
-    x_ptr, B_ptr, C_ptr, dts, D_ptr, seq_ptr, y_ptr, in_edge,
+    x_ptr, B_ptr, C_ptr, cums, D_ptr, seq_ptr, y_ptr, in_edge,
     seqlen, headdim, dstate, heads_per_group, heads_per_program, nheads, batch, chunks_per_run,
     stride_x, stride_B, stride_C, stride_D, stride_seq, stride_y,
     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-    HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
     HAS_D: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_ENTRY: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -599,8 +637,8 @@ def _output_fwd_kernel(
     CB = tl.dot(Cm, tl.trans(Bm), input_precision=DOT_PRECISION)                   # (Q, Q)
     for hh in range(heads_per_program):
         h = h0 + hh
-        dt, slope, e, w_dec, decay, hi, lo, seq, total, continues = _chunk_decays(
-            dts, seq_ptr, stride_seq, b, h, start, seqlen, Q, HAS_DT_BIAS, DT_SOFTPLUS, HAS_SEQ)
+        dt, e, w_dec, decay, hi, lo, seq, total, continues = _chunk_decays(
+            cums, seq_ptr, stride_seq, b, h, c, seqlen, nheads, Q, HAS_SEQ)
         M = CB * _pair_decay(hi, lo, seq, Q, HAS_SEQ) * dt[None, :]                 # (Q, Q)
         x = _load_tile(x_ptr, stride_x, b64, t64, h, offs_p, mask_qp)              # (Q, BP)
         y = tl.dot(M.to(x.dtype), x, input_precision=DOT_PRECISION)                # (Q, BP)
@@ -628,7 +666,7 @@ def _output_fwd(inp, states, gamma, run_entry, plan, y=None):
         y = torch.empty_like(x, memory_format=torch.contiguous_format)
     grid = (plan.nchunks * plan.batch * (plan.nheads // plan.heads_per_output), _cdiv(plan.headdim, plan.BP))
     _output_fwd_kernel[grid](
-        x, B, C, plan.dts(inp), D, seq_idx, y, _ChunkEdge(states, gamma, _stand_in(run_entry, gamma)),
+        x, B, C, plan.cums(inp), D, seq_idx, y, _ChunkEdge(states, gamma, _stand_in(run_entry, gamma)),
         plan.seqlen, plan.headdim, plan.dstate, plan.heads_per_group, plan.heads_per_output, plan.nheads, plan.batch,
         plan.chunks_per_run,
         _BLHP(*x.stride()), _BLGN(*B.stride()), _BLGN(*C.stride()), _D_strides(D), _strides_of(seq_idx, _BL),
@@ -740,12 +778,12 @@ def _exact_dot(a, b01):
 
 @triton.jit
 def _chunk_bwd_group_kernel(
-    x_ptr, B_ptr, C_ptr, dts, seq_ptr, dout_ptr,
+    x_ptr, B_ptr, C_ptr, cums, seq_ptr, dout_ptr,
     CB_ptr, dCB_ptr, ddt_pairs_ptr, ddA_pairs_ptr, dD_part_ptr,
     seqlen, headdim, dstate, heads_per_group, ngroups, batch,
     stride_x, stride_B, stride_C, stride_seq, stride_do,
     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-    HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_D: tl.constexpr, D_PER_CHANNEL: tl.constexpr,
+    HAS_D: tl.constexpr, D_PER_CHANNEL: tl.constexpr,
     HAS_SEQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One (chunk, batch, group): C.B and dCB for the other two kernels, and for each of the
@@ -773,8 +811,8 @@ def _chunk_bwd_group_kernel(
     dCB = tl.zeros((Q, Q), dtype=tl.float32)
     for hh in range(heads_per_group):
         h = g * heads_per_group + hh
-        dt, slope, e, w_dec, decay, hi, lo, seq, total, continues = _chunk_decays(
-            dts, seq_ptr, stride_seq, b, h, start, seqlen, Q, HAS_DT_BIAS, DT_SOFTPLUS, HAS_SEQ)
+        dt, e, w_dec, decay, hi, lo, seq, total, continues = _chunk_decays(
+            cums, seq_ptr, stride_seq, b, h, c, seqlen, nheads, Q, HAS_SEQ)
         L = _pair_decay(hi, lo, seq, Q, HAS_SEQ)
         x = _load_tile(x_ptr, stride_x, b64, t64, h, offs_p, mask_qp)              # (Q, BP)
         dy = _load_tile(dout_ptr, stride_do, b64, t64, h, offs_p, mask_qp).to(x.dtype)
@@ -801,13 +839,12 @@ def _chunk_bwd_group_kernel(
 
 @triton.jit
 def _chunk_bwd_BC_kernel(
-    x_ptr, B_ptr, C_ptr, dts, seq_ptr, in_edge, out_edge, dout_ptr, dCB_ptr,
+    x_ptr, B_ptr, C_ptr, cums, seq_ptr, in_edge, out_edge, dout_ptr, dCB_ptr,
     dB_ptr, dC_ptr, ddA_entry_part_ptr, dw_part_ptr, carry_part_ptr,
     seqlen, headdim, dstate, heads_per_group, ngroups, batch, n_n_tiles, chunks_per_run,
     stride_x, stride_B, stride_C, stride_seq, stride_do, stride_dB, stride_dC,
     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-    HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_SEQ: tl.constexpr,
-    HAS_ENTRY: tl.constexpr, HAS_EXIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_SEQ: tl.constexpr, HAS_ENTRY: tl.constexpr, HAS_EXIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """dB and dC of one (chunk, batch, group, state tile), the group's heads summed in registers
     (each written once: no atomics), and per head, over this tile, what the x kernel needs of the
@@ -834,8 +871,8 @@ def _chunk_bwd_BC_kernel(
     dB = tl.dot(tl.trans(dCB), Cm, input_precision=DOT_PRECISION)
     for hh in range(heads_per_group):
         h = g * heads_per_group + hh
-        dt, slope, e, w_dec, decay, hi, lo, seq, total, continues = _chunk_decays(
-            dts, seq_ptr, stride_seq, b, h, start, seqlen, Q, HAS_DT_BIAS, DT_SOFTPLUS, HAS_SEQ)
+        dt, e, w_dec, decay, hi, lo, seq, total, continues = _chunk_decays(
+            cums, seq_ptr, stride_seq, b, h, c, seqlen, nheads, Q, HAS_SEQ)
         x = _load_tile(x_ptr, stride_x, b64, t64, h, offs_p, mask_qp)              # (Q, BP)
         dy = _load_tile(dout_ptr, stride_do, b64, t64, h, offs_p, mask_qp)
         # the states in the products' operand dtype, as the forward's products take them
@@ -857,7 +894,7 @@ def _chunk_bwd_BC_kernel(
 
 @triton.jit
 def _chunk_bwd_x_kernel(
-    B_ptr, dts, D_ptr, seq_ptr, out_edge, dout_ptr, CB_ptr,
+    B_ptr, dts, cums, D_ptr, seq_ptr, out_edge, dout_ptr, CB_ptr,
     ddt_pairs_ptr, ddA_pairs_ptr, ddA_entry_part_ptr, dw_part_ptr, carry_part_ptr, dx_ptr, ddt_ptr, dA_part_ptr,
     seqlen, headdim, dstate, heads_per_group, nheads, batch, chunks_per_run, n_bc_tiles,
     stride_B, stride_D, stride_seq, stride_do, stride_dx,
@@ -878,8 +915,9 @@ def _chunk_bwd_x_kernel(
     b64 = b.to(tl.int64)
     chunk_slot, run_slot = _chunk_slots(b, c, seqlen, chunks_per_run, Q)
 
-    dt, slope, e, w_dec, decay, hi, lo, seq, total, continues = _chunk_decays(
-        dts, seq_ptr, stride_seq, b, h, start, seqlen, Q, HAS_DT_BIAS, DT_SOFTPLUS, HAS_SEQ)
+    dt, e, w_dec, decay, hi, lo, seq, total, continues = _chunk_decays(
+        cums, seq_ptr, stride_seq, b, h, c, seqlen, nheads, Q, HAS_SEQ)
+    _, _, slope = _chunk_dt(dts, b, h, start, seqlen, Q, HAS_DT_BIAS, DT_SOFTPLUS)   # d dt'/d dt_raw
     L = _pair_decay(hi, lo, seq, Q, HAS_SEQ)
     CB = tl.load(CB_ptr + _pair_tile(chunk_slot, g, nheads // heads_per_group, Q))
     dy = _load_tile(dout_ptr, stride_do, b64, t64, h, offs_p, mask_qp)              # (Q, BP)
@@ -924,10 +962,8 @@ def _chunk_bwd(inp, states, gamma, run_entry, dstates, rho, run_dexit, dout, pla
     may be views into one buffer (the conv backward's input)."""
     x, dt, A, B, C, D, dt_bias, seq_idx = inp
     dev, slots, Q = x.device, plan.batch * plan.nchunks, plan.Q
-    dx = torch.empty_like(x, memory_format=torch.contiguous_format) if dx is None else dx
     dB = torch.empty_like(B, memory_format=torch.contiguous_format) if dB is None else dB
     dC = torch.empty_like(C, memory_format=torch.contiguous_format) if dC is None else dC
-    ddt = torch.empty(dt.shape, device=dev, dtype=torch.float32)
     CB = torch.empty(slots, plan.ngroups, Q, Q, device=dev, dtype=torch.float32)
     dCB = torch.empty(slots, plan.ngroups, Q, Q, device=dev, dtype=x.dtype)
     ddt_pairs, ddA_pairs = (torch.empty(slots, plan.nheads, Q, device=dev, dtype=torch.float32) for _ in range(2))
@@ -935,34 +971,37 @@ def _chunk_bwd(inp, states, gamma, run_entry, dstates, rho, run_dexit, dout, pla
     ddA_entry_part, dw_part = (torch.empty(slots, plan.nheads, n_bc_tiles, Q, device=dev, dtype=torch.float32)
                                for _ in range(2))
     carry_part = torch.empty(slots, plan.nheads, n_bc_tiles, device=dev, dtype=torch.float32)
-    dA_part = torch.empty(slots, plan.nheads, device=dev, dtype=torch.float32)
     d_width = plan.headdim if D is not None and D.dim() == 2 else 1
     dD_part = torch.empty(slots, plan.nheads, d_width, device=dev, dtype=torch.float32) if D is not None else None
     in_edge = _ChunkEdge(states, gamma, _stand_in(run_entry, gamma))
     out_edge = _ChunkEdge(dstates, rho, _stand_in(run_dexit, rho))
-    dts = plan.dts(inp)
+    cums = plan.cums(inp)
     s_x, s_B, s_C = _BLHP(*x.stride()), _BLGN(*B.stride()), _BLGN(*C.stride())
     s_seq, s_do = _strides_of(seq_idx, _BL), _BLHP(*dout.stride())
     flags = dict(DOT_PRECISION=plan.precision, **plan.flags)
     _chunk_bwd_group_kernel[(plan.nchunks * plan.batch * plan.ngroups,)](
-        x, B, C, dts, seq_idx, dout, CB, dCB, ddt_pairs, ddA_pairs, _stand_in(dD_part, ddt_pairs),
+        x, B, C, cums, seq_idx, dout, CB, dCB, ddt_pairs, ddA_pairs, _stand_in(dD_part, ddt_pairs),
         plan.seqlen, plan.headdim, plan.dstate, plan.heads_per_group, plan.ngroups, plan.batch,
         s_x, s_B, s_C, s_seq, s_do,
         Q=Q, BP=plan.BP, BN=plan.BN_group, HAS_D=D is not None, D_PER_CHANNEL=d_width > 1,
         **plan.options("bwd_group"), **flags)
     _chunk_bwd_BC_kernel[(plan.nchunks * plan.batch * plan.ngroups * n_bc_tiles,)](
-        x, B, C, dts, seq_idx, in_edge, out_edge, dout, dCB, dB, dC, ddA_entry_part, dw_part, carry_part,
+        x, B, C, cums, seq_idx, in_edge, out_edge, dout, dCB, dB, dC, ddA_entry_part, dw_part, carry_part,
         plan.seqlen, plan.headdim, plan.dstate, plan.heads_per_group, plan.ngroups, plan.batch, n_bc_tiles,
         plan.chunks_per_run, s_x, s_B, s_C, s_seq, s_do, _BLGN(*dB.stride()), _BLGN(*dC.stride()),
         Q=Q, BP=plan.BP, BN=plan.BN_bc, HAS_ENTRY=run_entry is not None, HAS_EXIT=run_dexit is not None,
         **plan.options("bwd_bc"), **flags)
+    del dCB                     # the x kernel's outputs take its place: the backward's peak is lower
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format) if dx is None else dx
+    ddt = torch.empty(dt.shape, device=dev, dtype=torch.float32)
+    dA_part = torch.empty(slots, plan.nheads, device=dev, dtype=torch.float32)
     _chunk_bwd_x_kernel[(plan.nchunks * plan.batch * plan.nheads,)](
-        B, dts, D, seq_idx, out_edge, dout, CB, ddt_pairs, ddA_pairs, ddA_entry_part, dw_part, carry_part,
-        dx, ddt, dA_part,
+        B, plan.dts(inp), cums, D, seq_idx, out_edge, dout, CB, ddt_pairs, ddA_pairs, ddA_entry_part, dw_part,
+        carry_part, dx, ddt, dA_part,
         plan.seqlen, plan.headdim, plan.dstate, plan.heads_per_group, plan.nheads, plan.batch, plan.chunks_per_run,
         n_bc_tiles, s_B, _D_strides(D), s_seq, s_do, _BLHP(*dx.stride()),
         Q=Q, BP=plan.BP, BN=plan.BN_x, HAS_D=D is not None, HAS_EXIT=run_dexit is not None,
-        **plan.options("bwd_x"), **flags)
+        **plan.options("bwd_x"), **plan.dt_flags, **flags)
     dA = dA_part.sum(dim=0)                                                         # (h,)
     dD = None
     if D is not None:
@@ -2808,7 +2847,7 @@ def document_end_states(inp, summary, cu_seqlens, entry=None):
         plan.n_n_tiles, _BLHP(*x.stride()), _BLGN(*B.stride()),
         Q=plan.Q, BP=plan.BP_state, BN=plan.BN_state, HAS_ENTRY=run_entry is not None,
         DOT_PRECISION=plan.state_precision,
-        **{f: v for f, v in plan.flags.items() if f != "HAS_SEQ"})
+        **plan.dt_flags)
     return out
 
 
@@ -3514,11 +3553,11 @@ def mamba_conv1d_ssd_a2a(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_s
 #                         without costing more in spills, a register cap (maxnreg).
 #   conv_fwd, conv_bwd    on a GPU one strip a program: registers bound the loads in flight
 #                         (unroll of them per step). The interpreter pays per step: many strips.
-TUNED_KERNELS = ("state", "output", "bwd_group", "bwd_bc", "bwd_x")     # the chunk kernels that take launch options
+TUNED_KERNELS = ("cumsum", "state", "output", "bwd_group", "bwd_bc", "bwd_x")  # chunk kernels with launch options
 TUNINGS = {
     "gpu": Tuning("gpu", chunk_fwd=64, chunk_bwd=64, chunks_per_run=16, state_tile=64,
                   bwd_state_tiles=(64, 64, 64), heads_per_output=1,
-                  launch=dict(state=dict(num_warps=4, num_stages=2, maxnreg=128),
+                  launch=dict(cumsum=dict(num_warps=1), state=dict(num_warps=4, num_stages=2, maxnreg=128),
                               output=dict(num_warps=4, num_stages=1, maxnreg=168),
                               bwd_group=dict(num_warps=4, num_stages=2), bwd_bc=dict(num_warps=4, num_stages=2),
                               bwd_x=dict(num_warps=4, num_stages=1, maxnreg=128)),

@@ -107,7 +107,8 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 # ---------------------------------------------------------------------------------------------
 # 1. dt and the decays of one chunk
-#    What every kernel computes first, for one chunk of one head (README walkthrough a, b).
+#    dt' and the chunks' cumulative sums, formed once per call, and the decays every kernel
+#    reads from them, for one chunk of one head (README walkthrough a, b).
 # ---------------------------------------------------------------------------------------------
 
 

@@ -7,10 +7,12 @@ set_link_model, and chosen_exchange, what summary_exchange="auto" picks by that 
 bytes and times printed here are the ones "auto" decides by; and, for the tuning flags,
 TUNED_KERNELS (the chunk kernels that take launch options) and the Tuning fields set_tuning takes.
 
-Three measurements, dispatched by main() (and two more: `python bench.py --conv` times the conv
-alone, plain, with a halo, with document ids and with both; `python bench.py --hybrid
-attention|step ...` runs examples/hybrid_bench.py, transformers hybrids under
-examples/transformers_cp.py):
+Three measurements, dispatched by main() (and three more: `python bench.py --conv` times the conv
+alone, plain, with a halo, with document ids and with both; `python bench.py --against REV` times
+this tree's SSD and mixer entry against mamba_cp.py as committed at git revision REV, imported
+beside it, in one process on the same inputs (before/after, "speedup" = before / after);
+`python bench.py --hybrid attention|step ...` runs examples/hybrid_bench.py, transformers hybrids
+under examples/transformers_cp.py):
 
 1. `python bench.py` (one device, no torchrun): the single-device chunked SSD.
    What is timed: `mamba_cp.mamba_chunk_scan_combined(x, dt, A, B, C, chunk, D=D, dt_bias=dt_bias,
@@ -1256,6 +1258,8 @@ def parse_args(argv=None):
     ap.add_argument("--fwd-only", action="store_true", help="skip the backward")
     ap.add_argument("--no-graph", action="store_true", help="skip CUDA-graph replay timings")
     ap.add_argument("--profile", action="store_true", help="also print per-kernel GPU times per L")
+    ap.add_argument("--against", metavar="REV", help="time this tree's SSD and mixer entry against mamba_cp.py as "
+                    "committed at git revision REV, in one process (before/after)")
     ap.add_argument("--conv", action="store_true", help="time only the conv (conv1d_fwd, conv1d_bwd): plain, with a "
                     "halo, with document ids, with both")
     ap.add_argument("--comm-shape", choices=("run", "record"), default="run",
@@ -1393,9 +1397,100 @@ def main_conv(args):
         print("RESULT " + json.dumps(dict(r, **tuned(args))), flush=True)
 
 
+def load_revision(rev):
+    """mamba_cp.py as committed at git revision `rev`, imported beside this tree's module under a
+    name of its own, its custom ops renamed so that both register: the "before" of a before/after
+    run in one process, on one GPU, one set of inputs."""
+    import importlib.util
+    import re
+    import subprocess
+    import tempfile
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        src = subprocess.run(["git", "show", f"{rev}:mamba_cp.py"], cwd=here, capture_output=True, text=True,
+                             check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise SystemExit(f"--against: cannot read mamba_cp.py at {rev!r}: {(getattr(e, 'stderr', '') or e)}".strip())
+    name = "mamba_cp_at_" + re.sub(r"\W", "_", rev)
+    src = src.replace("mamba_cp::", f"{name}::").replace("torch.ops.mamba_cp.", f"torch.ops.{name}.")
+    path = os.path.join(tempfile.mkdtemp(prefix="bench_against_"), name + ".py")   # Triton reads kernels' source
+    with open(path, "w") as f:
+        f.write(src)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def bench_against(args, L, before):
+    """This tree's mamba_cp (after) and `before` (load_revision) in turn on the same inputs: the
+    SSD (mamba_chunk_scan_combined) and the mixer entry (mamba_split_conv1d_scan_combined, z gate),
+    forward and forward+backward, eager and graphed, and the peak memory of forward+backward."""
+    dev = "cuda" if CUDA else "cpu"
+    inp, grad_y = make_inputs(args, L, dev)
+    split, _, grad = make_gate_local(args, L, dev)
+    out = {"bench": "against", "rev": args.against, "L": L, "batch": args.batch, "dtype": args.dtype}
+    timer, errors = (time_cuda if CUDA else time_wall), []
+    for tag, mod in (("before", before), ("after", mamba_cp)):
+        def run_ssd(mod=mod):
+            return mod.mamba_chunk_scan_combined(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], args.chunk,
+                                                 D=inp["D"], dt_bias=inp["dt_bias"], dt_softplus=True)
+
+        def run_entry(mod=mod):
+            return mod.mamba_split_conv1d_scan_combined(
+                split["zxbcdt"], split["conv_weight"], split["conv_bias"], split["dt_bias"], split["A"], split["D"],
+                args.chunk, headdim=args.headdim, ngroups=args.ngroups)
+
+        for what, run, leaves, dy in (("ssd", run_ssd, list(inp.values()), grad_y),
+                                      ("entry", run_entry, list(split.values()), grad)):
+            def fwd(run=run):
+                with torch.no_grad():
+                    return run()
+
+            def fwdbwd(run=run, leaves=leaves, dy=dy):
+                return torch.autograd.grad(run(), leaves, dy)
+            for phase, fn in (("fwd", fwd), ("fwdbwd", fwdbwd)):
+                key = f"{what}_{phase}_{tag}"
+                out[f"{key}_ms"] = timer(fn, args.iters, args.warmup)
+                if CUDA and not args.no_graph:
+                    out[f"{key}_graph_ms"] = try_graph(key, fn, args.iters, args.warmup, errors)[0]
+            if CUDA:
+                out[f"{what}_peak_mib_{tag}"] = measure_peak_mib(fwdbwd)[0]
+    for what in ("ssd", "entry"):            # before's time over after's: above 1, after is faster
+        for phase in ("fwd", "fwdbwd"):
+            for mode in ("", "_graph"):
+                out[f"{what}_{phase}{mode}_speedup"] = ratio(out.get(f"{what}_{phase}_before{mode}_ms"),
+                                                             out.get(f"{what}_{phase}_after{mode}_ms"))
+    out["graph_error"] = "; ".join(errors) or None
+    return out
+
+
+def main_against(args):
+    before = load_revision(args.against)
+    print(f"# this tree's mamba_cp (after) against {args.against}'s (before), one process, "
+          f"{torch.cuda.get_device_name() if CUDA else 'CPU interpreter'}; {args.dtype}, batch {args.batch}, "
+          f"nheads {args.nheads} headdim {args.headdim} ngroups {args.ngroups} dstate {args.dstate} chunk "
+          f"{args.chunk}; ms p50 of {args.iters}, eager (graphed); before / after")
+    for L in args.lengths:
+        r = bench_against(args, L, before)
+        for what in ("ssd", "entry"):
+            cells = []
+            for phase in ("fwd", "fwdbwd"):
+                cell = f"{phase} {fmt(r[f'{what}_{phase}_before_ms'])} / {fmt(r[f'{what}_{phase}_after_ms'])}"
+                if CUDA and not args.no_graph:
+                    cell += (f" ({fmt(r.get(f'{what}_{phase}_before_graph_ms'))} / "
+                             f"{fmt(r.get(f'{what}_{phase}_after_graph_ms'))})")
+                cells.append(cell)
+            print(f"L={L:>7} {what:>5}: " + ", ".join(cells))
+        print("RESULT " + json.dumps(dict(r, **tuned(args))), flush=True)
+
+
 def main(argv=None):
     args = parse_args(argv)
-    if args.conv:
+    if args.against:
+        main_against(args)
+    elif args.conv:
         main_conv(args)
     elif args.hybrid is not None:
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "examples"))

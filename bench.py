@@ -198,21 +198,22 @@ def make_inputs(args, L, device):
     return inputs, grad_y
 
 
-def ssd(inp, chunk):
-    return mamba_cp.mamba_chunk_scan_combined(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], chunk,
-                                              D=inp["D"], dt_bias=inp["dt_bias"], dt_softplus=True)
+def ssd(inp, chunk, module=mamba_cp):
+    return module.mamba_chunk_scan_combined(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], chunk,
+                                            D=inp["D"], dt_bias=inp["dt_bias"], dt_softplus=True)
 
 
-def make_fns(inp, grad_y, chunk):
-    """The two calls under test, as argument-free closures over static tensors."""
+def make_fns(inp, grad_y, chunk, call=ssd):
+    """The two calls of call(inp, chunk) under test (forward; forward+backward into every leaf of
+    inp), as argument-free closures over static tensors."""
     leaves = list(inp.values())
 
     def fwd():
         with torch.no_grad():
-            return ssd(inp, chunk)
+            return call(inp, chunk)
 
     def fwdbwd():
-        y = ssd(inp, chunk)
+        y = call(inp, chunk)
         return torch.autograd.grad(y, leaves, grad_y)
 
     return fwd, fwdbwd
@@ -515,6 +516,13 @@ def input_layout(path):
     return "none" if layout_of(path)[0] == "none" else "virtual"
 
 
+def split_entry(t, args, group=None, module=mamba_cp):
+    """The mixer entry on t's zxbcdt = [z | xBC | dt], z gate included."""
+    return module.mamba_split_conv1d_scan_combined(
+        t["zxbcdt"], t["conv_weight"], t["conv_bias"], t["dt_bias"], t["A"], t["D"], args.chunk,
+        headdim=args.headdim, ngroups=args.ngroups, cp_group=group)
+
+
 def cp_call(path, t, args, group):
     """One call of the fused core by `path`; a2a is fed the zigzag shard (load_balancing="virtual");
     "unfused" is conv1d then the single-device SSD, no CP."""
@@ -535,9 +543,7 @@ def cp_call(path, t, args, group):
             headdim=args.headdim, ngroups=args.ngroups, cp_group=group, load_balancing=layout,
             summary_exchange=exchange)
     if path == "split":        # the entry Mamba2 mixers call, z gate included
-        return mamba_cp.mamba_split_conv1d_scan_combined(
-            t["zxbcdt"], t["conv_weight"], t["conv_bias"], t["dt_bias"], t["A"], t["D"], args.chunk,
-            headdim=args.headdim, ngroups=args.ngroups, cp_group=group)
+        return split_entry(t, args, group)
     if path == "core_gate":    # the same from the core on a contiguous xBC, then the gate in torch
         y = mamba_cp.mamba_conv1d_ssd_cp(t["xBC"], t["dt"], t["conv_weight"], t["conv_bias"], t["dt_bias"], t["A"],
                                          t["D"], args.chunk, headdim=args.headdim, ngroups=args.ngroups, cp_group=group)
@@ -1432,24 +1438,10 @@ def bench_against(args, L, before):
     split, _, grad = make_gate_local(args, L, dev)
     out = {"bench": "against", "rev": args.against, "L": L, "batch": args.batch, "dtype": args.dtype}
     timer, errors = (time_cuda if CUDA else time_wall), []
-    for tag, mod in (("before", before), ("after", mamba_cp)):
-        def run_ssd(mod=mod):
-            return mod.mamba_chunk_scan_combined(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], args.chunk,
-                                                 D=inp["D"], dt_bias=inp["dt_bias"], dt_softplus=True)
-
-        def run_entry(mod=mod):
-            return mod.mamba_split_conv1d_scan_combined(
-                split["zxbcdt"], split["conv_weight"], split["conv_bias"], split["dt_bias"], split["A"], split["D"],
-                args.chunk, headdim=args.headdim, ngroups=args.ngroups)
-
-        for what, run, leaves, dy in (("ssd", run_ssd, list(inp.values()), grad_y),
-                                      ("entry", run_entry, list(split.values()), grad)):
-            def fwd(run=run):
-                with torch.no_grad():
-                    return run()
-
-            def fwdbwd(run=run, leaves=leaves, dy=dy):
-                return torch.autograd.grad(run(), leaves, dy)
+    for tag, module in (("before", before), ("after", mamba_cp)):
+        for what, (fwd, fwdbwd) in (
+                ("ssd", make_fns(inp, grad_y, args.chunk, lambda t, chunk, m=module: ssd(t, chunk, m))),
+                ("entry", make_fns(split, grad, args.chunk, lambda t, chunk, m=module: split_entry(t, args, module=m)))):
             for phase, fn in (("fwd", fwd), ("fwdbwd", fwdbwd)):
                 key = f"{what}_{phase}_{tag}"
                 out[f"{key}_ms"] = timer(fn, args.iters, args.warmup)

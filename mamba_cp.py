@@ -147,17 +147,15 @@ def _chunk_dt(dts, b, h, start, seqlen, Q: tl.constexpr, HAS_DT_BIAS: tl.constex
     return dt, dt * tl.load(dts.A + h).to(tl.float32), tl.where(valid, slope, 0.0)
 
 
-# Every chunk kernel needs a chunk's dt' and the cumulative sum cs of dt'*A, per head. They are
-# computed once per call by _dt_cumsum_kernel into a (b * nchunks, h, 3, Q) float32 buffer (rows:
-# dt', cs as a (hi, lo) pair; the _LaunchPlan holds it) and read back by each kernel: a kernel
-# that formed them itself would repeat the softplus and the cumsum per head and program, on (Q,)
-# vectors that Triton lays out replicated across the threads of a product's tile.
+# dt' and cs (the cumsum of dt'*A) are formed once per call, into a (b * nchunks, h, 3, Q) buffer
+# that every chunk kernel reads: formed in a kernel, they would be repeated per head and program,
+# on (Q,) vectors Triton replicates across the threads of a product's tile.
 
 @triton.jit
 def _dt_cumsum_kernel(dts, out_ptr, seqlen, nheads, Q: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
                       DT_SOFTPLUS: tl.constexpr):
-    """dt' and cs of one (batch row, chunk, head); heads vary fastest, so the programs running at
-    once read neighbouring dt. cs is summed in float64, then split into a float32 (hi, lo) pair."""
+    """dt' and cs of one (batch row, chunk, head), cs summed in float64 and kept as a float32
+    (hi, lo) pair. Heads vary fastest: the programs running at once read neighbouring dt."""
     pid = tl.program_id(0)
     h, slot = pid % nheads, pid // nheads
     nchunks = tl.cdiv(seqlen, Q)
@@ -171,7 +169,7 @@ def _dt_cumsum_kernel(dts, out_ptr, seqlen, nheads, Q: tl.constexpr, HAS_DT_BIAS
 
 
 def _dt_cumsums(inp, plan):
-    """The call's (b * nchunks, h, 3, Q) buffer of dt' and cs."""
+    """The call's (b * nchunks, h, 3, Q) float32 buffer: rows dt', cs hi, cs lo."""
     out = torch.empty(plan.batch * plan.nchunks, plan.nheads, 3, plan.Q, device=inp.dt.device, dtype=torch.float32)
     _dt_cumsum_kernel[(plan.batch * plan.nchunks * plan.nheads,)](
         plan.dts(inp), out, plan.seqlen, plan.nheads, Q=plan.Q, **plan.options("cumsum"), **plan.dt_flags)

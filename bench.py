@@ -1265,7 +1265,7 @@ def parse_args(argv=None):
     ap.add_argument("--no-graph", action="store_true", help="skip CUDA-graph replay timings")
     ap.add_argument("--profile", action="store_true", help="also print per-kernel GPU times per L")
     ap.add_argument("--against", metavar="REV", help="time this tree's SSD and mixer entry against mamba_cp.py as "
-                    "committed at git revision REV, in one process (before/after)")
+                    "committed at git revision REV (or in the file REV), in one process (before/after)")
     ap.add_argument("--conv", action="store_true", help="time only the conv (conv1d_fwd, conv1d_bwd): plain, with a "
                     "halo, with document ids, with both")
     ap.add_argument("--comm-shape", choices=("run", "record"), default="run",
@@ -1412,12 +1412,16 @@ def load_revision(rev):
     import subprocess
     import tempfile
     here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        src = subprocess.run(["git", "show", f"{rev}:mamba_cp.py"], cwd=here, capture_output=True, text=True,
-                             check=True).stdout
-    except (OSError, subprocess.CalledProcessError) as e:
-        raise SystemExit(f"--against: cannot read mamba_cp.py at {rev!r}: {(getattr(e, 'stderr', '') or e)}".strip())
-    name = "mamba_cp_at_" + re.sub(r"\W", "_", rev)
+    if os.path.isfile(rev):                     # a copy of the module, for machines without the git history
+        with open(rev) as f:
+            src = f.read()
+    else:
+        try:
+            src = subprocess.run(["git", "show", f"{rev}:mamba_cp.py"], cwd=here, capture_output=True, text=True,
+                                 check=True).stdout
+        except (OSError, subprocess.CalledProcessError) as e:
+            raise SystemExit(f"--against: cannot read mamba_cp.py at {rev!r}: {(getattr(e, 'stderr', '') or e)}".strip())
+    name = "mamba_cp_at_" + re.sub(r"\W", "_", os.path.basename(rev))
     src = src.replace("mamba_cp::", f"{name}::").replace("torch.ops.mamba_cp.", f"torch.ops.{name}.")
     path = os.path.join(tempfile.mkdtemp(prefix="bench_against_"), name + ".py")   # Triton reads kernels' source
     with open(path, "w") as f:

@@ -1528,7 +1528,9 @@ def _conv1d_ssd_cp_forward(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initi
     (rows, s). Returns y (rows, s, h, p), the final state (b, h, p, n), and what backward needs,
     `kept`: (halo, halo_seq, entries, a_kept, cont), None where absent; none of it grows with
     length. Halo exchange, conv, the summary from a zero entry, the summary exchange and scan
-    (true entry states, the global final state), the outputs with the entry state folded in."""
+    (true entry states, the global final state), the outputs with the entry state folded in. A
+    single segment in all exchanges nothing: its entry is initial_states, its exit the final
+    state, and it keeps nothing."""
     # a single segment in all (a world of one, contiguous) has nothing before it: no halo,
     # which spares every conv step the halo's masked loads
     halo, halo_seq = _exchange_halo(xBC, seq_idx, cfg) if cfg.segs.count > 1 else (None, None)
@@ -1537,6 +1539,9 @@ def _conv1d_ssd_cp_forward(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initi
     plan = _LaunchPlan(x, B, min(cfg.chunk, tuning().chunk_fwd), dt_bias, True, cfg.dt_limit, seq_idx, cfg.state_dtype)
     inp = _SSDInputs(x, dt, A, B, C, D, dt_bias, seq_idx)
     summary = Summary(inp, plan)
+    if cfg.segs.count == 1:       # nothing to exchange: the entry is the initial state, the exit final
+        y, final = ssd_output(inp, summary, initial_states, need_exit=True)
+        return y, final, (None,) * 5
     S_ext, a = summary.affine()                                                 # (rows, h, p, n), (rows, h)
     entries, final, a_kept, cont = cfg.exchange.entry_states(S_ext, a, seq_idx, initial_states, cfg)
     y, _ = ssd_output(inp, summary, entries)
@@ -1559,12 +1564,16 @@ def _conv1d_ssd_cp_backward(dy, dfinal, xBC, dt, conv_weight, conv_bias, dt_bias
     plan = _LaunchPlan(x, B, min(cfg.chunk, tuning().chunk_bwd), dt_bias, True, cfg.dt_limit, seq_idx, cfg.state_dtype)
     inp = _SSDInputs(x, dt, A, B, C, D, dt_bias, seq_idx)
     grad_pass = GradPass(dy, inp, plan)
-    dexit, dinit, summary = cfg.exchange.exit_grads(grad_pass.G, dfinal, a_kept, cont, cfg,
-                                                    lambda: Summary(inp, plan))
+    if cfg.segs.count == 1:       # the entry is initial_states, the exit's gradient the final state's
+        entries, dexit, summary = initial_states, dfinal, Summary(inp, plan)
+    else:
+        dexit, dinit, summary = cfg.exchange.exit_grads(grad_pass.G, dfinal, a_kept, cont, cfg,
+                                                        lambda: Summary(inp, plan))
 
     dconv_out = torch.empty_like(conv_out)
     dx, dB, dC = _split_xBC(dconv_out, cfg)
-    _, _, _, ddt, dA, dD, _ = ssd_grads(inp, summary, grad_pass, dy, entries, dexit, dx=dx, dB=dB, dC=dC)  # ddt fp32
+    _, _, _, ddt, dA, dD, dentry = ssd_grads(inp, summary, grad_pass, dy, entries, dexit, dx=dx, dB=dB, dC=dC)
+    dinit = dentry if cfg.segs.count == 1 else dinit                            # (ddt is fp32)
     dxBC, dhalo, dweight, dbias = _conv1d_bwd(dconv_out, xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq,
                                              silu=cfg.silu, dx=dxBC_into)
     if dhalo is not None:
@@ -2501,9 +2510,11 @@ def _conv1d_ssd_cp_fwd_op(xBC: Tensor, dt: Tensor, conv_weight: Tensor, conv_bia
     y, final, (halo, halo_seq, entries, a_kept, cont) = _conv1d_ssd_cp_forward(
         xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, cfg)
     rows, ids = xBC.shape[0], dict(device=xBC.device, dtype=torch.int32)
+    empty = lambda: torch.empty(0, device=xBC.device)          # what a single segment keeps, each its own
     return [y, final, xBC.new_empty((rows, 0, xBC.shape[2])) if halo is None else halo.clone(),   # an op's outputs
             torch.empty((rows, 0) if seq_idx is not None else 0, **ids) if halo_seq is None else halo_seq.clone(),
-            entries.contiguous(), a_kept.clone(), torch.empty(0, device=xBC.device) if cont is None else cont]
+            empty() if entries is None else entries.contiguous(), empty() if a_kept is None else a_kept.clone(),
+            empty() if cont is None else cont]
 
 
 @_conv1d_ssd_cp_fwd_op.register_fake
@@ -2517,11 +2528,15 @@ def _conv1d_ssd_cp_fwd_fake(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, init
     K, scan = cfg.segs.count, exchange == "scan"
     halo_rows = cfg.d_conv - 1 if K > 1 else 0      # (rows, 0, ...): no halo (a single segment)
     f32 = dict(device=xBC.device, dtype=torch.float32)
+    if K == 1:                                      # nothing exchanged, nothing kept
+        kept = [0, 0, 0]
+    else:
+        kept = [(rows, h, p, n), (rows, h) if scan else (batch, K, h),
+                ((rows,) if scan else (batch, K)) if seq_idx is not None else 0]
     return [torch.empty((rows, s, h, p), device=xBC.device, dtype=xBC.dtype), torch.empty((batch, h, p, n), **f32),
             torch.empty((rows, halo_rows, conv_dim), device=xBC.device, dtype=xBC.dtype),
             torch.empty((rows, halo_rows) if seq_idx is not None else 0, device=xBC.device, dtype=torch.int32),
-            torch.empty((rows, h, p, n), **f32), torch.empty((rows, h) if scan else (batch, K, h), **f32),
-            torch.empty(((rows,) if scan else (batch, K)) if seq_idx is not None else 0, **f32)]
+            *(torch.empty(shape, **f32) for shape in kept)]
 
 
 def _core_backward(dy, dfinal, xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, halo, halo_seq,
@@ -2529,7 +2544,7 @@ def _core_backward(dy, dfinal, xBC, dt, conv_weight, conv_bias, dt_bias, A, D, i
     """_conv1d_ssd_cp_backward from an op's arguments: the forward op's kept tensors (empty where
     absent) and core_args."""
     cfg = _cp_config(xBC, dt, conv_weight, *core_args)
-    kept = (_none_if_empty(halo), _none_if_empty(halo_seq), entries, a_kept, _none_if_empty(cont))
+    kept = tuple(_none_if_empty(t) for t in (halo, halo_seq, entries, a_kept, cont))
     return _conv1d_ssd_cp_backward(dy, dfinal, xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx,
                                    kept, cfg, dxBC_into, ddt_into)
 

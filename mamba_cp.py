@@ -357,7 +357,9 @@ class Tuning:
     name: str
     chunk_fwd: int                      # kernel chunk lengths (may be shorter than the caller's)
     chunk_bwd: int
-    chunks_per_run: int                 # chunks a state-pass program walks in order
+    chunks_per_run: int                 # chunks a state-pass program walks in order: this many,
+    longest_run: int                    # doubled up to this many while the state pass keeps
+    state_wave: int                     # this many programs
     state_tile: Optional[int]           # the state passes' (p, n) tile width (None: whole)
     bwd_state_tiles: tuple              # the n tile of the chunk-backward kernels (group, BC, x)
     heads_per_output: Optional[int]     # heads per output program (None: a whole group)
@@ -369,7 +371,8 @@ class Tuning:
     gate_programs: int                  # and programs of its backward
 
 
-_TUNING = [Tuning("interpreter", chunk_fwd=64, chunk_bwd=64, chunks_per_run=2, state_tile=None,
+_TUNING = [Tuning("interpreter", chunk_fwd=64, chunk_bwd=64, chunks_per_run=2, longest_run=2, state_wave=1,
+                  state_tile=None,
                   bwd_state_tiles=(16, 16, 16), heads_per_output=None, launch={}, scan_block=None,
                   conv_fwd=ConvLaunch(32, 64, 64, 1, 4), conv_bwd=ConvLaunch(32, 64, 64, 1, 1),
                   gate_tile=64, gate_programs=4096)]
@@ -396,11 +399,17 @@ class _LaunchPlan:
         self.heads_per_group = self.nheads // self.ngroups
         self.Q = chunk
         self.nchunks = _cdiv(self.seqlen, chunk)
-        self.chunks_per_run = t.chunks_per_run
-        self.nruns = _cdiv(self.nchunks, self.chunks_per_run)
         self.BP, self.BN = _pow2(self.headdim), _pow2(self.dstate)
         self.BP_state, self.BN_state = (min(v, t.state_tile or v) for v in (self.BP, self.BN))
         self.n_p_tiles, self.n_n_tiles = _cdiv(self.headdim, self.BP_state), _cdiv(self.dstate, self.BN_state)
+        # runs as long as the state pass still has state_wave programs: fewer runs, fewer
+        # summaries to store and scan
+        per_run = self.batch * self.nheads * self.n_p_tiles * self.n_n_tiles      # programs per run
+        self.chunks_per_run = t.chunks_per_run
+        while (2 * self.chunks_per_run <= t.longest_run
+               and per_run * _cdiv(self.nchunks, 2 * self.chunks_per_run) >= t.state_wave):
+            self.chunks_per_run *= 2
+        self.nruns = _cdiv(self.nchunks, self.chunks_per_run)
         self.BN_group, self.BN_bc, self.BN_x = (min(self.BN, n) for n in t.bwd_state_tiles)
         self.heads_per_output = t.heads_per_output or self.heads_per_group    # a divisor of heads_per_group
         self.dt_limit = (float(dt_limit[0]), float(dt_limit[1]))
@@ -3558,7 +3567,10 @@ def mamba_conv1d_ssd_a2a(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_s
 #   chunk_fwd, chunk_bwd  the (Q, Q) tiles live in registers.
 #   chunks_per_run        runs of this many chunks run the sequential state pass in parallel,
 #                         joined by the summary scan; the interpreter's tiny runs make the CPU
-#                         tests exercise that scan.
+#                         tests exercise that scan. On the GPU, runs of 16 chunks, doubled up to
+#   longest_run,          64 while the state pass keeps 512 programs (about one wave at 4 a
+#   state_wave            SM): longer runs were faster from 16384 tokens (fewer summaries),
+#                         shorter ones at 4096, where fewer programs would leave SMs idle.
 #   state_tile            the state passes split (p, n) into tiles of this width, one per program.
 #   heads_per_output      one head per output program runs more programs, which hides latency
 #                         better than a group's heads sharing C.B.
@@ -3569,9 +3581,9 @@ def mamba_conv1d_ssd_a2a(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_s
 #                         (unroll of them per step). The interpreter pays per step: many strips.
 TUNED_KERNELS = ("cumsum", "state", "output", "bwd_group", "bwd_bc", "bwd_x")  # chunk kernels with launch options
 TUNINGS = {
-    "gpu": Tuning("gpu", chunk_fwd=64, chunk_bwd=64, chunks_per_run=16, state_tile=64,
-                  bwd_state_tiles=(64, 64, 64), heads_per_output=1,
-                  launch=dict(cumsum=dict(num_warps=1), state=dict(num_warps=4, num_stages=2, maxnreg=128),
+    "gpu": Tuning("gpu", chunk_fwd=64, chunk_bwd=64, chunks_per_run=16, longest_run=64, state_wave=512,
+                  state_tile=64, bwd_state_tiles=(64, 64, 64), heads_per_output=1,
+                  launch=dict(cumsum=dict(num_warps=1), state=dict(num_warps=4, num_stages=2),
                               output=dict(num_warps=4, num_stages=1, maxnreg=168),
                               bwd_group=dict(num_warps=4, num_stages=2), bwd_bc=dict(num_warps=4, num_stages=2),
                               bwd_x=dict(num_warps=4, num_stages=1, maxnreg=128)),

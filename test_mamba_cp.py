@@ -1005,10 +1005,23 @@ def test_set_tuning_refuses_unknown_names():
 
 def test_gpu_program_shapes(tuned):
     """The GPU's tuning of the SSD kernels in the interpreter: one head per output program, the
-    whole state as one tile in both chunk-backward kernels, the GPU's segments. (The conv's and
-    the gate's GPU tiles: test_conv_gpu_tiles, test_split_gpu_tiles.)"""
-    tuned("gpu")
+    whole state as one tile in both chunk-backward kernels, the GPU's launch options; its runs
+    lengthened as on a GPU, here from 1 chunk to 4 of the 5 (test_runs_lengthen_...). (The conv's
+    and the gate's GPU tiles: test_conv_gpu_tiles, test_split_gpu_tiles.)"""
+    tuned(dataclasses.replace(mamba_cp.TUNINGS["gpu"], chunks_per_run=1, longest_run=4, state_wave=16))
     assert_close(run_both(ssd_inputs(SMALL, 1, **OPTIONS["all"])), FP32_BOUND)
+
+
+def test_runs_lengthen_while_the_gpu_stays_busy(tuned):
+    """The state pass's runs double from chunks_per_run up to longest_run while the state pass
+    keeps state_wave programs: 8 a run at SMALL (2 rows of 4 heads, one state tile), 5 chunks."""
+    x, B = (torch.empty(SMALL.batch, SMALL.seqlen, n, d) for n, d in ((SMALL.nheads, SMALL.headdim),
+                                                                      (SMALL.ngroups, SMALL.dstate)))
+    for wave, want in ((25, 1), (24, 2), (16, 4)):        # 5, 3 and 2 runs of 8 programs
+        tuned(dataclasses.replace(mamba_cp.TUNINGS["interpreter"], chunks_per_run=1, longest_run=4,
+                                  state_wave=wave))
+        plan = mamba_cp._LaunchPlan(x, B, SMALL.chunk, None, True, (0.0, math.inf), None)
+        assert plan.chunks_per_run == want, (wave, plan.chunks_per_run)
 
 
 def test_dt_limit_clamps():

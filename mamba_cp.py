@@ -1566,7 +1566,7 @@ def _conv1d_ssd_cp_backward(dy, dfinal, xBC, dt, conv_weight, conv_bias, dt_bias
     Recompute the conv; the reverse state pass from a zero exit gradient gives G; its all-gather
     runs while the forward state pass is recomputed; the reverse scan gives each segment's exit
     gradient; one fused chunk backward writes dx, dB, dC straight into the conv backward's input;
-    the halo's gradient goes back to its owner."""
+    the halo's gradient goes back to its owner. A single segment exchanges nothing."""
     halo, halo_seq, entries, a_kept, cont = kept
     conv_out = _conv1d_fwd(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, silu=cfg.silu)
     x, B, C = _split_xBC(conv_out, cfg)
@@ -1582,7 +1582,8 @@ def _conv1d_ssd_cp_backward(dy, dfinal, xBC, dt, conv_weight, conv_bias, dt_bias
     dconv_out = torch.empty_like(conv_out)
     dx, dB, dC = _split_xBC(dconv_out, cfg)
     _, _, _, ddt, dA, dD, dentry = ssd_grads(inp, summary, grad_pass, dy, entries, dexit, dx=dx, dB=dB, dC=dC)
-    dinit = dentry if cfg.segs.count == 1 else dinit                            # (ddt is fp32)
+    if cfg.segs.count == 1:
+        dinit = dentry                                                          # its entry is the initial state
     dxBC, dhalo, dweight, dbias = _conv1d_bwd(dconv_out, xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq,
                                              silu=cfg.silu, dx=dxBC_into)
     if dhalo is not None:

@@ -1404,8 +1404,8 @@ def main_conv(args):
 
 
 def load_revision(rev):
-    """mamba_cp.py as committed at git revision `rev`, imported beside this tree's module under a
-    name of its own, its custom ops renamed so that both register: the "before" of a before/after
+    """mamba_cp.py as committed at git revision `rev` (or the file at the path `rev`), imported
+    beside this tree's module under a name of its own, its custom ops renamed so that both register: the "before" of a before/after
     run in one process, on one GPU, one set of inputs."""
     import importlib.util
     import re

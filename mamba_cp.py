@@ -152,6 +152,13 @@ def _chunk_dt(dts, b, h, start, seqlen, Q: tl.constexpr, HAS_DT_BIAS: tl.constex
 # on (Q,) vectors Triton replicates across the threads of a product's tile.
 
 @triton.jit
+def _cums_row(cums, slot, h, nheads, Q: tl.constexpr):
+    """The start of chunk slot `slot`'s (b * nchunks + c, int64) rows dt', cs hi, cs lo of head
+    h in the buffer."""
+    return cums + (slot * nheads + h) * (3 * Q)
+
+
+@triton.jit
 def _dt_cumsum_kernel(dts, out_ptr, seqlen, nheads, Q: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
                       DT_SOFTPLUS: tl.constexpr):
     """dt' and cs of one (batch row, chunk, head), cs summed in float64 and kept as a float32
@@ -162,7 +169,7 @@ def _dt_cumsum_kernel(dts, out_ptr, seqlen, nheads, Q: tl.constexpr, HAS_DT_BIAS
     dt, dA, _ = _chunk_dt(dts, slot // nchunks, h, (slot % nchunks) * Q, seqlen, Q, HAS_DT_BIAS, DT_SOFTPLUS)
     cs = tl.cumsum(dA.to(tl.float64), axis=0)
     hi = cs.to(tl.float32)
-    base = out_ptr + (slot.to(tl.int64) * nheads + h) * (3 * Q) + tl.arange(0, Q)
+    base = _cums_row(out_ptr, slot.to(tl.int64), h, nheads, Q) + tl.arange(0, Q)
     tl.store(base, dt)
     tl.store(base + Q, hi)
     tl.store(base + 2 * Q, (cs - hi.to(tl.float64)).to(tl.float32))
@@ -200,8 +207,7 @@ def _chunk_decays(cums, seq_ptr, stride_seq, b, h, c, seqlen, nheads, Q: tl.cons
       seq            (Q,) the tokens' document ids (zeros without documents)
       total          ()   cs_last in float64
       continues      ()   whether the chunk's last token continues the document it was entered in"""
-    slot = b.to(tl.int64) * tl.cdiv(seqlen, Q) + c
-    base = cums + (slot * nheads + h) * (3 * Q)
+    base = _cums_row(cums, b.to(tl.int64) * tl.cdiv(seqlen, Q) + c, h, nheads, Q)
     offs_q = tl.arange(0, Q)
     dt = tl.load(base + offs_q)
     hi, lo = tl.load(base + Q + offs_q), tl.load(base + 2 * Q + offs_q)

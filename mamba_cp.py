@@ -1320,12 +1320,26 @@ def _preact(w, bias, win, docs, u, doc, TAPS: tl.constexpr, HAS_SEQ: tl.constexp
 
 
 @triton.jit
+def _sigmoid(p, FAST: tl.constexpr):
+    """sigmoid(p), float32. FAST (compiled kernels only: the interpreter runs no PTX): the GPU's
+    approximate 2^x and 1/x with subnormals flushed, a few ulp off and exactly 0 or 1 at the
+    ends: four instructions where tl.sigmoid's IEEE-careful ones take eleven, in kernels whose
+    instruction issue, not memory, sets their pace."""
+    if FAST:
+        e = tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [p * -1.4426950408889634],
+                                      dtype=tl.float32, is_pure=True, pack=1)
+        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [e + 1.0],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    return tl.sigmoid(p)
+
+
+@triton.jit
 def _conv_fwd_kernel(
     x_ptr, w_ptr, bias_ptr, halo_ptr, seq_ptr, hseq_ptr, out_ptr,
     seqlen, dim, S, stride_x, stride_w, stride_bias, stride_h, stride_s, stride_hs, stride_o,
     TAPS: tl.constexpr, M: tl.constexpr, BC: tl.constexpr, U: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_HALO_SEQ: tl.constexpr,
-    SILU: tl.constexpr,
+    SILU: tl.constexpr, FAST: tl.constexpr,
 ):
     """M strips of S output tokens each (this program's), BC channels, one batch row: out =
     silu(pre-activation), or the pre-activation itself without SILU. A step loads U tokens of
@@ -1347,7 +1361,7 @@ def _conv_fwd_kernel(
             t = first + (i0 + k)
             u, doc = ahead[k]
             p = _preact(w, bias, win, docs, u, doc, TAPS, HAS_SEQ)              # (M, BC)
-            out = p * tl.sigmoid(p) if SILU else p
+            out = p * _sigmoid(p, FAST) if SILU else p
             tl.store(o_row0 + t.to(tl.int64)[:, None] * stride_o.l + o_col[None, :], out.to(out_ptr.dtype.element_ty),
                      mask=((t >= first) & (t < first + S) & (t < seqlen))[:, None] & mask_c[None, :])
             win = win[1:] + (u,)
@@ -1357,7 +1371,8 @@ def _conv_fwd_kernel(
 def _conv_flags(bias, halo, seq_idx, silu):
     has_seq = seq_idx is not None
     return dict(HAS_BIAS=bias is not None, HAS_HALO=halo is not None, HAS_SEQ=has_seq,
-                HAS_HALO_SEQ=has_seq and halo is not None, SILU=bool(silu))  # without a halo its ids don't matter
+                HAS_HALO_SEQ=has_seq and halo is not None,         # without a halo its ids don't matter
+                SILU=bool(silu), FAST=not INTERPRET)
 
 
 def _conv_strips(tokens, dim, launch):
@@ -1394,7 +1409,7 @@ def _conv_bwd_kernel(
     seqlen, dim, S, stride_do, stride_x, stride_w, stride_bias, stride_h, stride_s, stride_hs, stride_dx,
     TAPS: tl.constexpr, M: tl.constexpr, BC: tl.constexpr, U: tl.constexpr, SHIFT: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_HALO_SEQ: tl.constexpr,
-    NEED_DHALO: tl.constexpr, SILU: tl.constexpr,
+    NEED_DHALO: tl.constexpr, SILU: tl.constexpr, FAST: tl.constexpr,
 ):
     """M strips of S du tokens each of tokens s of [halo, xBC] (from s = -SHIFT; SHIFT is TAPS-1
     with a halo), BC channels, one batch row: du per token (into dx, or dhalo for s < 0), and the
@@ -1430,7 +1445,7 @@ def _conv_bwd_kernel(
             g = do.to(tl.float32)
             if SILU:
                 p = _preact(w, bias, win, docs, u, doc, TAPS, HAS_SEQ)
-                sig = tl.sigmoid(p)
+                sig = _sigmoid(p, FAST)
                 g = g * sig * (1.0 + p * (1.0 - sig))     # silu'(p) = sig(p) (1 + p (1 - sig(p)))
             # g[t]'s share of du at token t-TAPS+1+j (weight j): zero across a document boundary
             share = ()
@@ -1449,13 +1464,14 @@ def _conv_bwd_kernel(
             for j in tl.static_range(1, TAPS - 1):
                 nxt = nxt + (part[j] + w[j] * share[j],)
             part = nxt + (w[TAPS - 1] * g,)
-            # dweight and dbias count the g tokens this strip owns
-            own = ((t >= first) & (t < first + S))[:, None]
+            # dweight and dbias count the g tokens this strip owns: one select, then FMAs
+            g_own = tl.where(((t >= first) & (t < first + S))[:, None], g, 0.0)
             sums = ()
             for j in tl.static_range(TAPS - 1):
-                sums = sums + (dw[j] + tl.where(own, win[j] * share[j], 0.0),)
-            dw = sums + (dw[TAPS - 1] + tl.where(own, u * g, 0.0),)
-            db += tl.where(own, g, 0.0)
+                gj = tl.where((docs[j] == doc)[:, None], g_own, 0.0) if HAS_SEQ else g_own
+                sums = sums + (dw[j] + win[j] * gj,)
+            dw = sums + (dw[TAPS - 1] + u * g_own,)
+            db += g_own
             win = win[1:] + (u,)
             docs = docs[1:] + (doc,)
 

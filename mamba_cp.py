@@ -255,12 +255,14 @@ def _selected_exp(keep, log_v):
 
 # A caller's tensor comes with its strides as one named tuple (Triton specialises a tuple's
 # fields as it does scalars: a unit stride still vectorises): x, y (batch, token, head, headdim);
-# B, C (batch, token, group, dstate); dt; seq_idx; D (head, headdim: a (nheads,) D has p = 0);
-# the conv's xBC and halo (batch, token, channel) and weight (channel, tap). The module's own
-# buffers are contiguous, and the kernels compute their offsets from the sizes.
+# B, C (batch, token, group, dstate); dt; dt's gradient (batch, token, head); seq_idx; D (head,
+# headdim: a (nheads,) D has p = 0); the conv's xBC and halo (batch, token, channel) and weight
+# (channel, tap). The module's own buffers are contiguous, and the kernels compute their
+# offsets from the sizes.
 _BLHP = collections.namedtuple("_BLHP", "b l h p")
 _BLGN = collections.namedtuple("_BLGN", "b l g n")
 _BL = collections.namedtuple("_BL", "b l")
+_BLH = collections.namedtuple("_BLH", "b l h")
 _HP = collections.namedtuple("_HP", "h p")
 _BLC = collections.namedtuple("_BLC", "b l c")
 _CK = collections.namedtuple("_CK", "c k")
@@ -354,6 +356,8 @@ def _expect(cond, name, seen, expected):
 # A conv program walks `strips` strips of `tokens` consecutive tokens side by side (one tile)
 # over `channels` channels with `warps` warps, loading `unroll` tokens of each strip per step.
 ConvLaunch = collections.namedtuple("ConvLaunch", "strips channels tokens unroll warps")
+# The gated RMSNorm's backward: `rows` token rows a tile, `warps` warps, about `programs` programs.
+NormLaunch = collections.namedtuple("NormLaunch", "rows warps programs")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -374,14 +378,16 @@ class Tuning:
     conv_fwd: ConvLaunch
     conv_bwd: ConvLaunch
     gate_tile: int                      # the gate and gated RMSNorm: elements per tile,
-    gate_programs: int                  # and programs of its backward
+    gate_programs: int                  # and programs of the gate's backward
+    norm_bwd: NormLaunch                # the gated RMSNorm's backward
 
 
 _TUNING = [Tuning("interpreter", chunk_fwd=64, chunk_bwd=64, chunks_per_run=2, longest_run=2, state_wave=1,
                   state_tile=None,
                   bwd_state_tiles=(16, 16, 16), heads_per_output=None, launch={}, scan_block=None,
                   conv_fwd=ConvLaunch(32, 64, 64, 1, 4), conv_bwd=ConvLaunch(32, 64, 64, 1, 1),
-                  gate_tile=64, gate_programs=4096)]
+                  gate_tile=64, gate_programs=4096,
+                  norm_bwd=NormLaunch(4, 4, 4096))]
 
 
 def tuning():
@@ -612,11 +618,11 @@ def _true_chunk_edge(edge, chunk_slot, run_slot, h, offs_p, offs_n, mask_pn, nhe
 
 @triton.jit
 def _output_fwd_kernel(
-    x_ptr, B_ptr, C_ptr, cums, D_ptr, seq_ptr, y_ptr, in_edge,
+    x_ptr, B_ptr, C_ptr, cums, D_ptr, seq_ptr, y_ptr, in_edge, z_ptr, out_ptr,
     seqlen, headdim, dstate, heads_per_group, heads_per_program, nheads, batch, chunks_per_run,
-    stride_x, stride_B, stride_C, stride_D, stride_seq, stride_y,
+    stride_x, stride_B, stride_C, stride_D, stride_seq, stride_y, stride_z, stride_out,
     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-    HAS_D: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_ENTRY: tl.constexpr,
+    HAS_D: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_ENTRY: tl.constexpr, HAS_Z: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Outputs of one (chunk, batch, block of heads_per_program heads of one group, p-block):
@@ -662,7 +668,12 @@ def _output_fwd_kernel(
         if HAS_D:
             Dv = tl.load(D_ptr + h * stride_D.h + offs_p * stride_D.p, mask=offs_p < headdim, other=0.0)
             y += Dv.to(tl.float32)[None, :] * x.to(tl.float32)
-        tl.store(_tile_ptrs(y_ptr, stride_y, b64, t64, h, offs_p), y.to(y_ptr.dtype.element_ty), mask=mask_qp)
+        y = y.to(y_ptr.dtype.element_ty)
+        tl.store(_tile_ptrs(y_ptr, stride_y, b64, t64, h, offs_p), y, mask=mask_qp)
+        if HAS_Z:           # the mixer's gate y silu(z) on the stored y, as a kernel after this one would
+            z = _load_tile(z_ptr, stride_z, b64, t64, h, offs_p, mask_qp).to(tl.float32)
+            tl.store(_tile_ptrs(out_ptr, stride_out, b64, t64, h, offs_p),
+                     (y.to(tl.float32) * (z * tl.sigmoid(z))).to(out_ptr.dtype.element_ty), mask=mask_qp)
 
 
 def _D_strides(D):
@@ -672,21 +683,22 @@ def _D_strides(D):
     return _HP(D.stride(0), 0 if D.dim() == 1 else D.stride(1))
 
 
-def _output_fwd(inp, states, gamma, run_entry, plan, y=None):
+def _output_fwd(inp, states, gamma, run_entry, plan, y=None, gate=None):
     """y (b, l, h, p) of the _SSDInputs inp; run_entry (b, nruns, h, p, n) fp32: each run's entry
-    state, or None for zero."""
+    state, or None for zero. gate: None, or (z, out), both (b, l, h, p): out = y silu(z) too."""
     x, dt, A, B, C, D, dt_bias, seq_idx = inp
     if y is None:
         y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    z, out = (y, y) if gate is None else gate
     grid = (plan.nchunks * plan.batch * (plan.nheads // plan.heads_per_output), _cdiv(plan.headdim, plan.BP))
     _output_fwd_kernel[grid](
-        x, B, C, plan.cums(inp), D, seq_idx, y, _ChunkEdge(states, gamma, _stand_in(run_entry, gamma)),
+        x, B, C, plan.cums(inp), D, seq_idx, y, _ChunkEdge(states, gamma, _stand_in(run_entry, gamma)), z, out,
         plan.seqlen, plan.headdim, plan.dstate, plan.heads_per_group, plan.heads_per_output, plan.nheads, plan.batch,
         plan.chunks_per_run,
         _BLHP(*x.stride()), _BLGN(*B.stride()), _BLGN(*C.stride()), _D_strides(D), _strides_of(seq_idx, _BL),
-        _BLHP(*y.stride()),
-        Q=plan.Q, BP=plan.BP, BN=plan.BN, HAS_D=D is not None,
-        HAS_ENTRY=run_entry is not None, DOT_PRECISION=plan.precision, **plan.options("output"), **plan.flags)
+        _BLHP(*y.stride()), _BLHP(*z.stride()), _BLHP(*out.stride()),
+        Q=plan.Q, BP=plan.BP, BN=plan.BN, HAS_D=D is not None, HAS_ENTRY=run_entry is not None, HAS_Z=gate is not None,
+        DOT_PRECISION=plan.precision, **plan.options("output"), **plan.flags)
     return y
 
 
@@ -717,11 +729,12 @@ class Summary:
         return run_entry, (S_ext if entry is None else S_ext + a[:, :, None, None] * entry)
 
 
-def ssd_output(inp, summary, entry=None, y=None, need_exit=False):
+def ssd_output(inp, summary, entry=None, y=None, need_exit=False, gate=None):
     """The outputs of a summarised sequence (_SSDInputs inp) entered with state `entry`
-    (b, h, p, n) or zero; with need_exit also its exit state (else None)."""
+    (b, h, p, n) or zero; with need_exit also its exit state (else None). gate (z, out): the
+    mixer's y silu(z) written into out as well, in the same pass over y."""
     run_entry, exit_ = summary.run_entries(entry, need_exit)
-    y = _output_fwd(inp, summary.states, summary.gamma, run_entry, summary.plan, y)
+    y = _output_fwd(inp, summary.states, summary.gamma, run_entry, summary.plan, y, gate)
     return y, exit_
 
 
@@ -911,14 +924,15 @@ def _chunk_bwd_x_kernel(
     B_ptr, dts, cums, D_ptr, seq_ptr, out_edge, dout_ptr, CB_ptr,
     ddt_pairs_ptr, ddA_pairs_ptr, ddA_entry_part_ptr, dw_part_ptr, carry_part_ptr, dx_ptr, ddt_ptr, dA_part_ptr,
     seqlen, headdim, dstate, heads_per_group, nheads, batch, chunks_per_run, n_bc_tiles,
-    stride_B, stride_D, stride_seq, stride_do, stride_dx,
+    stride_B, stride_D, stride_seq, stride_do, stride_dx, stride_ddt,
     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_D: tl.constexpr, HAS_SEQ: tl.constexpr,
     HAS_EXIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """dx and dt of one (chunk, batch, head), and the chunk's partial dA: dx from the group
-    kernel's C.B and the exit gradient; dt from the group kernel's pair shares and the BC kernel's
-    entry, exit and state shares. ddt (b, l, h) and the partials (b * nchunks, h) fp32."""
+    """dx and dt of one (chunk, batch, head), and the chunk's partials of dA and of dt_bias's
+    gradient (the sum of raw dt's): dx from the group kernel's C.B and the exit gradient; dt from
+    the group kernel's pair shares and the BC kernel's entry, exit and state shares. ddt (b, l, h)
+    in its buffer's dtype; the partials (b * nchunks, 2, h) fp32, dA's then dt_bias's."""
     # heads vary fastest: the programs running at once share a chunk, so its B stays in L2
     pid = tl.program_id(0)
     h = pid % nheads
@@ -966,14 +980,19 @@ def _chunk_bwd_x_kernel(
     d_exit = (tl.cumsum(sw, axis=0) - sw).to(tl.float32)                           # exp(cs_last-cs_j), j < k
     ddA = tl.load(ddA_pairs_ptr + at * Q + offs_q) + d_entry + d_exit + decay * carry
     ddt = tl.load(ddt_pairs_ptr + at * Q + offs_q) + dw * w_dec + ddA * tl.load(dts.A + h).to(tl.float32)
-    tl.store(dA_part_ptr + at, tl.sum(ddA * dt, axis=0))
-    tl.store(ddt_ptr + (b64 * seqlen + t64) * nheads + h, ddt * slope, mask=valid)      # (b, l, h)
+    ddt_raw = tl.where(valid, ddt * slope, 0.0)
+    tl.store(dA_part_ptr + chunk_slot * 2 * nheads + h, tl.sum(ddA * dt, axis=0))
+    tl.store(dA_part_ptr + (chunk_slot * 2 + 1) * nheads + h, tl.sum(ddt_raw, axis=0))
+    tl.store(ddt_ptr + b64 * stride_ddt.b + t64 * stride_ddt.l + h * stride_ddt.h,
+             ddt_raw.to(ddt_ptr.dtype.element_ty), mask=valid)
 
 
-def _chunk_bwd(inp, states, gamma, run_entry, dstates, rho, run_dexit, dout, plan, dx=None, dB=None, dC=None):
+def _chunk_bwd(inp, states, gamma, run_entry, dstates, rho, run_dexit, dout, plan, dx=None, dB=None, dC=None,
+               ddt=None):
     """Every gradient of the chunks of the _SSDInputs inp, given each run's entry state and the
     gradient at its exit (b, nruns, h, p, n) fp32 (either may be None for zero). dx, dB, dC
-    may be views into one buffer (the conv backward's input)."""
+    may be views into one buffer (the conv backward's input), ddt (b, l, h) a view too.
+    Returns (dx, dB, dC, ddt in dt's dtype, dA, dD, d dt_bias) fp32 but the first four."""
     x, dt, A, B, C, D, dt_bias, seq_idx = inp
     dev, slots, Q = x.device, plan.batch * plan.nchunks, plan.Q
     dB = torch.empty_like(B, memory_format=torch.contiguous_format) if dB is None else dB
@@ -1007,30 +1026,30 @@ def _chunk_bwd(inp, states, gamma, run_entry, dstates, rho, run_dexit, dout, pla
         **plan.options("bwd_bc"), **flags)
     del dCB                     # the x kernel's outputs take its place: the backward's peak is lower
     dx = torch.empty_like(x, memory_format=torch.contiguous_format) if dx is None else dx
-    ddt = torch.empty(dt.shape, device=dev, dtype=torch.float32)
-    dA_part = torch.empty(slots, plan.nheads, device=dev, dtype=torch.float32)
+    ddt = torch.empty(dt.shape, device=dev, dtype=dt.dtype) if ddt is None else ddt
+    dA_part = torch.empty(slots, 2, plan.nheads, device=dev, dtype=torch.float32)
     _chunk_bwd_x_kernel[(plan.nchunks * plan.batch * plan.nheads,)](
         B, plan.dts(inp), cums, D, seq_idx, out_edge, dout, CB, ddt_pairs, ddA_pairs, ddA_entry_part, dw_part,
         carry_part, dx, ddt, dA_part,
         plan.seqlen, plan.headdim, plan.dstate, plan.heads_per_group, plan.nheads, plan.batch, plan.chunks_per_run,
-        n_bc_tiles, s_B, _D_strides(D), s_seq, s_do, _BLHP(*dx.stride()),
+        n_bc_tiles, s_B, _D_strides(D), s_seq, s_do, _BLHP(*dx.stride()), _BLH(*ddt.stride()),
         Q=Q, BP=plan.BP, BN=plan.BN_x, HAS_D=D is not None, HAS_EXIT=run_dexit is not None,
         **plan.options("bwd_x"), **plan.dt_flags, **flags)
-    dA = dA_part.sum(dim=0)                                                         # (h,)
+    dA, ddt_bias = (dA_part[:, i].sum(dim=0) for i in range(2))   # (h,) each: an op's outputs share no tensor
     dD = None
     if D is not None:
-        dD = dD_part.sum(dim=0)                                                     # (h, p)
-        dD = dD.sum(-1) if D.dim() == 1 else dD
-    return dx, dB, dC, ddt, dA, dD
+        dD = dD_part.sum(dim=(0, 2) if D.dim() == 1 else 0)                         # (h,) or (h, p)
+    return dx, dB, dC, ddt, dA, dD, ddt_bias
 
 
-def ssd_grads(inp, summary, grad_pass, dy, entry=None, dexit=None, dx=None, dB=None, dC=None):
+def ssd_grads(inp, summary, grad_pass, dy, entry=None, dexit=None, dx=None, dB=None, dC=None, ddt=None):
     """Every gradient of a sequence (_SSDInputs inp) entered with state `entry` whose exit
-    receives gradient `dexit` (either (b, h, p, n) or None). dx, dB, dC may be given as output
-    views. Returns (dx, dB, dC, ddt (fp32, w.r.t. raw dt), dA, dD, d entry)."""
+    receives gradient `dexit` (either (b, h, p, n) or None). dx, dB, dC, ddt may be given as
+    output views. Returns (dx, dB, dC, ddt (in dt's dtype, w.r.t. raw dt), dA, dD, d dt_bias
+    (the sum of raw dt's gradient, whether or not a dt_bias was added), d entry)."""
     run_dexits, dentry = grad_pass.exits_and_entry(dexit)
     grads = _chunk_bwd(inp, summary.states, summary.gamma, summary.run_entries(entry)[0], grad_pass.dstates,
-                       grad_pass.rho, run_dexits, dy, summary.plan, dx, dB, dC)
+                       grad_pass.rho, run_dexits, dy, summary.plan, dx, dB, dC, ddt)
     return (*grads, dentry)
 
 
@@ -1405,7 +1424,7 @@ def _conv1d_fwd(xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=None, 
 @triton.jit
 def _conv_bwd_kernel(
     dout_ptr, x_ptr, w_ptr, bias_ptr, halo_ptr, seq_ptr, hseq_ptr,
-    dx_ptr, dhalo_ptr, dw_part_ptr, db_part_ptr,
+    dx_ptr, dhalo_ptr, dw_part_ptr,
     seqlen, dim, S, stride_do, stride_x, stride_w, stride_bias, stride_h, stride_s, stride_hs, stride_dx,
     TAPS: tl.constexpr, M: tl.constexpr, BC: tl.constexpr, U: tl.constexpr, SHIFT: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_HALO_SEQ: tl.constexpr,
@@ -1413,7 +1432,8 @@ def _conv_bwd_kernel(
 ):
     """M strips of S du tokens each of tokens s of [halo, xBC] (from s = -SHIFT; SHIFT is TAPS-1
     with a halo), BC channels, one batch row: du per token (into dx, or dhalo for s < 0), and the
-    dweight, dbias of the g tokens it owns, summed into this program's partial slot. Step t
+    dweight, dbias of the g tokens it owns, summed into this program's partial slot (TAPS rows of
+    dweight, then dbias's). Step t
     computes g[t] and hands its share to the du of tokens t-TAPS+1 .. t (`part`), the oldest then
     complete. A strip's steps run from TAPS-1 tokens before its first du token (the window's
     fill) to TAPS-1 past its last (whose g complete it; they count in the next strip's dweight)."""
@@ -1475,11 +1495,11 @@ def _conv_bwd_kernel(
             win = win[1:] + (u,)
             docs = docs[1:] + (doc,)
 
-    prow = bb * tl.num_programs(0) + tl.program_id(0)              # this program's partial slot
+    slot = (bb * tl.num_programs(0) + tl.program_id(0)) * (TAPS + HAS_BIAS)   # this program's partial rows
     for j in tl.static_range(TAPS):
-        tl.store(dw_part_ptr + (prow * TAPS + j) * dim + offs_c, tl.sum(dw[j], axis=0), mask=mask_c)
+        tl.store(dw_part_ptr + (slot + j) * dim + offs_c, tl.sum(dw[j], axis=0), mask=mask_c)
     if HAS_BIAS:
-        tl.store(db_part_ptr + prow * dim + offs_c, tl.sum(db, axis=0), mask=mask_c)
+        tl.store(dw_part_ptr + (slot + TAPS) * dim + offs_c, tl.sum(db, axis=0), mask=mask_c)
 
 
 def _conv1d_bwd(dout, xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=None, need_dhalo=True, silu=True,
@@ -1497,18 +1517,19 @@ def _conv1d_bwd(dout, xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=
     if dx is None:
         dx = torch.empty((b, l, dim), device=xBC.device, dtype=xBC.dtype)
     dhalo = torch.empty((b, d - 1, dim), device=xBC.device, dtype=torch.float32) if need_dhalo else None
-    dw_part = torch.empty((b, n_t, d, dim), device=xBC.device, dtype=torch.float32)
-    db_part = torch.empty((b, n_t, dim), device=xBC.device, dtype=torch.float32) if bias is not None else None
+    # dweight's and dbias's per-program partials in one buffer: one sum gives both
+    parts = torch.empty((b, n_t, d + (bias is not None), dim), device=xBC.device, dtype=torch.float32)
     _conv_bwd_kernel[(n_t, _cdiv(dim, BC), b)](
         dout, xBC, weight, _stand_in(bias, xBC), _stand_in(halo, xBC), _stand_in(seq_idx, xBC),
         _stand_in(halo_seq, xBC),
-        dx, _stand_in(dhalo, dw_part), dw_part, _stand_in(db_part, dw_part),
+        dx, _stand_in(dhalo, parts), parts,
         l, dim, S, _BLC(*dout.stride()), _BLC(*xBC.stride()), _CK(*weight.stride()),
         0 if bias is None else bias.stride(0), _strides_of(halo, _BLC), _strides_of(seq_idx, _BL),
         _strides_of(halo_seq, _BL), _BLC(*dx.stride()),
         TAPS=d, M=M, BC=BC, U=launch.unroll, SHIFT=shift, NEED_DHALO=need_dhalo, num_warps=launch.warps, **flags)
-    dweight = dw_part.sum(dim=(0, 1)).t().contiguous()                          # (dim, d)
-    dbias = db_part.sum(dim=(0, 1)) if bias is not None else None               # (dim,)
+    sums = parts.sum(dim=(0, 1))                                                 # (d [+ 1], dim)
+    dweight = sums[:d].t().contiguous()                                          # (dim, d)
+    dbias = sums[d] if bias is not None else None                                # (dim,)
     return dx, dhalo, dweight, dbias
 
 
@@ -1554,9 +1575,10 @@ class _CPConfig:
         self.silu, self.state_dtype = silu, state_dtype
 
 
-def _conv1d_ssd_cp_forward(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, cfg):
+def _conv1d_ssd_cp_forward(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, cfg, gate=None):
     """Forward of one causal segment per row: xBC (rows, s, conv_dim), dt (rows, s, h), seq_idx
-    (rows, s). Returns y (rows, s, h, p), the final state (b, h, p, n), and what backward needs,
+    (rows, s); gate None or (z, out), both (rows, s, h, p), to write y silu(z) into out too
+    (ssd_output). Returns y (rows, s, h, p), the final state (b, h, p, n), and what backward needs,
     `kept`: (halo, halo_seq, entries, a_kept, cont), None where absent; none of it grows with
     length. Halo exchange, conv, the summary from a zero entry, the summary exchange and scan
     (true entry states, the global final state), the outputs with the entry state folded in. A
@@ -1571,11 +1593,11 @@ def _conv1d_ssd_cp_forward(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initi
     inp = _SSDInputs(x, dt, A, B, C, D, dt_bias, seq_idx)
     summary = Summary(inp, plan)
     if cfg.segs.count == 1:       # nothing to exchange: the entry is the initial state, the exit final
-        y, final = ssd_output(inp, summary, initial_states, need_exit=True)
+        y, final = ssd_output(inp, summary, initial_states, need_exit=True, gate=gate)
         return y, final, (None,) * 5
     S_ext, a = summary.affine()                                                 # (rows, h, p, n), (rows, h)
     entries, final, a_kept, cont = cfg.exchange.entry_states(S_ext, a, seq_idx, initial_states, cfg)
-    y, _ = ssd_output(inp, summary, entries)
+    y, _ = ssd_output(inp, summary, entries, gate=gate)
     return y, final, (halo, halo_seq, entries, a_kept, cont)
 
 
@@ -1603,7 +1625,8 @@ def _conv1d_ssd_cp_backward(dy, dfinal, xBC, dt, conv_weight, conv_bias, dt_bias
 
     dconv_out = torch.empty_like(conv_out)
     dx, dB, dC = _split_xBC(dconv_out, cfg)
-    _, _, _, ddt, dA, dD, dentry = ssd_grads(inp, summary, grad_pass, dy, entries, dexit, dx=dx, dB=dB, dC=dC)
+    _, _, _, ddt, dA, dD, ddt_bias, dentry = ssd_grads(inp, summary, grad_pass, dy, entries, dexit, dx=dx, dB=dB,
+                                                       dC=dC, ddt=ddt_into)
     if cfg.segs.count == 1:
         dinit = dentry                                                          # its entry is the initial state
     dxBC, dhalo, dweight, dbias = _conv1d_bwd(dconv_out, xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq,
@@ -1611,9 +1634,8 @@ def _conv1d_ssd_cp_backward(dy, dfinal, xBC, dt, conv_weight, conv_bias, dt_bias
     if dhalo is not None:
         _return_halo_grad(dxBC, dhalo, cfg)
     dinit = dinit if cfg.holds_first else torch.zeros_like(dinit)               # one rank contributes it
-    return [dxBC, ddt.to(dt.dtype) if ddt_into is None else ddt_into.copy_(ddt), dweight.to(conv_weight.dtype),
-            None if conv_bias is None else dbias.to(conv_bias.dtype),
-            None if dt_bias is None else ddt.sum(dim=(0, 1)).to(dt_bias.dtype), dA.to(A.dtype),
+    return [dxBC, ddt, dweight.to(conv_weight.dtype), None if conv_bias is None else dbias.to(conv_bias.dtype),
+            None if dt_bias is None else ddt_bias.to(dt_bias.dtype), dA.to(A.dtype),
             None if D is None else dD.to(D.dtype), None if initial_states is None else dinit.to(initial_states.dtype)]
 
 
@@ -2528,10 +2550,11 @@ def _conv1d_ssd_cp_fwd_op(xBC: Tensor, dt: Tensor, conv_weight: Tensor, conv_bia
                           dt_bias: Optional[Tensor], A: Tensor, D: Optional[Tensor], initial_states: Optional[Tensor],
                           seq_idx: Optional[Tensor], group_name: str, load_balancing: str, exchange: str, batch: int,
                           chunk_size: int, headdim: int, ngroups: int, dt_min: float, dt_max: float, silu: bool,
-                          state_dtype: Optional[torch.dtype], agree: bool) -> list[Tensor]:
-    """_conv1d_ssd_cp_forward as one op: [y, final, halo, halo_seq, entries, a_kept, cont], the
-    absent ones empty. With agree (a compiled call), the ranks' agreement and seq_idx's order
-    are checked here first, where an eager call has checked them before."""
+                          state_dtype: Optional[torch.dtype], agree: bool, z: Optional[Tensor]) -> list[Tensor]:
+    """_conv1d_ssd_cp_forward as one op: [y, final, halo, halo_seq, entries, a_kept, cont, gated],
+    the absent ones empty; given z (rows, s, h, p), gated is y silu(z), from the output kernel's
+    pass over y. With agree (a compiled call), the ranks' agreement and seq_idx's order are
+    checked here first, where an eager call has checked them before."""
     if agree:
         group = _resolve_group(group_name)
         _validate_everywhere(lambda: None, group, _rank_and_world(group)[1], xBC,
@@ -2539,20 +2562,22 @@ def _conv1d_ssd_cp_fwd_op(xBC: Tensor, dt: Tensor, conv_weight: Tensor, conv_bia
                                              chunk_size, headdim, ngroups))
     cfg = _cp_config(xBC, dt, conv_weight, group_name, load_balancing, exchange, batch, chunk_size, headdim, ngroups,
                      dt_min, dt_max, silu, state_dtype)
+    gated = xBC.new_empty(0) if z is None else torch.empty(z.shape, device=z.device, dtype=xBC.dtype)
     y, final, (halo, halo_seq, entries, a_kept, cont) = _conv1d_ssd_cp_forward(
-        xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, cfg)
+        xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, cfg,
+        None if z is None else (z, gated))
     rows, ids = xBC.shape[0], dict(device=xBC.device, dtype=torch.int32)
     empty = lambda: torch.empty(0, device=xBC.device)          # what a single segment keeps, each its own
     return [y, final, xBC.new_empty((rows, 0, xBC.shape[2])) if halo is None else halo.clone(),   # an op's outputs
             torch.empty((rows, 0) if seq_idx is not None else 0, **ids) if halo_seq is None else halo_seq.clone(),
             empty() if entries is None else entries.contiguous(), empty() if a_kept is None else a_kept.clone(),
-            empty() if cont is None else cont]
+            empty() if cont is None else cont, gated]
 
 
 @_conv1d_ssd_cp_fwd_op.register_fake
 def _conv1d_ssd_cp_fwd_fake(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, group_name,
                             load_balancing, exchange, batch, chunk_size, headdim, ngroups, dt_min, dt_max, silu,
-                            state_dtype, agree):
+                            state_dtype, agree, z):
     cfg = _cp_config(xBC, dt, conv_weight, group_name, load_balancing, exchange, batch, chunk_size, headdim, ngroups,
                      dt_min, dt_max, silu, state_dtype)
     rows, s, conv_dim = xBC.shape
@@ -2568,7 +2593,8 @@ def _conv1d_ssd_cp_fwd_fake(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, init
     return [torch.empty((rows, s, h, p), device=xBC.device, dtype=xBC.dtype), torch.empty((batch, h, p, n), **f32),
             torch.empty((rows, halo_rows, conv_dim), device=xBC.device, dtype=xBC.dtype),
             torch.empty((rows, halo_rows) if seq_idx is not None else 0, device=xBC.device, dtype=torch.int32),
-            *(torch.empty(shape, **f32) for shape in kept)]
+            *(torch.empty(shape, **f32) for shape in kept),
+            xBC.new_empty(0) if z is None else torch.empty(z.shape, device=z.device, dtype=xBC.dtype)]
 
 
 def _core_backward(dy, dfinal, xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, halo, halo_seq,
@@ -2610,8 +2636,8 @@ def _world_of(group_name):
 
 
 def _conv1d_ssd_cp_fwd_agreeing(*args):
-    """The forward op; a call being compiled agrees inside it (an eager call has agreed before)."""
-    return _conv1d_ssd_cp_fwd_op(*args, torch.compiler.is_compiling())
+    """The forward op (no gate); a call being compiled agrees inside it (an eager call has agreed before)."""
+    return _conv1d_ssd_cp_fwd_op(*args, torch.compiler.is_compiling(), None)
 
 
 class _Conv1dSSDCPOpFn(torch.autograd.Function):
@@ -2619,8 +2645,8 @@ class _Conv1dSSDCPOpFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, core_args):
-        y, final, *kept = _conv1d_ssd_cp_fwd_agreeing(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states,
-                                                      seq_idx, *core_args)
+        y, final, *kept, _ = _conv1d_ssd_cp_fwd_agreeing(xBC, dt, conv_weight, conv_bias, dt_bias, A, D,
+                                                         initial_states, seq_idx, *core_args)
         ctx.save_for_backward(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, *kept)
         ctx.core_args = core_args
         return y, final
@@ -2785,12 +2811,13 @@ class _GateNorm:
         self.w, self.eps, self.group_size, self.before = rmsnorm_weight, eps, group_size, norm_before_gate
         self.norm = rmsnorm_weight is not None
 
-    def tiles(self, dim):
+    def tiles(self, dim, backward=False):
         """(channels per program: one norm group, else up to 1024; their power-of-two tile;
-        token rows per program, about the tuning's gate_tile elements a tile)."""
+        token rows per program, about the tuning's gate_tile elements a tile, or the norm
+        backward's own: it holds more tiles of a row at once, and its two row sums)."""
         gs = self.group_size if self.norm else min(dim, 1024)
         BG = _next_pow2(gs)
-        return gs, BG, max(1, tuning().gate_tile // BG)
+        return gs, BG, tuning().norm_bwd.rows if self.norm and backward else max(1, tuning().gate_tile // BG)
 
     def forward(self, y, z, out):
         """Writes the gated output into out (b, l, dim), a view."""
@@ -2804,9 +2831,9 @@ class _GateNorm:
     def backward(self, do, y, z, dz):
         """dy (b, l, dim) in y's dtype, dz written into dz (a view), and drmsnorm_weight (fp32)."""
         b, l, dim = y.shape
-        gs, BG, BR = self.tiles(dim)
+        gs, BG, BR = self.tiles(dim, backward=True)
         n_blocks, n_cols = _cdiv(b * l, BR), _cdiv(dim, gs)
-        n_inner = max(1, _cdiv(n_blocks * n_cols, tuning().gate_programs))
+        n_inner = max(1, _cdiv(n_blocks * n_cols, tuning().norm_bwd.programs if self.norm else tuning().gate_programs))
         n_row_progs = _cdiv(n_blocks, n_inner)
         dy = torch.empty(y.shape, device=y.device, dtype=y.dtype)
         dw_part = torch.empty((n_row_progs, dim), device=y.device, dtype=torch.float32) if self.norm else None
@@ -2814,7 +2841,8 @@ class _GateNorm:
             do, y, z, self.w if self.norm else y, dy, dz, dw_part if self.norm else dy, b * l, l, dim, gs, self.eps,
             n_inner, do.stride(0), do.stride(1), y.stride(0), y.stride(1), z.stride(0), z.stride(1),
             dy.stride(0), dy.stride(1), dz.stride(0), dz.stride(1), dw_part.stride(0) if self.norm else 0,
-            BR=BR, BG=BG, NORM=self.norm, BEFORE=self.before)
+            BR=BR, BG=BG, NORM=self.norm, BEFORE=self.before,
+            **({} if INTERPRET or not self.norm else dict(num_warps=tuning().norm_bwd.warps)))
         return dy, (dw_part.sum(0) if self.norm else None)
 
 
@@ -2912,22 +2940,20 @@ def _chunk_scan_fwd(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chun
     """The output (gated with z), the final state (empty unless need_final), each packed
     document's end state (empty unless need_doc_states), and y before the gate (empty without z).
 
-    The gate y * silu(z) runs as its own kernel (section 13's) on y, which is kept for the
-    backward, as mamba_ssm keeps it: folded into the SSD kernels it cost less in the forward but
-    more in the backward, which had to load z in three kernels and recompute y in one
-    (BENCHMARKS.md, "The launch choices")."""
+    The gate y * silu(z) is written by the output kernel beside y, which is kept for the
+    backward, as mamba_ssm keeps it; the backward runs the gate's own kernel (section 13's) on
+    y first: folded into the SSD kernels' backward it cost more, which had to load z in three
+    kernels and recompute y in one (BENCHMARKS.md, "The launch choices")."""
     _check_document_values(seq_idx, cu_seqlens)
     plan = _LaunchPlan(x, B, min(chunk_size, tuning().chunk_fwd), dt_bias, dt_softplus, (dt_min, dt_max), seq_idx,
                        state_dtype)
     entry = None if initial_states is None else initial_states.float()
     inp = _SSDInputs(x, dt, A, B, C, D, dt_bias, seq_idx)
     summary = Summary(inp, plan)
-    y, final = ssd_output(inp, summary, entry, need_exit=need_final)
+    gated = None if z is None else torch.empty(x.shape, device=x.device, dtype=x.dtype)
+    y, final = ssd_output(inp, summary, entry, need_exit=need_final, gate=None if z is None else (z, gated))
     doc_states = document_end_states(inp, summary, cu_seqlens, entry) if need_doc_states else None
-    out, y_kept = y, y.new_empty(0)
-    if z is not None:
-        out, y_kept = torch.empty_like(y), y
-        _Z_GATE.forward(_flat_heads(y), _flat_heads(z), out.flatten(-2))
+    out, y_kept = (y, y.new_empty(0)) if z is None else (gated, y)
     return out, _empty_if_none(final, y, torch.float32), _empty_if_none(doc_states, y, torch.float32), y_kept
 
 
@@ -2960,9 +2986,9 @@ def _chunk_scan_bwd(dout: Tensor, dfinal: Optional[Tensor], x: Tensor, dt: Tenso
     inp = _SSDInputs(x, dt, A, B, C, D, dt_bias, seq_idx)
     grad_pass = GradPass(dy, inp, plan)
     summary = Summary(inp, plan)
-    dx, dB, dC, ddt, dA, dD, dinit = ssd_grads(inp, summary, grad_pass, dy, entry, dfinal)
-    ddt_bias = ddt.sum(dim=(0, 1)).to(dt_bias.dtype) if dt_bias is not None else None
-    grads = [dx, ddt.to(dt.dtype), dA.to(A.dtype), dB, dC, None if D is None else dD.to(D.dtype), dz, ddt_bias,
+    dx, dB, dC, ddt, dA, dD, ddt_bias, dinit = ssd_grads(inp, summary, grad_pass, dy, entry, dfinal)
+    ddt_bias = ddt_bias.to(dt_bias.dtype) if dt_bias is not None else None
+    grads = [dx, ddt, dA.to(A.dtype), dB, dC, None if D is None else dD.to(D.dtype), dz, ddt_bias,
              None if initial_states is None else dinit.to(initial_states.dtype)]
     return [_empty_if_none(g, x) for g in grads]
 
@@ -3100,15 +3126,24 @@ def _split_conv1d_scan_fwd(zxbcdt: Tensor, conv_weight: Tensor, conv_bias: Optio
     unless permute), and the core's saved tensors]. core_opts: _core_numbers."""
     core = _core_of(core_opts)
     z0, x0, z, xBC, dt = zxbcdt.split(widths, dim=-1)
-    rows = _Segments(*_rank_and_world(_resolve_group(group_name)), load_balancing).to_rows
+    segs = _Segments(*_rank_and_world(_resolve_group(group_name)), load_balancing)
+    rows = segs.to_rows
     if permute:
         xBC, dt = (_permute(t, _resolve_group(group_name), load_balancing, True) for t in (xBC, dt))
-    y, final, *saved = _conv1d_ssd_cp_fwd_op(rows(xBC), rows(dt), conv_weight, conv_bias, dt_bias, A, D, initial_states,
-                                          seq_idx, *core.core_args(group_name, load_balancing, exchange, state_dtype), agree)
+    # the plain gate, where out is y silu(z) alone in y's layout, rides on the output kernel's
+    # pass over y (one kernel and one read of y less); y is kept for the backward all the same
+    z_rows = _rows_view(segs, z) if rmsnorm_weight is None and widths[0] == 0 and not permute else None
+    y, final, *saved, gated = _conv1d_ssd_cp_fwd_op(
+        rows(xBC), rows(dt), conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx,
+        *core.core_args(group_name, load_balancing, exchange, state_dtype), agree,
+        None if z_rows is None else z_rows.unflatten(-1, (widths[4], -1)))
     y = y.reshape(core.batch, -1, y.shape[2] * y.shape[3])                      # (b, l, dim)
     if permute:
         y = _permute(y, _resolve_group(group_name), load_balancing, False)
-    out = _split_output(y, z, z0, x0, _GateNorm(rmsnorm_weight, eps, group_size, norm_before_gate), widths)
+    if z_rows is not None:
+        out = gated.reshape(y.shape)
+    else:
+        out = _split_output(y, z, z0, x0, _GateNorm(rmsnorm_weight, eps, group_size, norm_before_gate), widths)
     if outproj_weight is not None:
         out = F.linear(out.to(outproj_weight.dtype), outproj_weight, outproj_bias)
     kept = (rows(xBC), rows(dt)) if permute else (zxbcdt.new_empty(0), zxbcdt.new_empty(0))
@@ -3123,8 +3158,9 @@ def _(zxbcdt, conv_weight, conv_bias, dt_bias, A, D, initial_states, rmsnorm_wei
     segs = _Segments(*_rank_and_world(_resolve_group(group_name)), load_balancing)
     b, l, _ = zxbcdt.shape
     xBC, dt = (segs.to_rows(torch.empty((b, l, w), device=zxbcdt.device, dtype=zxbcdt.dtype)) for w in widths[3:])
-    y, final, *saved = _conv1d_ssd_cp_fwd_fake(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx,
-                                               *core.core_args(group_name, load_balancing, exchange, state_dtype), agree)
+    y, final, *saved, _ = _conv1d_ssd_cp_fwd_fake(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states,
+                                                  seq_idx, *core.core_args(group_name, load_balancing, exchange,
+                                                                           state_dtype), agree, None)
     d_out = outproj_weight.shape[0] if outproj_weight is not None else widths[0] + widths[2]
     out_dtype = outproj_weight.dtype if outproj_weight is not None else zxbcdt.dtype
     kept = (xBC, dt) if permute else (zxbcdt.new_empty(0), zxbcdt.new_empty(0))
@@ -3602,6 +3638,9 @@ def mamba_conv1d_ssd_a2a(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_s
 #                         without costing more in spills, a register cap (maxnreg).
 #   conv_fwd, conv_bwd    on a GPU one strip a program: registers bound the loads in flight
 #                         (unroll of them per step). The interpreter pays per step: many strips.
+#   norm_bwd              the gated RMSNorm's backward holds several float32 tiles of a group's
+#                         channels and sums each row twice: one token row a tile (56 registers)
+#                         ran 1.5x faster than eight (255 registers), and more programs helped.
 TUNED_KERNELS = ("cumsum", "state", "output", "bwd_group", "bwd_bc", "bwd_x")  # chunk kernels with launch options
 TUNINGS = {
     "gpu": Tuning("gpu", chunk_fwd=64, chunk_bwd=64, chunks_per_run=16, longest_run=64, state_wave=512,
@@ -3611,7 +3650,8 @@ TUNINGS = {
                               bwd_group=dict(num_warps=4, num_stages=2), bwd_bc=dict(num_warps=4, num_stages=2),
                               bwd_x=dict(num_warps=4, num_stages=1, maxnreg=128)),
                   scan_block=1024, conv_fwd=ConvLaunch(1, 256, 128, 8, 2), conv_bwd=ConvLaunch(1, 128, 256, 8, 1),
-                  gate_tile=4096, gate_programs=4096),
+                  gate_tile=4096, gate_programs=4096,
+                  norm_bwd=NormLaunch(1, 4, 16384)),
     "interpreter": _TUNING[0],
 }
 

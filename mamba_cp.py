@@ -2811,13 +2811,12 @@ class _GateNorm:
         self.w, self.eps, self.group_size, self.before = rmsnorm_weight, eps, group_size, norm_before_gate
         self.norm = rmsnorm_weight is not None
 
-    def tiles(self, dim, backward=False):
+    def tiles(self, dim):
         """(channels per program: one norm group, else up to 1024; their power-of-two tile;
-        token rows per program, about the tuning's gate_tile elements a tile, or the norm
-        backward's own: it holds more tiles of a row at once, and its two row sums)."""
+        token rows per program, about the tuning's gate_tile elements a tile)."""
         gs = self.group_size if self.norm else min(dim, 1024)
         BG = _next_pow2(gs)
-        return gs, BG, tuning().norm_bwd.rows if self.norm and backward else max(1, tuning().gate_tile // BG)
+        return gs, BG, max(1, tuning().gate_tile // BG)
 
     def forward(self, y, z, out):
         """Writes the gated output into out (b, l, dim), a view."""
@@ -2831,9 +2830,12 @@ class _GateNorm:
     def backward(self, do, y, z, dz):
         """dy (b, l, dim) in y's dtype, dz written into dz (a view), and drmsnorm_weight (fp32)."""
         b, l, dim = y.shape
-        gs, BG, BR = self.tiles(dim, backward=True)
+        gs, BG, BR = self.tiles(dim)
+        programs, warps = tuning().gate_programs, 4
+        if self.norm:        # it holds several tiles of a row's group at once and sums each row twice
+            BR, warps, programs = tuning().norm_bwd
         n_blocks, n_cols = _cdiv(b * l, BR), _cdiv(dim, gs)
-        n_inner = max(1, _cdiv(n_blocks * n_cols, tuning().norm_bwd.programs if self.norm else tuning().gate_programs))
+        n_inner = max(1, _cdiv(n_blocks * n_cols, programs))
         n_row_progs = _cdiv(n_blocks, n_inner)
         dy = torch.empty(y.shape, device=y.device, dtype=y.dtype)
         dw_part = torch.empty((n_row_progs, dim), device=y.device, dtype=torch.float32) if self.norm else None
@@ -2841,8 +2843,7 @@ class _GateNorm:
             do, y, z, self.w if self.norm else y, dy, dz, dw_part if self.norm else dy, b * l, l, dim, gs, self.eps,
             n_inner, do.stride(0), do.stride(1), y.stride(0), y.stride(1), z.stride(0), z.stride(1),
             dy.stride(0), dy.stride(1), dz.stride(0), dz.stride(1), dw_part.stride(0) if self.norm else 0,
-            BR=BR, BG=BG, NORM=self.norm, BEFORE=self.before,
-            **({} if INTERPRET or not self.norm else dict(num_warps=tuning().norm_bwd.warps)))
+            BR=BR, BG=BG, NORM=self.norm, BEFORE=self.before, num_warps=warps)
         return dy, (dw_part.sum(0) if self.norm else None)
 
 
@@ -3639,8 +3640,8 @@ def mamba_conv1d_ssd_a2a(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_s
 #   conv_fwd, conv_bwd    on a GPU one strip a program: registers bound the loads in flight
 #                         (unroll of them per step). The interpreter pays per step: many strips.
 #   norm_bwd              the gated RMSNorm's backward holds several float32 tiles of a group's
-#                         channels and sums each row twice: one token row a tile (56 registers)
-#                         ran 1.5x faster than eight (255 registers), and more programs helped.
+#                         channels and sums each row twice: one token row a tile (56 registers,
+#                         against 255 at eight) ran fastest from 16k tokens, more programs too.
 TUNED_KERNELS = ("cumsum", "state", "output", "bwd_group", "bwd_bc", "bwd_x")  # chunk kernels with launch options
 TUNINGS = {
     "gpu": Tuning("gpu", chunk_fwd=64, chunk_bwd=64, chunks_per_run=16, longest_run=64, state_wave=512,

@@ -159,7 +159,7 @@ def _cums_row(cums, slot, h, nheads, Q: tl.constexpr):
 
 
 @triton.jit
-def _dt_cumsum_kernel(dts, out_ptr, seqlen, nheads, Q: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+def _dt_cumsum_kernel(dts, out_ptr, seqlen, nheads: tl.constexpr, Q: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
                       DT_SOFTPLUS: tl.constexpr):
     """dt' and cs of one (batch row, chunk, head), cs summed in float64 and kept as a float32
     (hi, lo) pair. Heads vary fastest: the programs running at once read neighbouring dt."""
@@ -258,7 +258,11 @@ def _selected_exp(keep, log_v):
 # B, C (batch, token, group, dstate); dt; dt's gradient (batch, token, head); seq_idx; D (head,
 # headdim: a (nheads,) D has p = 0); the conv's xBC and halo (batch, token, channel) and weight
 # (channel, tap). The module's own buffers are contiguous, and the kernels compute their
-# offsets from the sizes.
+# offsets from the sizes. The model's sizes (heads, groups, headdim, dstate, state tiles) reach
+# the chunk kernels as constexprs: a model has one set of them, and as constants they remove
+# the masks of whole tiles and the run-time divisions of the indexing (2 to 18% of a kernel's
+# instructions at the shape of record, BENCHMARKS.md); the sequence's sizes stay run-time
+# values, so that a new length compiles nothing.
 _BLHP = collections.namedtuple("_BLHP", "b l h p")
 _BLGN = collections.namedtuple("_BLGN", "b l g n")
 _BL = collections.namedtuple("_BL", "b l")
@@ -463,7 +467,8 @@ class _LaunchPlan:
 @triton.jit
 def _state_pass_kernel(
     head_ptr, group_ptr, cums, seq_ptr, chunk_ptr, decay_ptr, sum_ptr, a_ptr,
-    seqlen, nheads, headdim, dstate, nchunks, chunks_per_run, n_p_tiles, n_n_tiles, heads_per_group,
+    seqlen, nheads: tl.constexpr, headdim: tl.constexpr, dstate: tl.constexpr, nchunks, chunks_per_run,
+    n_p_tiles: tl.constexpr, n_n_tiles: tl.constexpr, heads_per_group: tl.constexpr,
     stride_head, stride_group, stride_seq,
     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
     HAS_SEQ: tl.constexpr, REVERSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -619,7 +624,8 @@ def _true_chunk_edge(edge, chunk_slot, run_slot, h, offs_p, offs_n, mask_pn, nhe
 @triton.jit
 def _output_fwd_kernel(
     x_ptr, B_ptr, C_ptr, cums, D_ptr, seq_ptr, y_ptr, in_edge, z_ptr, out_ptr,
-    seqlen, headdim, dstate, heads_per_group, heads_per_program, nheads, batch, chunks_per_run,
+    seqlen, headdim: tl.constexpr, dstate: tl.constexpr, heads_per_group: tl.constexpr, heads_per_program,
+    nheads: tl.constexpr, batch, chunks_per_run,
     stride_x, stride_B, stride_C, stride_D, stride_seq, stride_y, stride_z, stride_out,
     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
     HAS_D: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_ENTRY: tl.constexpr, HAS_Z: tl.constexpr,
@@ -807,7 +813,7 @@ def _exact_dot(a, b01):
 def _chunk_bwd_group_kernel(
     x_ptr, B_ptr, C_ptr, cums, seq_ptr, dout_ptr,
     CB_ptr, dCB_ptr, ddt_pairs_ptr, ddA_pairs_ptr, dD_part_ptr,
-    seqlen, headdim, dstate, heads_per_group, ngroups, batch,
+    seqlen, headdim: tl.constexpr, dstate: tl.constexpr, heads_per_group: tl.constexpr, ngroups: tl.constexpr, batch,
     stride_x, stride_B, stride_C, stride_seq, stride_do,
     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
     HAS_D: tl.constexpr, D_PER_CHANNEL: tl.constexpr,
@@ -868,7 +874,8 @@ def _chunk_bwd_group_kernel(
 def _chunk_bwd_BC_kernel(
     x_ptr, B_ptr, C_ptr, cums, seq_ptr, in_edge, out_edge, dout_ptr, dCB_ptr,
     dB_ptr, dC_ptr, ddA_entry_part_ptr, dw_part_ptr, carry_part_ptr,
-    seqlen, headdim, dstate, heads_per_group, ngroups, batch, n_n_tiles, chunks_per_run,
+    seqlen, headdim: tl.constexpr, dstate: tl.constexpr, heads_per_group: tl.constexpr, ngroups: tl.constexpr, batch,
+    n_n_tiles: tl.constexpr, chunks_per_run,
     stride_x, stride_B, stride_C, stride_seq, stride_do, stride_dB, stride_dC,
     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
     HAS_SEQ: tl.constexpr, HAS_ENTRY: tl.constexpr, HAS_EXIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -923,7 +930,8 @@ def _chunk_bwd_BC_kernel(
 def _chunk_bwd_x_kernel(
     B_ptr, dts, cums, D_ptr, seq_ptr, out_edge, dout_ptr, CB_ptr,
     ddt_pairs_ptr, ddA_pairs_ptr, ddA_entry_part_ptr, dw_part_ptr, carry_part_ptr, dx_ptr, ddt_ptr, dA_part_ptr,
-    seqlen, headdim, dstate, heads_per_group, nheads, batch, chunks_per_run, n_bc_tiles,
+    seqlen, headdim: tl.constexpr, dstate: tl.constexpr, heads_per_group: tl.constexpr, nheads: tl.constexpr, batch,
+    chunks_per_run, n_bc_tiles: tl.constexpr,
     stride_B, stride_D, stride_seq, stride_do, stride_dx, stride_ddt,
     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_D: tl.constexpr, HAS_SEQ: tl.constexpr,
@@ -2859,7 +2867,8 @@ _Z_GATE = _GateNorm(None, 0.0, 0, True)   # the plain gate y * silu(z), also mam
 @triton.jit
 def _document_end_state_kernel(
     x_ptr, B_ptr, dts, cu_ptr, in_edge, out_ptr,
-    seqlen, nheads, headdim, dstate, heads_per_group, chunks_per_run, n_n_tiles,
+    seqlen, nheads: tl.constexpr, headdim: tl.constexpr, dstate: tl.constexpr, heads_per_group: tl.constexpr,
+    chunks_per_run, n_n_tiles: tl.constexpr,
     stride_x, stride_B,
     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,

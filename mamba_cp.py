@@ -127,16 +127,16 @@ _DtArgs = collections.namedtuple("_DtArgs", "dt stride_b stride_l stride_h dt_bi
 
 
 @triton.jit
-def _chunk_dt(dts, b, h, start, seqlen, Q: tl.constexpr, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr):
-    """dt', dt'*A and d dt'/d dt_raw (the softplus slope, zero where dt_limit clamps) of one
-    chunk of one head, (Q,) float32 each; zero past the sequence end. dts is a _DtArgs."""
-    t = start + tl.arange(0, Q)
+def _chunk_dt(dts, b, h, t, seqlen, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr):
+    """dt', dt'*A and d dt'/d dt_raw (the softplus slope, zero where dt_limit clamps) at tokens t
+    of heads h of batch row b, float32; zero past the sequence end. t and h broadcast: a chunk's
+    (Q,) tokens of one head, or (Q, 1) tokens of (1, BH) heads. dts is a _DtArgs."""
     valid = t < seqlen
     dt = tl.load(dts.dt + b.to(tl.int64) * dts.stride_b + t.to(tl.int64) * dts.stride_l + h * dts.stride_h,
                  mask=valid, other=0.0).to(tl.float32)
     if HAS_DT_BIAS:
         dt += tl.load(dts.dt_bias + h).to(tl.float32)
-    slope = tl.full((Q,), 1.0, tl.float32)
+    slope = tl.full(dt.shape, 1.0, tl.float32)
     if DT_SOFTPLUS:
         slope = tl.where(dt > 20.0, 1.0, 1.0 / (1.0 + tl.exp(-dt)))
         dt = _softplus(dt)
@@ -159,17 +159,20 @@ def _cums_row(cums, slot, h, nheads, Q: tl.constexpr):
 
 
 @triton.jit
-def _dt_cumsum_kernel(dts, out_ptr, seqlen, nheads: tl.constexpr, Q: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-                      DT_SOFTPLUS: tl.constexpr):
-    """dt' and cs of one (batch row, chunk, head), cs summed in float64 and kept as a float32
-    (hi, lo) pair. Heads vary fastest: the programs running at once read neighbouring dt."""
+def _dt_cumsum_kernel(dts, out_ptr, seqlen, nheads: tl.constexpr, Q: tl.constexpr, BH: tl.constexpr,
+                      HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr):
+    """dt' and cs of one (batch row, chunk) for BH heads, (Q, BH) tiles, cs summed in float64
+    along the tokens and kept as a float32 (hi, lo) pair. A block of heads a program: a token's
+    heads are neighbours in dt, so each row of the tile is one read."""
     pid = tl.program_id(0)
-    h, slot = pid % nheads, pid // nheads
+    hb, slot = pid % (nheads // BH), (pid // (nheads // BH)).to(tl.int64)
     nchunks = tl.cdiv(seqlen, Q)
-    dt, dA, _ = _chunk_dt(dts, slot // nchunks, h, (slot % nchunks) * Q, seqlen, Q, HAS_DT_BIAS, DT_SOFTPLUS)
+    offs_q = tl.arange(0, Q)[:, None]                                                  # (Q, 1)
+    h = hb * BH + tl.arange(0, BH)[None, :]                                            # (1, BH)
+    dt, dA, _ = _chunk_dt(dts, slot // nchunks, h, (slot % nchunks) * Q + offs_q, seqlen, HAS_DT_BIAS, DT_SOFTPLUS)
     cs = tl.cumsum(dA.to(tl.float64), axis=0)
     hi = cs.to(tl.float32)
-    base = _cums_row(out_ptr, slot.to(tl.int64), h, nheads, Q) + tl.arange(0, Q)
+    base = _cums_row(out_ptr, slot, h, nheads, Q) + offs_q
     tl.store(base, dt)
     tl.store(base + Q, hi)
     tl.store(base + 2 * Q, (cs - hi.to(tl.float64)).to(tl.float32))
@@ -178,8 +181,9 @@ def _dt_cumsum_kernel(dts, out_ptr, seqlen, nheads: tl.constexpr, Q: tl.constexp
 def _dt_cumsums(inp, plan):
     """The call's (b * nchunks, h, 3, Q) float32 buffer: rows dt', cs hi, cs lo."""
     out = torch.empty(plan.batch * plan.nchunks, plan.nheads, 3, plan.Q, device=inp.dt.device, dtype=torch.float32)
-    _dt_cumsum_kernel[(plan.batch * plan.nchunks * plan.nheads,)](
-        plan.dts(inp), out, plan.seqlen, plan.nheads, Q=plan.Q, **plan.options("cumsum"), **plan.dt_flags)
+    heads = min(8, plan.nheads & -plan.nheads)         # the largest power of two dividing nheads, up to 8
+    _dt_cumsum_kernel[(plan.batch * plan.nchunks * (plan.nheads // heads),)](
+        plan.dts(inp), out, plan.seqlen, plan.nheads, Q=plan.Q, BH=heads, **plan.options("cumsum"), **plan.dt_flags)
     return out
 
 
@@ -953,7 +957,7 @@ def _chunk_bwd_x_kernel(
 
     dt, e, w_dec, decay, hi, lo, seq, total, continues = _chunk_decays(
         cums, seq_ptr, stride_seq, b, h, c, seqlen, nheads, Q, HAS_SEQ)
-    _, _, slope = _chunk_dt(dts, b, h, start, seqlen, Q, HAS_DT_BIAS, DT_SOFTPLUS)   # d dt'/d dt_raw
+    _, _, slope = _chunk_dt(dts, b, h, start + offs_q, seqlen, HAS_DT_BIAS, DT_SOFTPLUS)   # d dt'/d dt_raw
     L = _pair_decay(hi, lo, seq, Q, HAS_SEQ)
     CB = tl.load(CB_ptr + _pair_tile(chunk_slot, g, nheads // heads_per_group, Q))
     dy = _load_tile(dout_ptr, stride_do, b64, t64, h, offs_p, mask_qp)              # (Q, BP)
@@ -2895,7 +2899,7 @@ def _document_end_state_kernel(
     offs_n = pid_n * BN + tl.arange(0, BN)
     mask_pn = (offs_p[:, None] < headdim) & (offs_n[None, :] < dstate)
 
-    dt, dA, slope = _chunk_dt(dts, zero, h, start, seqlen, Q, HAS_DT_BIAS, DT_SOFTPLUS)
+    dt, dA, slope = _chunk_dt(dts, zero, h, start + offs_q, seqlen, HAS_DT_BIAS, DT_SOFTPLUS)
     cs = tl.cumsum(dA.to(tl.float64), axis=0)                                    # (Q,) float64
     cs_e = tl.sum(tl.where(offs_q == last - start, cs, 0.0), axis=0)
     t = start + offs_q

@@ -7,12 +7,16 @@ set_link_model, and chosen_exchange, what summary_exchange="auto" picks by that 
 bytes and times printed here are the ones "auto" decides by; and, for the tuning flags,
 TUNED_KERNELS (the chunk kernels that take launch options) and the Tuning fields set_tuning takes.
 
-Three measurements, dispatched by main() (and three more: `python bench.py --conv` times the conv
+Three measurements, dispatched by main() (and four more: `python bench.py --conv` times the conv
 alone, plain, with a halo, with document ids and with both; `python bench.py --against REV` times
 this tree's SSD and mixer entry against mamba_cp.py as committed at git revision REV, imported
 beside it, in one process on the same inputs (before/after, "speedup" = before / after);
 `python bench.py --hybrid attention|step ...` runs examples/hybrid_bench.py, transformers hybrids
-under examples/transformers_cp.py):
+under examples/transformers_cp.py; `python bench.py --sass [ARCH]` runs nothing: on any machine, a
+GPU's or not, it compiles every kernel of the SSD and of the mixer entry, forward and backward, for
+compute capability ARCH (default 90) at the record shape, and prints each one's registers, stack
+bytes (spills) and SASS instructions, with --against REV REV's beside; it reaches into Triton's
+runtime to do so, a stand-in driver and launches turned into compiles):
 
 1. `python bench.py` (one device, no torchrun): the single-device chunked SSD.
    What is timed: `mamba_cp.mamba_chunk_scan_combined(x, dt, A, B, C, chunk, D=D, dt_bias=dt_bias,
@@ -107,6 +111,7 @@ only checks the script.
 """
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -122,7 +127,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-import mamba_cp  # before anything triton-related: it picks the interpreter when CUDA is absent
+if any(a.startswith("--sass") for a in sys.argv[1:]):  # a compile for a GPU, on any machine: never the interpreter
+    os.environ["TRITON_INTERPRET"] = "0"
+import mamba_cp  # noqa: E402 - before anything triton-related: it picks the interpreter when CUDA is absent
 
 CUDA = torch.cuda.is_available()
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -1268,6 +1275,11 @@ def parse_args(argv=None):
                     "committed at git revision REV (or in the file REV), in one process (before/after)")
     ap.add_argument("--conv", action="store_true", help="time only the conv (conv1d_fwd, conv1d_bwd): plain, with a "
                     "halo, with document ids, with both")
+    ap.add_argument("--sass", nargs="?", const=90, type=int, metavar="ARCH",
+                    help="compile (not run) every kernel of the SSD and the mixer entry, forward and backward, for "
+                         "compute capability ARCH (default 90, the H100 and H200), on any machine, a GPU's or not: "
+                         "registers, stack bytes and SASS instructions per kernel; at the record shape unless "
+                         "given, the first of --lengths; with --against REV, REV's kernels beside")
     ap.add_argument("--comm-shape", choices=("run", "record"), default="run",
                     help="shape of the bytes table and plot: this run's flags (default) or the record shape")
     ap.add_argument("--plot", metavar="FILE.png", help="draw time and communication vs L (needs matplotlib)")
@@ -1295,7 +1307,7 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     apply_tuning(ap, args)
     args.warmup_given = args.warmup is not None
-    defaults = dict(GPU_DEFAULTS if CUDA else CPU_DEFAULTS)
+    defaults = dict(GPU_DEFAULTS if CUDA or args.sass else CPU_DEFAULTS)
     if is_distributed(args):
         defaults["lengths"] = CP_LENGTHS["gpu" if CUDA else "cpu"]
     for k, v in defaults.items():
@@ -1403,6 +1415,114 @@ def main_conv(args):
         print("RESULT " + json.dumps(dict(r, **tuned(args))), flush=True)
 
 
+class _CompileOnly:
+    """--sass: Triton's driver replaced by a stand-in that reports a GPU of compute capability
+    `arch`, and every kernel launch turned into its compile (Triton's own warm-up path), so the
+    public functions run on CPU tensors and compile each kernel they would launch; what they
+    return is garbage. Reaches into Triton's runtime (driver.set_active, JITFunction.run)."""
+
+    def __init__(self, arch):
+        from triton.backends.compiler import GPUTarget
+        self.target, self.compiled = GPUTarget("cuda", arch, 32), {}
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+    def __enter__(self):
+        from triton.runtime import driver
+        from triton.runtime.jit import JITFunction
+        self.run = JITFunction.run
+        compiled = self.compiled
+
+        def compile_only(fn, *a, grid, warmup, **kw):
+            kernel = self.run(fn, *a, grid=grid, warmup=True, **kw)
+            compiled.setdefault(id(kernel), (fn.fn.__name__, kernel))
+            return kernel
+        driver.set_active(self)
+        JITFunction.run = compile_only
+        return self
+
+    def __exit__(self, *exc):
+        from triton.runtime import driver
+        from triton.runtime.jit import JITFunction
+        JITFunction.run = self.run
+        try:
+            driver.reset_active()
+        except RuntimeError:        # a machine without a GPU driver has no default to go back to
+            pass
+
+
+def sass_counts(kernel):
+    """(registers, stack bytes a thread, SASS instructions) of a compiled kernel, read with the
+    cuobjdump that ships with Triton."""
+    import re
+    import subprocess
+    import tempfile
+    tool = os.path.join(os.path.dirname(mamba_cp.triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage, sass = (subprocess.run([tool, flag, f.name], capture_output=True, text=True, check=True).stdout
+                       for flag in ("-res-usage", "-sass"))
+    regs, stack = re.search(r"REG:(\d+) STACK:(\d+)", usage).groups()
+    return int(regs), int(stack), len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+\S", sass, re.M))
+
+
+def sass_calls(args, L, module):
+    """The SSD's and the mixer entry's forward+backward (forward alone with --fwd-only) at this
+    run's shape, on CPU tensors."""
+    dtype, (b, h, p, g, n, k) = DTYPES[args.dtype], (args.batch, args.nheads, args.headdim, args.ngroups,
+                                                      args.dstate, args.d_conv)
+    dim, conv_dim = h * p, h * p + 2 * g * n
+    leaves = lambda *ts: [t.requires_grad_() for t in ts]                        # noqa: E731
+    ssd = leaves(torch.randn(b, L, h, p, dtype=dtype), torch.randn(b, L, h), -torch.rand(h),
+                 torch.randn(b, L, g, n, dtype=dtype), torch.randn(b, L, g, n, dtype=dtype), torch.ones(h), torch.zeros(h))
+    entry = leaves(torch.randn(b, L, dim + conv_dim + h, dtype=dtype), torch.randn(conv_dim, k), torch.randn(conv_dim),
+                   torch.zeros(h), -torch.rand(h), torch.ones(h))
+
+    def call(f, ins):
+        def run():
+            with torch.no_grad() if args.fwd_only else contextlib.nullcontext():
+                y = f()
+            if not args.fwd_only:
+                torch.autograd.grad(y, ins, torch.randn_like(y))
+        return run
+    return (("ssd", call(lambda: module.mamba_chunk_scan_combined(*ssd[:5], args.chunk, D=ssd[5], dt_bias=ssd[6],
+                                                                 dt_softplus=True), ssd)),
+            ("entry", call(lambda: module.mamba_split_conv1d_scan_combined(*entry, args.chunk, headdim=p, ngroups=g,
+                                                                           norm_before_gate=False), entry)))
+
+
+def main_sass(args):
+    """--sass: every kernel of the SSD and of the mixer entry compiled for one GPU arch, nothing run."""
+    L = args.lengths[0]
+    print(f"# kernels compiled for sm_{args.sass} (triton {mamba_cp.triton.__version__}), not run; "
+          f"nheads={args.nheads} headdim={args.headdim} ngroups={args.ngroups} dstate={args.dstate} "
+          f"chunk={args.chunk} batch={args.batch} L={L} dtype={args.dtype}" + tuning_note(args))
+    modules = [("after", mamba_cp)] + ([("before", load_revision(args.against))] if args.against else [])
+    with _CompileOnly(args.sass) as stand_in:
+        for label, module in modules:
+            for call_name, call in sass_calls(args, L, module):
+                stand_in.compiled.clear()
+                call()
+                for name, kernel in stand_in.compiled.values():
+                    regs, stack, count = sass_counts(kernel)
+                    r = dict(bench="sass", module=label, call=call_name, kernel=name, arch=args.sass, L=L,
+                             dtype=args.dtype, registers=regs, stack_bytes=stack, instructions=count)
+                    print(f"{label:>6} {call_name:>5} {name:<28} {regs:>4} registers {stack:>5} stack bytes "
+                          f"{count:>6} instructions")
+                    print("RESULT " + json.dumps(dict(r, **tuned(args))), flush=True)
+
+
 def load_revision(rev):
     """mamba_cp.py as committed at git revision `rev` (or the file at the path `rev`), imported
     beside this tree's module under a name of its own, its custom ops renamed so that both register: the "before" of a before/after
@@ -1484,7 +1604,9 @@ def main_against(args):
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.against:
+    if args.sass:
+        main_sass(args)
+    elif args.against:
         main_against(args)
     elif args.conv:
         main_conv(args)

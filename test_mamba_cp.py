@@ -35,6 +35,7 @@ import functools
 import importlib.util
 import inspect
 import itertools
+import json
 import math
 import os
 import statistics
@@ -1022,6 +1023,26 @@ def test_runs_lengthen_while_the_gpu_stays_busy(tuned):
                                   state_wave=wave))
         plan = mamba_cp._LaunchPlan(x, B, SMALL.chunk, None, True, (0.0, math.inf), None)
         assert plan.chunks_per_run == want, (wave, plan.chunks_per_run)
+
+
+def test_every_kernel_compiles_for_the_gpu():
+    """The interpreter runs code the GPU's compiler would refuse: `bench.py --sass` compiles every
+    kernel of the SSD and of the mixer entry, forward and backward, for sm_90 under the GPU's
+    tuning, on this machine, at an awkward bf16 shape (6 heads of 24 in 3 groups, dstate 20, 1100
+    tokens: masked tiles, two runs, so the summary scan too), and reads each one's registers."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    run = subprocess.run([sys.executable, os.path.join(here, "bench.py"), "--sass", "--lengths", "1100", "--nheads",
+                          "6", "--headdim", "24", "--ngroups", "3", "--dstate", "20"],
+                         cwd=here, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    seen = {(r["call"], r["kernel"]): r for r in
+            (json.loads(line[len("RESULT "):]) for line in run.stdout.splitlines() if line.startswith("RESULT "))}
+    chunk_kernels = ("_dt_cumsum_kernel", "_state_pass_kernel", "_summary_scan_kernel", "_output_fwd_kernel",
+                     "_chunk_bwd_group_kernel", "_chunk_bwd_BC_kernel", "_chunk_bwd_x_kernel")
+    want = {("ssd", k) for k in chunk_kernels} | {("entry", k) for k in chunk_kernels + (
+        "_conv_fwd_kernel", "_conv_bwd_kernel", "_gate_norm_bwd_kernel")}
+    assert want <= set(seen), sorted(want - set(seen))
+    assert all(0 < r["registers"] <= 255 and r["instructions"] > 0 for r in seen.values()), seen
 
 
 def test_dt_limit_clamps():

@@ -265,8 +265,9 @@ def _selected_exp(keep, log_v):
 # offsets from the sizes. The model's sizes (heads, groups, headdim, dstate, state tiles) reach
 # the chunk kernels as constexprs: a model has one set of them, and as constants they remove
 # the masks of whole tiles and the run-time divisions of the indexing (2 to 18% of a kernel's
-# instructions at the shape of record, BENCHMARKS.md); the sequence's sizes stay run-time
-# values, so that a new length compiles nothing.
+# instructions at the shape of record, BENCHMARKS.md). The call's (batch, length, chunks, runs)
+# stay run-time values: other lengths and batches reuse the compiled kernels (Triton tells
+# integers apart only by their divisibility by 16 and by being 1).
 _BLHP = collections.namedtuple("_BLHP", "b l h p")
 _BLGN = collections.namedtuple("_BLGN", "b l g n")
 _BL = collections.namedtuple("_BL", "b l")

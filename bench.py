@@ -111,7 +111,6 @@ only checks the script.
 """
 
 import argparse
-import contextlib
 import dataclasses
 import datetime
 import functools
@@ -1478,28 +1477,13 @@ def sass_counts(kernel):
 
 
 def sass_calls(args, L, module):
-    """The SSD's and the mixer entry's forward+backward (forward alone with --fwd-only) at this
-    run's shape, on CPU tensors."""
-    dtype, (b, h, p, g, n, k) = DTYPES[args.dtype], (args.batch, args.nheads, args.headdim, args.ngroups,
-                                                      args.dstate, args.d_conv)
-    dim, conv_dim = h * p, h * p + 2 * g * n
-    leaves = lambda *ts: [t.requires_grad_() for t in ts]                        # noqa: E731
-    ssd = leaves(torch.randn(b, L, h, p, dtype=dtype), torch.randn(b, L, h), -torch.rand(h),
-                 torch.randn(b, L, g, n, dtype=dtype), torch.randn(b, L, g, n, dtype=dtype), torch.ones(h), torch.zeros(h))
-    entry = leaves(torch.randn(b, L, dim + conv_dim + h, dtype=dtype), torch.randn(conv_dim, k), torch.randn(conv_dim),
-                   torch.zeros(h), -torch.rand(h), torch.ones(h))
-
-    def call(f, ins):
-        def run():
-            with torch.no_grad() if args.fwd_only else contextlib.nullcontext():
-                y = f()
-            if not args.fwd_only:
-                torch.autograd.grad(y, ins, torch.randn_like(y))
-        return run
-    return (("ssd", call(lambda: module.mamba_chunk_scan_combined(*ssd[:5], args.chunk, D=ssd[5], dt_bias=ssd[6],
-                                                                 dt_softplus=True), ssd)),
-            ("entry", call(lambda: module.mamba_split_conv1d_scan_combined(*entry, args.chunk, headdim=p, ngroups=g,
-                                                                           norm_before_gate=False), entry)))
+    """The SSD's and the mixer entry's calls as the timed runs make them (forward+backward, the
+    forward alone with --fwd-only), on CPU tensors."""
+    ssd_inp, ssd_grad = make_inputs(args, L, "cpu")
+    split, _, split_grad = make_gate_local(args, L, "cpu")
+    calls = (("ssd", make_fns(ssd_inp, ssd_grad, args.chunk, functools.partial(ssd, module=module))),
+             ("entry", make_fns(split, split_grad, args.chunk, lambda t, _: split_entry(t, args, module=module))))
+    return [(name, fns[0] if args.fwd_only else fns[1]) for name, fns in calls]
 
 
 def main_sass(args):

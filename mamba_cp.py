@@ -262,12 +262,9 @@ def _selected_exp(keep, log_v):
 # B, C (batch, token, group, dstate); dt; dt's gradient (batch, token, head); seq_idx; D (head,
 # headdim: a (nheads,) D has p = 0); the conv's xBC and halo (batch, token, channel) and weight
 # (channel, tap). The module's own buffers are contiguous, and the kernels compute their
-# offsets from the sizes. The model's sizes (heads, groups, headdim, dstate, state tiles) reach
-# the chunk kernels as constexprs: a model has one set of them, and as constants they remove
-# the masks of whole tiles and the run-time divisions of the indexing (2 to 18% of a kernel's
-# instructions at the shape of record, BENCHMARKS.md). The call's (batch, length, chunks, runs)
-# stay run-time values: other lengths and batches reuse the compiled kernels (Triton tells
-# integers apart only by their divisibility by 16 and by being 1).
+# offsets from the sizes. The model's sizes (heads, groups, headdim, dstate, state tiles) are
+# constexprs in the chunk kernels, which drops whole tiles' masks and the indexing's divisions;
+# the call's (batch, length, chunks, runs) stay run-time values, so lengths share the kernels.
 _BLHP = collections.namedtuple("_BLHP", "b l h p")
 _BLGN = collections.namedtuple("_BLGN", "b l g n")
 _BL = collections.namedtuple("_BL", "b l")

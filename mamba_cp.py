@@ -2962,10 +2962,10 @@ def _chunk_scan_fwd(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chun
     entry = None if initial_states is None else initial_states.float()
     inp = _SSDInputs(x, dt, A, B, C, D, dt_bias, seq_idx)
     summary = Summary(inp, plan)
-    gated = None if z is None else torch.empty(x.shape, device=x.device, dtype=x.dtype)
-    y, final = ssd_output(inp, summary, entry, need_exit=need_final, gate=None if z is None else (z, gated))
+    gate = None if z is None else (z, torch.empty(x.shape, device=x.device, dtype=x.dtype))   # (z, y silu(z))
+    y, final = ssd_output(inp, summary, entry, need_exit=need_final, gate=gate)
     doc_states = document_end_states(inp, summary, cu_seqlens, entry) if need_doc_states else None
-    out, y_kept = (y, y.new_empty(0)) if z is None else (gated, y)
+    out, y_kept = (y, y.new_empty(0)) if gate is None else (gate[1], y)
     return out, _empty_if_none(final, y, torch.float32), _empty_if_none(doc_states, y, torch.float32), y_kept
 
 

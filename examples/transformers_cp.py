@@ -1,8 +1,10 @@
 """Context parallelism for Hugging Face transformers Mamba2 models and hybrids, through mamba_cp.
 
-Copy this file next to mamba_cp.py in a trainer. A training step, every rank holding its share
-of the same sequences (load_balancing: "virtual", zigzag shards, two half-shards per rank, the
-layout ring attention balances; "none", contiguous; the batch must be sharded in the same one):
+Copy this file next to mamba_cp.py in a trainer. examples/README.md is the guide: the models and
+transformers releases, what each layer does on a shard, packed documents, what is refused, the
+tests and the benchmark. A training step, every rank holding its share of the same sequences
+(load_balancing: "virtual", zigzag shards, two half-shards per rank, the layout ring attention
+balances; "none", contiguous; the batch must be sharded in the same one):
 
     model = enable_cp(model, cp_group, load_balancing="virtual")         # once, after loading
     batch = shard_batch(input_ids, labels, rank, world, "virtual",       # per step, every rank
@@ -13,49 +15,25 @@ layout ring attention balances; "none", contiguous; the batch must be sharded in
     out.loss.backward()
     all_reduce_grads(model, cp_group)                                    # without FSDP (below)
 
-What each layer kind does on a shard:
-  - Mamba2 mixers run mamba_cp's mamba_split_conv1d_scan_combined (state passing: a conv halo
-    and one state summary per rank), from the mixer's own parameters;
-  - attention layers (registered through transformers' attention interface, no model code
-    edited) all-gather K and V over the CP group and run one fused flex_attention call under a
-    block mask made from global positions and document ids: tiles no pair of which is visible
-    are skipped, no l x L tensor is made, grouped-query heads are read in place. The mask is
-    made once per model forward (a hook on the model) and read by every attention layer. In
-    backward each rank gets back the gradient of its own K and V, summed over the ranks that
-    used them (a reduce-scatter);
-  - MLP and MoE layers work token by token: nothing to do.
-Supported: Mamba2ForCausalLM, BambaForCausalLM, GraniteMoeHybridForCausalLM and
-NemotronHForCausalLM (whose attention has no position embedding: nothing changes), found by the
-layer kinds their configs declare (layer_types / layers_block_type: "linear_attention" for
-Mamba2, "full_attention", "mlp", "moe"); another kind raises ValueError naming it, and so does
-sliding-window attention (a sliding_window in the config or on a layer). `enable_mamba_cp`
-patches the mixers alone, for trainers whose attention is parallelised already (torch's
-context_parallel, say).
+Mamba2 mixers run mamba_cp's mamba_split_conv1d_scan_combined; attention layers (registered
+through transformers' attention interface) all-gather K and V and run one fused flex_attention
+call under a block mask made once per forward from global positions and document ids; MLP and
+MoE layers need nothing. Supported: Mamba2ForCausalLM, BambaForCausalLM,
+GraniteMoeHybridForCausalLM and NemotronHForCausalLM, found by the layer kinds their configs
+declare ("linear_attention" for Mamba2, "full_attention", "mlp", "moe"); another kind raises
+ValueError naming it, and so does sliding-window attention. enable_mamba_cp patches the mixers
+alone. transformers 5.17 to 5.25: the mixers' cache keyword (cache_params to 5.23, cache from
+5.24) is mapped, and 5.17 to 5.22's gated RMSNorm, which normalises all channels at once, runs
+in torch after the gate when a mixer has more than one B/C group.
 
-transformers 5.17 to 5.25: the mixers take the cache as cache_params (5.17 to 5.23) or cache
-(5.24 on), and the keywords a CausalLM forward hands on (the loss's, the router's, use_cache,
-output_*), all mapped; the gated RMSNorm of 5.17 to 5.22 normalises all channels at once, not
-per B/C group as mamba_cp's fused norm does: with more than one group the mixer stops at the
-gate and runs that norm in torch (tests: test_transformers_calling_conventions).
-
-A world of one (cp_group None, or a group of one rank) runs the same path on the whole
-sequence with no collective: the mixers on mamba_cp's kernels, with no mamba_ssm build (without
-one transformers runs them in torch: in BENCHMARKS.md's hybrid step, 16x the time and 5x the
-memory at 4k tokens, out of memory at 16k), attention through the same fused kernel. To keep
-transformers' own path, do not call enable_cp.
+A world of one (cp_group None, or a group of one rank) runs the same path on the whole sequence
+with no collective. To keep transformers' own path, do not call enable_cp.
 
 The loss: each rank's loss is the sum of its tokens' cross-entropy divided by the global count of
-predicted tokens (`num_items_in_batch`, which transformers' causal-LM loss takes), so the ranks'
-losses add up to the unsharded model's mean loss. The labels are shifted on the whole sequence
-before sharding (`shift_labels`): a shard's last token predicts the first of the next shard.
-
-Packed documents: `shard_batch` reads document starts from `position_ids` (restarting at 0, as
-transformers' DataCollatorWithFlattening writes them) and returns `seq_idx`, global document ids
-per token; passed to the model, it reaches every mixer and attention layer (transformers forwards
-the CausalLM's keywords to them), which keep documents apart; the last token of a document
-predicts nothing. Without `seq_idx` nothing is separated: transformers' own mixers never derive it
-from `position_ids`. Mamba2ForCausalLM hands its mixers no keywords before transformers 5.25, so
-it cannot take packed documents there.
+predicted tokens (num_items_in_batch), so the ranks' losses add up to the unsharded model's mean.
+Packed documents: pass seq_idx from shard_batch; without it nothing is separated.
+Mamba2ForCausalLM hands its mixers no keywords before transformers 5.25: there a seq_idx given to
+it is dropped with no error (its backbone, Mamba2Model, does hand it on).
 
 FSDP2 with CP: the decoder layers and the model are sharded over all dp x cp ranks, CP runs over
 the cp sub-mesh's group, and FSDP's reduce-scatter, which averages over those dp x cp ranks, also
@@ -71,16 +49,13 @@ sums the CP shares of each gradient once the loss is scaled back up:
     loss = model(...).loss * (dp * cp)      # FSDP divides the summed gradients by dp * cp
     loss.backward(); optimizer.step()       # no all_reduce_grads
 
-Limits: a padding mask (an attention_mask with zeros) is refused under CP (pack instead), as
-are attention dropout in training and sliding-window attention. A cache:
-transformers makes one whenever use_cache is on, training too; a training forward runs on the
-shard and leaves it empty. In evaluation a cache means generation: the Mamba2 mixers then run
-transformers' own forward, on whatever they are given (a Mamba2ForCausalLM generates unsharded),
-and enable_cp's attention refuses it (evaluate shards with use_cache=False, and generate with a
-model that has not been through enable_cp). Keywords that describe
-documents some other way (cu_seq_lens_q, max_length_k, ...) are refused: pass seq_idx. Losses a
-model adds per rank as a mean over its own tokens (Bamba's z-loss, GraniteMoeHybrid's router
-auxiliary loss, both off by default) are not renormalised across ranks.
+Refused (ValueError): a padding mask, attention dropout in training, sliding-window attention,
+keywords that describe documents some other way (cu_seq_lens_q, ...), and a cache in evaluation
+at an attention layer. In a training forward a cache is harmless: the mixers leave their entries
+empty, the attention layers store only this rank's K and V. In evaluation with a cache the
+mixers run transformers' own forward on whatever they are given, so evaluate shards with
+use_cache=False (a Mamba2ForCausalLM, which has no attention layer to refuse it, would run each
+shard alone), and generate with a model that has not been through enable_cp.
 """
 
 import inspect

@@ -1,96 +1,98 @@
 """mamba_cp: state-passing context parallelism for Mamba2's SSD, in one readable module.
 
-The SSD recurrence, per batch row and head (README walkthrough a):
+The SSD recurrence, per batch row and head (README "The recurrence"):
 
     dt'_t = clamp(softplus(dt_t + dt_bias), *dt_limit)   a_t = exp(dt'_t * A)
     S_t   = a_t * S_{t-1} + dt'_t * x_t B_t^T            y_t = S_t C_t + D * x_t   (then * silu(z_t))
 
-Chunked form (README walkthrough b). Cut the sequence into chunks of Q tokens; cs_i is the cumulative
-sum of dt'*A inside a chunk. A chunk entered with state S_in produces
+Any causal piece of the sequence maps the state entering it to the state leaving it affinely,
+S_out = a * S_in + S_ext, with S_ext its exit state from a zero entry and a its decay. So each
+rank summarises its segment as (S_ext, a), the summaries are exchanged, an exclusive scan over
+them gives every rank the true state entering its segment, and each rank computes its outputs
+from that state. Only the summaries, whose size does not grow with the sequence, and a conv
+halo of d_conv - 1 tokens cross between ranks (README "The affine state summary").
 
-    y_i   = sum_{j<=i} (C_i . B_j) exp(cs_i - cs_j) dt'_j x_j   +   exp(cs_i) S_in C_i
-    S_out = exp(cs_last) S_in  +  sum_j exp(cs_last - cs_j) dt'_j x_j B_j^T
+reference_ssd.state_passing_reference is the same method in about fifty lines of float64 torch,
+W ranks simulated in one process. Its steps, and where each runs here (method_forward and
+method_backward, section 1, call them in this order):
 
-so a chunk (and, the same way, a whole shard of the sequence) maps its entry state to its exit
-state affinely: S_out = a * S_in + S_ext. That is what makes context parallelism cheap: each
-rank summarises its shard as (S_ext, a), the summaries are exchanged (all-gathered, or by a
-prefix scan over the ranks in log2 W rounds), and an exclusive scan over them gives every rank
-its true entry state (README walkthrough c, d).
+  listing step                                      runs in (section)
+  (1) rank r holds a causal segment; its conv       exchange_halo (6), _conv1d_fwd (2)
+      needs the d_conv - 1 tokens before it
+  (2) each segment's summary (a, S_ext)             ssd_tensors (3), Summary (4)
+  (3) the exclusive scan over the segments          AllGatherExchange.entry_states (6), scan_summaries (4)
+  (4) each segment's outputs from its entry state   ssd_output (4)
+  the backward: the same steps in reverse           GradPass, ssd_grads (5), exit_grads (6), _conv1d_bwd (2)
+  all of it, differentiable                         StatePassingFn (1), which every public entry runs
 
-The same method in about fifty lines of plain torch, W ranks simulated in one process, is
-reference_ssd.state_passing_reference: the shortest way to see it. Its steps, and where each
-runs here:
-
-  listing step                                   here (Part I, by section)
-  (1) rank r holds a piece of the sequence       5 _pieces, _Segments (one segment per row)
-      (and its conv needs the tokens before it)  6 _exchange_halo; 7 _conv1d_fwd
-  (2) each rank's summary (a_r, S_ext_r)         3 _state_pass_kernel, Summary.affine
-  (3) the exclusive scan over ranks              6 _entries_by_all_gather; 3 scan_summaries
-  (4) each rank's outputs from its entry state   3 _output_fwd_kernel, ssd_output
-  the backward: the same, reversed               4 GradPass, chunk gradients; 6 _exit_grads_by_all_gather
-  all of it, differentiable                      8 _Conv1dSSDCPFn, _conv1d_ssd_cp
-  the steps run by hand, on two gloo ranks       18 _worked_example (`python mamba_cp.py`)
-
-The file has two parts. Part I is the method, in the order it runs, and is complete on its own:
-a reader can stop at its end. Part II holds what production adds; each of its sections depends
-on Part I only, never the reverse (a test holds both parts to this, and this list to the section
-headers below):
+The file has two parts. Part I is the method, complete on its own (a test runs it alone, against
+the oracle): a reader can stop at its end. Part II holds what production adds; it depends on
+Part I, never the reverse, and changes nothing of it.
 
   Part I, the method
-   1. dt and the decays of one chunk
-   2. Tiles and the launch plan
-   3. The forward: state pass (both ways), summary scan, outputs; Summary
-   4. The backward: GradPass (the state pass reversed), chunk gradients
-   5. Layouts
-   6. The exchange: summaries, their gradients and the conv halo, by all-gather
-   7. The causal conv1d
-   8. The fused Conv1d + SSD with state-passing CP
+   1. The method, at the scale of functions
+   2. The causal conv1d
+   3. dt and the decays of one chunk
+   4. The forward: state pass, summary scan, outputs
+   5. The backward: the state pass reversed, chunk gradients
+   6. Segments, and their exchange by all-gather
+   7. Launch plumbing: tiles, tuning, the plan
   Part II, the production extras
-   9. The prefix-scan exchange and the model that chooses
-  10. Input checks and the ranks' agreement
-  11. Shard, unshard, and the permute layouts
-  12. The compile layer and the public CP function: mamba_conv1d_ssd_cp
-  13. The gate and the gated RMSNorm
-  14. The single-device function: mamba_chunk_scan_combined, and the packed documents' states
-  15. The mixer entry: mamba_split_conv1d_scan_combined
-  16. The all-to-all baseline
-  17. Launch tuning: the GPU's choices
-  18. A worked example
+   8. The prefix-scan exchange and the model that chooses
+   9. Input checks and the ranks' agreement
+  10. Shard, unshard, and the permute layouts
+  11. The compile layer and the public CP function: mamba_conv1d_ssd_cp
+  12. The gate and the gated RMSNorm
+  13. The single-device function: mamba_chunk_scan_combined
+  14. The mixer entry: mamba_split_conv1d_scan_combined
+  15. The all-to-all baseline, and the bytes every path moves
+  16. A worked example
 
-Words, one meaning each. A *chunk* is Q consecutive tokens, the unit of a kernel's (Q, Q) tile. A
-*run* is consecutive chunks that one state-pass program walks in order; the runs of a sequence
-go in parallel on one GPU and are joined by the same scan that joins ranks (Tuning.chunks_per_run).
-A *segment* is a causal piece of the global sequence that a rank holds (one, or two with
-"virtual"); the fused function sees each as one batch *row*. A *summary* (S_ext, a) is the
-affine map of a run or a segment from a zero entry. A chunk's, run's or segment's *entry* state
-is the state entering it; backward, its *exit gradient* is the gradient arriving at its end. The
-conv walks *strips* of tokens, and its input rows, the halo then the shard, are *u*.
+Words, one meaning each:
+  chunk     Q consecutive tokens, the kernels' tile: Q is the smaller of the caller's chunk_size
+            and the tuning's chunk length (any Q computes the same recurrence); a last partial
+            chunk is masked, not padded.
+  run       consecutive chunks one state-pass program walks in order. A sequence's runs go in
+            parallel and are joined by the same scan that joins segments.
+  segment   a causal piece of the global sequence that a rank holds: one, or two halves with
+            load_balancing="virtual". The method sees each as one batch row.
+  summary   (S_ext, a) of a run or a segment: its exit state from a zero entry, and its decay.
+  decay     exp of the sum of dt'*A over a span of tokens (a chunk, a run, a segment, or from a
+            run's edge to a chunk's: gamma, rho), 0 where a document starts inside the span.
+  entry     the state entering a chunk, run or segment; backward, its exit gradient is the
+            gradient arriving at its end.
+  slot      a chunk's or run's index in the per-chunk and per-run buffers: b * nchunks + c, b * nruns + r.
+  ids       document ids: seq_idx's values, one per token, non-decreasing along the global row.
+  exchange  how summaries, their gradients and halos travel between ranks: an object with four
+            methods, AllGatherExchange (section 6) or PrefixScanExchange (section 8), chosen per
+            call by the option summary_exchange.
+  halo      the last d_conv - 1 pre-conv tokens of the segment before, which a segment's conv reads.
+  strip     tokens one conv program walks in order; u, the conv's input rows: the halo, then the shard.
+  plan      what a call derives once from its shapes, options and group (Plan, LaunchPlan).
 
-Numerics. Decays are exponentials of sums of dt'*A. A difference of two large cumulative sums
-loses the small difference between them in float32 (exp(cs_i - cs_j) where both are near
--1000), so cumulative sums are formed in float64 and split into a float32 (hi, lo) pair: the
-difference of the hi parts is exact wherever it matters (Sterbenz), and the lo parts carry what
-float32 rounded away. Exponents may have either sign (growth when A > 0; the clamp, always
-applied as in mamba_ssm's kernels, keeps dt' >= 0 even at the default dt_limit): masked
-ones are removed by selection before exp, never multiplied by 0, so no inf * 0 appears.
+Numerics (README "Numerics"): decays are exponentials of sums of dt'*A, formed in float64 and
+kept as float32 (hi, lo) pairs, so the difference of two large sums keeps its small part; masked
+exponents, of either sign (A > 0 is growth), are removed by selection before exp, never multiplied
+by 0; the gradient of a decay sums the pairs that span its token directly.
 
-On a machine without a GPU the same kernels run in the Triton interpreter
-(TRITON_INTERPRET=1 is set below when CUDA is absent), so the code can be stepped through.
-Under torch.compile the forward and backward of each autograd function, and every collective,
-are opaque custom ops (mamba_cp::...): section 12 says why.
+Without a GPU the same kernels run in the Triton interpreter (set below, whatever was imported
+first), so the code can be stepped through on a CPU.
 """
 
 import collections
 import dataclasses
+import functools
+import math
 import os
-from typing import NamedTuple, Optional
+import sys
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-if not torch.cuda.is_available():  # must precede the triton import: the interpreter is chosen then
+if not torch.cuda.is_available():  # no GPU: the kernels run in Triton's interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import triton  # noqa: E402
@@ -99,18 +101,490 @@ import triton.language as tl  # noqa: E402
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def _interpret_triton_language():
+    """Triton decorates its own @triton.jit functions (tl.cumsum, tl.sigmoid, ...) when it is
+    imported, for the interpreter only if TRITON_INTERPRET was set by then. If something imported
+    triton before this module (transformers does), they were made for a GPU and fail inside
+    interpreted kernels: hand them to the interpreter, so that import order never matters."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+    for name, module in list(sys.modules.items()):
+        if name.startswith("triton.language") and module is not None:
+            for attr, value in list(vars(module).items()):
+                if isinstance(value, JITFunction):
+                    setattr(module, attr, InterpretedFunction(value.fn))
+
+
+if INTERPRET:
+    _interpret_triton_language()
+
+
+
 # =============================================================================================
 # PART I. THE METHOD
-# Sections 1 to 8: what a newcomer reads. Nothing here uses a name from Part II.
+# Sections 1 to 7: what a newcomer reads. Nothing here uses a name from Part II.
 # =============================================================================================
 
 
 # ---------------------------------------------------------------------------------------------
-# 1. dt and the decays of one chunk
-#    dt' and the chunks' cumulative sums, formed once per call, and the decays every kernel
-#    reads from them, for one chunk of one head (README walkthrough a, b).
+# 1. The method, at the scale of functions
+#    The listing's steps, forward and backward, each a call of a function defined below; and
+#    the one autograd function that every public entry runs.
 # ---------------------------------------------------------------------------------------------
 
+
+class Call(NamedTuple):
+    """The tensors of one call of the fused conv1d + SSD, one causal segment per batch row:
+    rows = batch * segments per rank, s tokens each. A call's gradients come back as a Call too."""
+    xBC: Tensor                        # (rows, s, conv_dim) pre-conv channels [x | B | C]
+    dt: Tensor                         # (rows, s, h) raw: dt_bias, softplus and dt_limit inside
+    conv_weight: Tensor                # (conv_dim, d_conv)
+    conv_bias: Optional[Tensor]        # (conv_dim,)
+    dt_bias: Optional[Tensor]          # (h,)
+    A: Tensor                          # (h,)
+    D: Optional[Tensor]                # (h,) or (h, p)
+    initial_states: Optional[Tensor]   # (batch, h, p, n): the global sequence's
+    seq_idx: Optional[Tensor]          # (rows, s) int32 document ids, global
+
+
+class Kept(NamedTuple):
+    """What the forward keeps for the backward, besides the Call; none of it grows with the
+    sequence. None where absent: a single segment in all exchanges nothing and keeps nothing."""
+    halo: Optional[Tensor]             # (rows, d_conv - 1, conv_dim) the tokens before each segment
+    halo_seq: Optional[Tensor]         # (rows, d_conv - 1) their document ids
+    entries: Optional[Tensor]          # (rows, h, p, n) fp32: each segment's true entry state
+    a: Optional[Tensor]                # the segments' decays, as the exchange keeps them
+    cont: Optional[Tensor]             # where documents continue across segments, likewise
+
+
+def method_forward(call, plan, gate=None):
+    """The forward of a Call under its Plan: y (rows, s, h, p), the global sequence's final state
+    (batch, h, p, n) fp32, and Kept. gate None, or (z, out), both (rows, s, h, p): y silu(z) is
+    written into out too, in the output kernel's pass over y."""
+    alone = plan.segments.count == 1     # a world of one, contiguous: nothing before it, nothing to exchange
+    halo, halo_seq = (None, None) if alone else exchange_halo(call.xBC, call.seq_idx, plan)          # (1)
+    conv_out = _conv1d_fwd(call.xBC, call.conv_weight, call.conv_bias, halo, call.seq_idx, halo_seq,
+                           silu=plan.silu)                                                          # (1)
+    ssd = ssd_tensors(*split_xBC(conv_out, plan.fwd), call, plan.fwd)   # x, B, C; dt' and cs formed once
+    summary = Summary(ssd, plan.fwd)                                    # (2) the state pass from a zero entry
+    if alone:                            # the entry is the initial state, the exit the final state
+        y, final = ssd_output(ssd, summary, call.initial_states, need_exit=True, gate=gate)        # (4)
+        return y, final, Kept(None, None, None, None, None)
+    entries, final, a, cont = plan.exchange.entry_states(*summary.affine(), call.seq_idx, call.initial_states,
+                                                         plan)                                      # (3)
+    y, _ = ssd_output(ssd, summary, entries, gate=gate)                                             # (4)
+    return y, final, Kept(halo, halo_seq, entries, a, cont)
+
+
+def method_backward(dy, dfinal, call, kept, plan, dxBC=None, ddt=None):
+    """The gradients of method_forward, as a Call (None where an input is None). dy (rows, s, h, p);
+    dfinal (batch, h, p, n) or None. dxBC (rows, s, conv_dim) and ddt (rows, s, h): views of the
+    caller's buffers to write those gradients into, or None.
+
+    The conv and the state passes are recomputed, not kept (they grow with the sequence); the
+    backward state pass gives G, the pull of a segment's outputs on its entry, which is known
+    before the gradient at its exit; G's exchange runs while the forward state pass is
+    recomputed; one chunk backward writes dx, dB, dC straight into the conv backward's input."""
+    alone = plan.segments.count == 1
+    conv_out = _conv1d_fwd(call.xBC, call.conv_weight, call.conv_bias, kept.halo, call.seq_idx, kept.halo_seq,
+                           silu=plan.silu)
+    ssd = ssd_tensors(*split_xBC(conv_out, plan.bwd), call, plan.bwd)
+    grad_pass = GradPass(dy, ssd, plan.bwd)                                    # (4) reversed: G
+    if alone:
+        entries, dexit, summary = call.initial_states, dfinal, Summary(ssd, plan.bwd)
+    else:                                                                      # (3) reversed, and (2) again
+        entries = kept.entries
+        dexit, dinit, summary = plan.exchange.exit_grads(grad_pass.G, dfinal, kept.a, kept.cont, plan,
+                                                         lambda: Summary(ssd, plan.bwd))
+    dconv_out = torch.empty_like(conv_out)
+    dx, dB, dC, ddt, dA, dD, ddt_bias, dentry = ssd_grads(ssd, summary, grad_pass, dy, entries, dexit,
+                                                          *split_xBC(dconv_out, plan.bwd), ddt)
+    if alone:
+        dinit = dentry
+    dxBC, dhalo, dweight, dbias = _conv1d_bwd(dconv_out, call.xBC, call.conv_weight, call.conv_bias, kept.halo,
+                                              call.seq_idx, kept.halo_seq, silu=plan.silu, dx=dxBC)
+    if dhalo is not None:                                                      # (1) reversed
+        return_halo_grad(dxBC, dhalo, plan)
+    if not plan.holds_first:                       # initial_states reach segment 0 alone
+        dinit = torch.zeros_like(dinit)
+    return Call(dxBC, ddt, dweight.to(call.conv_weight.dtype), _as(dbias, call.conv_bias), _as(ddt_bias, call.dt_bias),
+                dA.to(call.A.dtype), _as(dD, call.D), _as(dinit, call.initial_states), None)
+
+
+def _as(grad, like):
+    """grad in like's dtype, or None where like is None."""
+    return None if like is None else grad.to(like.dtype)
+
+
+class Steps(NamedTuple):
+    """A forward and its backward, for StatePassingFn: forward(arg, *tensors) -> (outputs, kept
+    tensors); backward(arg, the outputs' gradients, tensors, kept) -> a gradient or None per tensor.
+    arg is what they share: a plan, or (compiled) the options it is built from."""
+    forward: Callable
+    backward: Callable
+
+
+class StatePassingFn(torch.autograd.Function):
+    """The method, differentiable: the module's one autograd function. The backward has the
+    inputs and what `steps.forward` kept (nothing that grows with the sequence) and recomputes
+    the rest. Every public entry runs it: the fused core with METHOD (below), the mixer entry and
+    the single-device SSD with steps that add their own work around the method's (sections 13,
+    14), and each of them compiled with the same steps wrapped as opaque ops (section 11)."""
+
+    @staticmethod
+    def forward(ctx, steps, arg, *tensors):
+        outputs, kept = steps.forward(arg, *tensors)
+        ctx.save_for_backward(*tensors, *kept)
+        ctx.steps, ctx.arg, ctx.inputs = steps, arg, len(tensors)
+        ctx.set_materialize_grads(False)          # an unused output's gradient stays None
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        saved = ctx.saved_tensors
+        return None, None, *ctx.steps.backward(ctx.arg, grads, saved[:ctx.inputs], saved[ctx.inputs:])
+
+
+def _method_forward_step(plan, *call):
+    y, final, kept = method_forward(Call(*call), plan)
+    return (y, final), kept
+
+
+def _method_backward_step(plan, grads, call, kept):
+    dy, dfinal = grads
+    call = Call(*call)
+    if dy is None:                                 # only the final state reached the loss
+        dy = call.xBC.new_zeros((*call.dt.shape, plan.headdim))
+    return method_backward(dy, dfinal, call, Kept(*kept), plan)
+
+
+# The fused core: StatePassingFn.apply(METHOD, plan, *call) -> (y, final state)
+METHOD = Steps(_method_forward_step, _method_backward_step)
+
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. The causal conv1d
+#    Step (1): each segment's depthwise causal conv1d + bias + SiLU, its halo before it
+#    (README "The conv halo"). Each kernel is followed by its launcher.
+#
+#     out[b, t, c] = silu(bias[c] + sum_{k<d} weight[c, k] * u[b, t - (d-1) + k, c])
+#
+# u is the shard's pre-conv xBC, preceded by the halo: the last d-1 pre-conv tokens of the
+# previous segment, received from their owner (zeros for the first segment). With seq_idx a tap
+# whose token belongs to another document than token t contributes 0, in the halo too.
+#
+# Backward. g = dout * silu'(pre), with the pre-activation recomputed (it is as large as xBC, so
+# it is not kept). With m_j(s) = 1 when s and s+j are in one document (the forward's tap mask):
+#     du[s, c]        = sum_j weight[c, d-1-j] * m_j(s) g[s+j, c]
+#     dweight[c, d-1-j] = sum_s u[s, c] * m_j(s) g[s+j, c]          dbias[c] = sum_t g[t, c]
+# so one pass over tokens s of [halo, xBC] gives all three; du at s < 0 is the halo's gradient,
+# which the caller sends back to the halo's owner.
+#
+# Both kernels walk the tokens in order, one per step. A register tile cannot be shifted by
+# tokens, so what a token needs from its neighbours is carried from step to step: the u of the
+# d-1 tokens before it (the window) and, backward, the partial du of those tokens, to which token
+# t's g adds its share; the oldest is then complete and stored. So u and dout are loaded once per
+# token, but for d-1 tokens at each end of a strip. A program walks one strip on a GPU, or many
+# side by side as one tile in the interpreter, which pays per step. No atomics: dweight and dbias
+# are per-program partial sums, summed by torch in a fixed order. Offsets are int64 (2^20 tokens
+# x 8k channels, in any layout).
+# ---------------------------------------------------------------------------------------------
+
+# Conv pieces: a program's channels and operands, document ids and u of a step's tokens, the
+# pre-activation. A kernel gathers its operands once into tuples: xs, u's two sources (the
+# shard, then the halo before it: base pointer, channel offsets, token stride of each); w, the
+# channels' tap weights; seqs, the document ids of both.
+
+
+@triton.jit
+def _conv_program(x_ptr, stride_x, halo_ptr, stride_h, w_ptr, stride_w, bias_ptr, stride_bias, seq_ptr, stride_s,
+                  hseq_ptr, stride_hs, dim, BC: tl.constexpr, TAPS: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """This program's batch row bb and channels offs_c (int64, (BC,)) with their mask, and its
+    operands: xs, w (a tuple of TAPS (1, BC) fp32 tiles, tap 0, the oldest token, first), bias
+    ((BC,) fp32, zeros without one), seqs."""
+    bb = tl.program_id(2).to(tl.int64)
+    offs_c = (tl.program_id(1) * BC + tl.arange(0, BC)).to(tl.int64)
+    mask_c = offs_c < dim
+    xs = (x_ptr + bb * stride_x.b, offs_c * stride_x.c, stride_x.l, halo_ptr + bb * stride_h.b,
+          offs_c * stride_h.c, stride_h.l)
+    w = ()
+    for k in tl.static_range(TAPS):
+        wk = tl.load(w_ptr + offs_c * stride_w.c + k * stride_w.k, mask=mask_c, other=0.0).to(tl.float32)
+        w = w + (wk[None, :],)
+    bias = tl.zeros((BC,), dtype=tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_c * stride_bias, mask=mask_c, other=0.0).to(tl.float32)
+    seqs = (seq_ptr + bb * stride_s.b, stride_s.l, hseq_ptr + bb * stride_hs.b, stride_hs.l)
+    return bb, offs_c, mask_c, xs, w, bias, seqs
+
+
+@triton.jit
+def _doc(seqs, t, seqlen, HALO: tl.constexpr, HAS_HALO_SEQ: tl.constexpr):
+    """Document id (M,) int64 of tokens t (M,); -1 where there is none (those tokens hold zeros)."""
+    s_row0, stride_s_l, hs_row0, stride_hs_l = seqs
+    r = t.to(tl.int64)
+    doc = tl.load(s_row0 + r * stride_s_l, mask=(t >= 0) & (t < seqlen), other=-1)
+    if HAS_HALO_SEQ:
+        in_h = (t < 0) & (t >= -HALO)
+        doc = tl.where(in_h, tl.load(hs_row0 + (r + HALO) * stride_hs_l, mask=in_h, other=-1), doc)
+    return doc.to(tl.int64)
+
+
+@triton.jit
+def _u_at(xs, t, mask_c, seqlen, HALO: tl.constexpr, HAS_HALO: tl.constexpr):
+    """u at tokens t (M,) as an (M, BC) fp32 tile, zero outside [-HALO, seqlen). Tokens < 0
+    come from the halo."""
+    x_row0, x_col, stride_x_l, h_row0, h_col, stride_h_l = xs
+    r = t.to(tl.int64)
+    in_x = (t >= 0) & (t < seqlen)
+    u = tl.load(x_row0 + r[:, None] * stride_x_l + x_col[None, :],
+                mask=in_x[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
+    if HAS_HALO:   # a second masked load, not a branch: a branch would keep the loads apart
+        in_h = (t < 0) & (t >= -HALO)
+        u += tl.load(h_row0 + (r + HALO)[:, None] * stride_h_l + h_col[None, :],
+                     mask=in_h[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
+    return u
+
+
+@triton.jit
+def _preact(w, bias, win, docs, u, doc, TAPS: tl.constexpr, HAS_SEQ: tl.constexpr):
+    """Pre-activation (M, BC) of tokens t: bias + sum_k w_k u[t-(TAPS-1)+k], from the window
+    (u and ids of tokens t-TAPS+1 .. t-1) and token t itself; a tap from another document dropped."""
+    acc = bias[None, :] + w[TAPS - 1] * u
+    for k in tl.static_range(TAPS - 1):
+        uk = win[k]
+        if HAS_SEQ:
+            uk = tl.where((docs[k] == doc)[:, None], uk, 0.0)
+        acc += w[k] * uk
+    return acc
+
+
+@triton.jit
+def _sigmoid(p, FAST: tl.constexpr):
+    """sigmoid(p), float32. FAST (compiled kernels only: the interpreter runs no PTX): the GPU's
+    approximate 2^x and 1/x with subnormals flushed, a few ulp off and exactly 0 or 1 at the
+    ends: four instructions where tl.sigmoid's IEEE-careful ones take eleven, in kernels whose
+    instruction issue, not memory, sets their pace."""
+    if FAST:
+        e = tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [p * -1.4426950408889634],
+                                      dtype=tl.float32, is_pure=True, pack=1)
+        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [e + 1.0],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    return tl.sigmoid(p)
+
+
+@triton.jit
+def _conv_fwd_kernel(
+    x_ptr, w_ptr, bias_ptr, halo_ptr, seq_ptr, hseq_ptr, out_ptr,
+    seqlen, dim, S, stride_x, stride_w, stride_bias, stride_h, stride_s, stride_hs, stride_o,
+    TAPS: tl.constexpr, M: tl.constexpr, BC: tl.constexpr, U: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_HALO_SEQ: tl.constexpr,
+    SILU: tl.constexpr, FAST: tl.constexpr,
+):
+    """M strips of S output tokens each (this program's), BC channels, one batch row: out =
+    silu(pre-activation), or the pre-activation itself without SILU. A step loads U tokens of
+    every strip, then convolves them one by one with the window of the d-1 tokens before."""
+    bb, offs_c, mask_c, xs, w, bias, seqs = _conv_program(
+        x_ptr, stride_x, halo_ptr, stride_h, w_ptr, stride_w, bias_ptr, stride_bias, seq_ptr, stride_s, hseq_ptr,
+        stride_hs, dim, BC, TAPS, HAS_BIAS)
+    o_row0, o_col = out_ptr + bb * stride_o.b, offs_c * stride_o.c
+    first = (tl.program_id(0) * M + tl.arange(0, M)) * S       # (M,) each strip's first token
+    win = (tl.zeros((M, BC), dtype=tl.float32),) * (TAPS - 1)  # u of the TAPS-1 tokens before
+    docs = (tl.full((M,), -1, tl.int64),) * (TAPS - 1)           # and their documents
+    for i0 in range(-(TAPS - 1), S, U):     # the first TAPS-1 steps only fill the window
+        ahead = ()
+        for k in tl.static_range(U):
+            t = first + (i0 + k)
+            doc = _doc(seqs, t, seqlen, TAPS - 1, HAS_HALO_SEQ) if HAS_SEQ else t.to(tl.int64)
+            ahead = ahead + ((_u_at(xs, t, mask_c, seqlen, TAPS - 1, HAS_HALO), doc),)
+        for k in tl.static_range(U):
+            t = first + (i0 + k)
+            u, doc = ahead[k]
+            p = _preact(w, bias, win, docs, u, doc, TAPS, HAS_SEQ)              # (M, BC)
+            out = p * _sigmoid(p, FAST) if SILU else p
+            tl.store(o_row0 + t.to(tl.int64)[:, None] * stride_o.l + o_col[None, :], out.to(out_ptr.dtype.element_ty),
+                     mask=((t >= first) & (t < first + S) & (t < seqlen))[:, None] & mask_c[None, :])
+            win = win[1:] + (u,)
+            docs = docs[1:] + (doc,)
+
+
+@functools.lru_cache(maxsize=None)
+def _conv_launch(tokens, dim, batch, launch, has_bias, has_halo, has_seq, silu):
+    """A conv launch over `tokens` tokens of `dim` channels, launch a ConvLaunch (section 7): its
+    grid, tokens per strip S, and constexprs: the tuning's strips and channel tile, no larger than
+    the tensor needs. Cached: a pure function of integers, looked up on every launch."""
+    M, BC = launch.strips, min(launch.channels, max(16, _next_pow2(dim)))
+    S = max(1, min(launch.tokens, _cdiv(tokens, M)))
+    flags = dict(M=M, BC=BC, U=launch.unroll, num_warps=launch.warps, HAS_BIAS=has_bias, HAS_HALO=has_halo,
+                 HAS_SEQ=has_seq, HAS_HALO_SEQ=has_seq and has_halo,     # without a halo its ids don't matter
+                 SILU=silu, FAST=not INTERPRET)
+    return (_cdiv(tokens, M * S), _cdiv(dim, BC), batch), S, flags
+
+
+def _conv1d_fwd(xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=None, out=None, silu=True):
+    """silu(causal depthwise conv(xBC) + bias) (without silu the conv alone), (b, l, dim) in xBC's
+    dtype, or written into out. xBC (b, l, dim); weight (dim, d); bias (dim,); halo (b, d-1, dim),
+    the tokens before the shard (None: zeros); seq_idx (b, l), halo_seq (b, d-1) document ids."""
+    (b, l, dim), d = xBC.shape, weight.shape[1]
+    grid, S, flags = _conv_launch(l, dim, b, tuning().conv_fwd, bias is not None, halo is not None,
+                                  seq_idx is not None, silu)
+    halo_seq = halo_seq.to(seq_idx.dtype) if flags["HAS_HALO_SEQ"] else None   # one id type in the kernel
+    if out is None:
+        out = torch.empty((b, l, dim), device=xBC.device, dtype=xBC.dtype)
+    _conv_fwd_kernel[grid](
+        xBC, weight, xBC if bias is None else bias, xBC if halo is None else halo, xBC if seq_idx is None else seq_idx,
+        xBC if halo_seq is None else halo_seq, out, l, dim, S, _BLC(*xBC.stride()), _CK(*weight.stride()),
+        0 if bias is None else bias.stride(0), _ZERO_BLC if halo is None else _BLC(*halo.stride()),
+        _ZERO_BL if seq_idx is None else _BL(*seq_idx.stride()), _ZERO_BL if halo_seq is None else _BL(*halo_seq.stride()),
+        _BLC(*out.stride()), TAPS=d, **flags)
+    return out
+
+@triton.jit
+def _conv_bwd_kernel(
+    dout_ptr, x_ptr, w_ptr, bias_ptr, halo_ptr, seq_ptr, hseq_ptr,
+    dx_ptr, dhalo_ptr, dw_part_ptr,
+    seqlen, dim, S, stride_do, stride_x, stride_w, stride_bias, stride_h, stride_s, stride_hs, stride_dx,
+    TAPS: tl.constexpr, M: tl.constexpr, BC: tl.constexpr, U: tl.constexpr, SHIFT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_HALO_SEQ: tl.constexpr,
+    NEED_DHALO: tl.constexpr, SILU: tl.constexpr, FAST: tl.constexpr,
+):
+    """M strips of S du tokens each of tokens s of [halo, xBC] (from s = -SHIFT; SHIFT is TAPS-1
+    with a halo), BC channels, one batch row: du per token (into dx, or dhalo for s < 0), and the
+    dweight, dbias of the g tokens it owns, summed into this program's partial rows (TAPS rows of
+    dweight, then dbias's). Step t
+    computes g[t] and hands its share to the du of tokens t-TAPS+1 .. t (`part`), the oldest then
+    complete. A strip's steps run from TAPS-1 tokens before its first du token (the window's
+    fill) to TAPS-1 past its last (whose g complete it; they count in the next strip's dweight)."""
+    bb, offs_c, mask_c, xs, w, bias, seqs = _conv_program(
+        x_ptr, stride_x, halo_ptr, stride_h, w_ptr, stride_w, bias_ptr, stride_bias, seq_ptr, stride_s, hseq_ptr,
+        stride_hs, dim, BC, TAPS, HAS_BIAS)
+    do_row0, do_col = dout_ptr + bb * stride_do.b, offs_c * stride_do.c
+    dx_row0, dx_col = dx_ptr + bb * stride_dx.b, offs_c * stride_dx.c
+
+    first = (tl.program_id(0) * M + tl.arange(0, M)) * S - SHIFT   # (M,) each strip's first du token
+    zero = tl.zeros((M, BC), dtype=tl.float32)
+    win = (zero,) * (TAPS - 1)                          # u of tokens t-TAPS+1 .. t-1
+    docs = (tl.full((M,), -1, tl.int64),) * (TAPS - 1)  # their documents
+    part = (zero,) * (TAPS - 1)                         # du of tokens t-TAPS+1 .. t-1, so far
+    dw = (zero,) * TAPS                                 # dweight per tap, per strip
+    db = zero
+    for i0 in range(-(TAPS - 1), S + TAPS - 1, U):
+        ahead = ()
+        for k in tl.static_range(U):
+            t = first + (i0 + k)
+            has_g = (t >= first) & (t >= 0) & (t < seqlen)      # g = 0 off [0, seqlen) and before the window fills
+            do = tl.load(do_row0 + t.to(tl.int64)[:, None] * stride_do.l + do_col[None, :],
+                         mask=has_g[:, None] & mask_c[None, :], other=0.0)
+            doc = _doc(seqs, t, seqlen, TAPS - 1, HAS_HALO_SEQ) if HAS_SEQ else t.to(tl.int64)
+            ahead = ahead + ((_u_at(xs, t, mask_c, seqlen, TAPS - 1, HAS_HALO), do, doc),)
+        for k in tl.static_range(U):
+            t = first + (i0 + k)
+            u, do, doc = ahead[k]
+            g = do.to(tl.float32)
+            if SILU:
+                p = _preact(w, bias, win, docs, u, doc, TAPS, HAS_SEQ)
+                sig = _sigmoid(p, FAST)
+                g = g * sig * (1.0 + p * (1.0 - sig))     # silu'(p) = sig(p) (1 + p (1 - sig(p)))
+            # g[t]'s share of du at token t-TAPS+1+j (weight j): zero across a document boundary
+            share = ()
+            for j in tl.static_range(TAPS - 1):
+                gj = tl.where((docs[j] == doc)[:, None], g, 0.0) if HAS_SEQ else g
+                share = share + (gj,)
+            s = t - (TAPS - 1)                                  # the du token g[t] completes
+            du = part[0] + w[0] * share[0]
+            keep = (s >= first) & (s < first + S) & (s < seqlen)
+            tl.store(dx_row0 + s.to(tl.int64)[:, None] * stride_dx.l + dx_col[None, :], du.to(dx_ptr.dtype.element_ty),
+                     mask=(keep & (s >= 0))[:, None] & mask_c[None, :])
+            if NEED_DHALO:
+                tl.store(dhalo_ptr + (bb * (TAPS - 1) + s.to(tl.int64) + (TAPS - 1))[:, None] * dim + offs_c[None, :],
+                         du, mask=(keep & (s < 0))[:, None] & mask_c[None, :])
+            nxt = ()
+            for j in tl.static_range(1, TAPS - 1):
+                nxt = nxt + (part[j] + w[j] * share[j],)
+            part = nxt + (w[TAPS - 1] * g,)
+            # dweight and dbias count the g tokens this strip owns: one select, then FMAs
+            g_own = tl.where(((t >= first) & (t < first + S))[:, None], g, 0.0)
+            sums = ()
+            for j in tl.static_range(TAPS - 1):
+                gj = tl.where((docs[j] == doc)[:, None], g_own, 0.0) if HAS_SEQ else g_own
+                sums = sums + (dw[j] + win[j] * gj,)
+            dw = sums + (dw[TAPS - 1] + u * g_own,)
+            db += g_own
+            win = win[1:] + (u,)
+            docs = docs[1:] + (doc,)
+
+    row0 = (bb * tl.num_programs(0) + tl.program_id(0)) * (TAPS + HAS_BIAS)   # this program's partial rows
+    for j in tl.static_range(TAPS):
+        tl.store(dw_part_ptr + (row0 + j) * dim + offs_c, tl.sum(dw[j], axis=0), mask=mask_c)
+    if HAS_BIAS:
+        tl.store(dw_part_ptr + (row0 + TAPS) * dim + offs_c, tl.sum(db, axis=0), mask=mask_c)
+
+
+def _conv1d_bwd(dout, xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=None, need_dhalo=True, silu=True,
+                dx=None):
+    """Gradients of _conv1d_fwd: dxBC (into dx if given), dhalo (b, d-1, dim) fp32 (None without
+    need_dhalo or a halo), dweight (dim, d), dbias (dim,) or None."""
+    (b, l, dim), d = xBC.shape, weight.shape[1]
+    shift = d - 1 if halo is not None else 0    # du tokens start at the halo's
+    grid, S, flags = _conv_launch(shift + l, dim, b, tuning().conv_bwd, bias is not None, halo is not None,
+                                  seq_idx is not None, silu)
+    halo_seq = halo_seq.to(seq_idx.dtype) if flags["HAS_HALO_SEQ"] else None   # one id type in the kernel
+    need_dhalo = bool(need_dhalo) and halo is not None
+    if dx is None:
+        dx = torch.empty((b, l, dim), device=xBC.device, dtype=xBC.dtype)
+    dhalo = torch.empty((b, d - 1, dim), device=xBC.device, dtype=torch.float32) if need_dhalo else None
+    # dweight's and dbias's per-program partials in one buffer: one sum gives both
+    parts = torch.empty((b, grid[0], d + (bias is not None), dim), device=xBC.device, dtype=torch.float32)
+    _conv_bwd_kernel[grid](
+        dout, xBC, weight, xBC if bias is None else bias, xBC if halo is None else halo,
+        xBC if seq_idx is None else seq_idx, xBC if halo_seq is None else halo_seq,
+        dx, parts if dhalo is None else dhalo, parts,
+        l, dim, S, _BLC(*dout.stride()), _BLC(*xBC.stride()), _CK(*weight.stride()),
+        0 if bias is None else bias.stride(0), _ZERO_BLC if halo is None else _BLC(*halo.stride()),
+        _ZERO_BL if seq_idx is None else _BL(*seq_idx.stride()), _ZERO_BL if halo_seq is None else _BL(*halo_seq.stride()),
+        _BLC(*dx.stride()), TAPS=d, SHIFT=shift, NEED_DHALO=need_dhalo, **flags)
+    sums = parts.sum(dim=(0, 1))                                                 # (d [+ 1], dim)
+    dweight = sums[:d].t().contiguous()                                          # (dim, d)
+    dbias = sums[d] if bias is not None else None                                # (dim,)
+    return dx, dhalo, dweight, dbias
+
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. dt and the decays of one chunk
+#    The SSD's tensors; dt' and the chunks' cumulative sums, formed once per call; and the
+#    decays every kernel reads from them, for one chunk of one head (README "The chunked form").
+# ---------------------------------------------------------------------------------------------
+
+
+class SSD(NamedTuple):
+    """The tensors of one SSD call as its kernels read them."""
+    x: Tensor                          # (b, l, h, p)
+    dt: Tensor                         # (b, l, h) raw: dt_bias, softplus and dt_limit as the plan says
+    A: Tensor                          # (h,)
+    B: Tensor                          # (b, l, g, n)
+    C: Tensor                          # (b, l, g, n)
+    D: Optional[Tensor]                # (h,) or (h, p)
+    dt_bias: Optional[Tensor]          # (h,)
+    seq_idx: Optional[Tensor]          # (b, l) int32 document ids
+    cums: Tensor                       # (b * nchunks, h, 3, Q) fp32: dt', cs hi, cs lo (_dt_cumsums)
+
+
+def split_xBC(conv_out, plan):
+    """Views of a (rows, s, conv_dim) tensor's channels [x | B | C] as x (rows, s, h, p) and B, C
+    (rows, s, g, n): the conv's output, or its gradient's buffer."""
+    hp, gn = plan.nheads * plan.headdim, plan.ngroups * plan.dstate
+    return (conv_out[..., :hp].unflatten(-1, (plan.nheads, plan.headdim)),
+            conv_out[..., hp:hp + gn].unflatten(-1, (plan.ngroups, plan.dstate)),
+            conv_out[..., hp + gn:].unflatten(-1, (plan.ngroups, plan.dstate)))
+
+
+def ssd_tensors(x, B, C, call, plan):
+    """The SSD of x, B, C and the call's dt, A, D, dt_bias and seq_idx (call: any structure with
+    those fields), with dt' and the chunks' cumulative sums formed once: every kernel reads them."""
+    return SSD(x, call.dt, call.A, B, C, call.D, call.dt_bias, call.seq_idx,
+               _dt_cumsums(call.dt, call.dt_bias, call.A, plan))
 
 @triton.jit
 def _softplus(v):
@@ -178,13 +652,14 @@ def _dt_cumsum_kernel(dts, out_ptr, seqlen, nheads: tl.constexpr, Q: tl.constexp
     tl.store(base + 2 * Q, (cs - hi.to(tl.float64)).to(tl.float32))
 
 
-def _dt_cumsums(inp, plan):
+def _dt_cumsums(dt, dt_bias, A, plan):
     """The call's (b * nchunks, h, 3, Q) float32 buffer: rows dt', cs hi, cs lo."""
-    out = torch.empty(plan.batch * plan.nchunks, plan.nheads, 3, plan.Q, device=inp.dt.device, dtype=torch.float32)
-    heads = min(8, plan.nheads & -plan.nheads)         # the largest power of two dividing nheads, up to 8
-    _dt_cumsum_kernel[(plan.batch * plan.nchunks * (plan.nheads // heads),)](
-        plan.dts(inp), out, plan.seqlen, plan.nheads, Q=plan.Q, BH=heads, **plan.options("cumsum"), **plan.dt_flags)
+    out = torch.empty(plan.batch * plan.nchunks, plan.nheads, 3, plan.Q, device=dt.device, dtype=torch.float32)
+    _dt_cumsum_kernel[(plan.batch * plan.nchunks * (plan.nheads // plan.cumsum_heads),)](
+        plan.dts(dt, dt_bias, A), out, plan.seqlen, plan.nheads, Q=plan.Q, BH=plan.cumsum_heads,
+        **plan.launch.get("cumsum", {}), **plan.dt_flags)
     return out
+
 
 
 @triton.jit
@@ -251,220 +726,12 @@ def _selected_exp(keep, log_v):
     return tl.where(keep, tl.exp(log_v.to(tl.float32)), 0.0)
 
 
-# ---------------------------------------------------------------------------------------------
-# 2. Tiles and the launch plan
-#    Where a kernel's tiles live in memory, and the sizes and choices of one call.
-# ---------------------------------------------------------------------------------------------
-
-
-# A caller's tensor comes with its strides as one named tuple (Triton specialises a tuple's
-# fields as it does scalars: a unit stride still vectorises): x, y (batch, token, head, headdim);
-# B, C (batch, token, group, dstate); dt; dt's gradient (batch, token, head); seq_idx; D (head,
-# headdim: a (nheads,) D has p = 0); the conv's xBC and halo (batch, token, channel) and weight
-# (channel, tap). The module's own buffers are contiguous, and the kernels compute their
-# offsets from the sizes. The model's sizes (heads, groups, headdim, dstate, state tiles) are
-# constexprs in the chunk kernels, which drops whole tiles' masks and the indexing's divisions;
-# the call's (batch, length, chunks, runs) stay run-time values, so lengths share the kernels.
-_BLHP = collections.namedtuple("_BLHP", "b l h p")
-_BLGN = collections.namedtuple("_BLGN", "b l g n")
-_BL = collections.namedtuple("_BL", "b l")
-_BLH = collections.namedtuple("_BLH", "b l h")
-_HP = collections.namedtuple("_HP", "h p")
-_BLC = collections.namedtuple("_BLC", "b l c")
-_CK = collections.namedtuple("_CK", "c k")
-
-
-def _strides_of(t, record):
-    """t's strides as `record`; zeros for an absent tensor, which the kernels never read."""
-    return record(*((0,) * len(record._fields) if t is None else t.stride()))
-
-
-@triton.jit
-def _tile_ptrs(ptr, stride, b64, t64, i, offs):
-    """Pointers to a (tokens, channels) tile of a (batch, length, heads or groups, channels)
-    tensor: batch b64, tokens t64 (T,) int64, head or group i, channels offs (C,); stride its record."""
-    return ptr + b64 * stride[0] + t64[:, None] * stride[1] + i * stride[2] + offs[None, :] * stride[3]
-
-
-@triton.jit
-def _load_tile(ptr, stride, b64, t64, i, offs, mask):
-    """The (tokens, channels) tile at _tile_ptrs, zeros where masked off."""
-    return tl.load(_tile_ptrs(ptr, stride, b64, t64, i, offs), mask=mask, other=0.0)
-
-
-@triton.jit
-def _chunk_tokens(c, seqlen, headdim, Q: tl.constexpr, BP: tl.constexpr):
-    """Chunk c's first token, its token offsets (Q,) and headdim offsets (BP,), the tokens' int64
-    positions, which of them exist, and the (Q, BP) mask of a head tile."""
-    start = c * Q
-    offs_q = tl.arange(0, Q)
-    offs_p = tl.arange(0, BP)
-    valid = start + offs_q < seqlen
-    return start, offs_q, offs_p, (start + offs_q).to(tl.int64), valid, valid[:, None] & (offs_p[None, :] < headdim)
-
-
-# The per-chunk and per-run buffers are indexed by *slot*: b * nchunks + c for chunk c of batch
-# row b, b * nruns + r for its run r.
-
-@triton.jit
-def _chunk_slots(b, c, seqlen, chunks_per_run, Q: tl.constexpr):
-    """Chunk c of batch row b: its slot in the chunk buffers and its run's in the run buffers."""
-    nchunks = tl.cdiv(seqlen, Q)
-    b64 = b.to(tl.int64)
-    return b64 * nchunks + c, b64 * tl.cdiv(nchunks, chunks_per_run) + c // chunks_per_run
-
-
-@triton.jit
-def _state_tile(slot, h, offs_p, offs_n, nheads, headdim, dstate):
-    """int64 offsets of head h's (p, n) tile in a contiguous (slots, nheads, headdim, dstate) buffer."""
-    return ((slot.to(tl.int64) * nheads + h) * headdim + offs_p[:, None]) * dstate + offs_n[None, :]
-
-
-@triton.jit
-def _slot_head(slot, h, nheads):
-    """int64 offset of (slot, head) in a contiguous (slots, nheads) buffer: gamma, rho, a, partials."""
-    return slot.to(tl.int64) * nheads + h
-
-
-@triton.jit
-def _pair_tile(slot, g, ngroups, Q: tl.constexpr):
-    """int64 offsets of group g's (Q, Q) tile in a contiguous (b * nchunks, ngroups, Q, Q) buffer."""
-    offs_q = tl.arange(0, Q)
-    return (slot * ngroups + g) * (Q * Q) + offs_q[:, None] * Q + offs_q[None, :]
-
-
-# Host-side integer helpers. triton.cdiv and triton.next_power_of_2 do the same, but through
-# Triton's constexpr machinery, which costs microseconds a call: these run on every launch.
-def _cdiv(a, b):
-    return -(-a // b)
-
-
-def _next_pow2(v):
-    return 1 << max(0, v - 1).bit_length()
-
-
-def _pow2(v, lo=16):
-    return max(lo, _next_pow2(v))
-
-
-def _stand_in(t, placeholder):
-    """t, or a stand-in for an absent tensor: the kernels form its pointers but never dereference them."""
-    return placeholder if t is None else t
-
-
-# Every bad argument gets a ValueError naming it, what was seen, and what was expected.
-
-def _expect(cond, name, seen, expected):
-    if not cond:
-        raise ValueError(f"{name}: got {seen}, expected {expected}")
-
-
-# A conv program walks `strips` strips of `tokens` consecutive tokens side by side (one tile)
-# over `channels` channels with `warps` warps, loading `unroll` tokens of each strip per step.
-ConvLaunch = collections.namedtuple("ConvLaunch", "strips channels tokens unroll warps")
-# The gated RMSNorm's backward: `rows` token rows a tile, `warps` warps, about `programs` programs.
-NormLaunch = collections.namedtuple("NormLaunch", "rows warps programs")
-
-
-@dataclasses.dataclass(frozen=True)
-class Tuning:
-    """The launch choices, the same results under any of them. The one here is the interpreter's:
-    small, so that CPU tests walk every loop. The GPU's, measured, come after the method."""
-    name: str
-    chunk_fwd: int                      # kernel chunk lengths (may be shorter than the caller's)
-    chunk_bwd: int
-    chunks_per_run: int                 # chunks a state-pass program walks in order: this many,
-    longest_run: int                    # doubled up to this many while the state pass keeps
-    state_wave: int                     # this many programs
-    state_tile: Optional[int]           # the state passes' (p, n) tile width (None: whole)
-    bwd_state_tiles: tuple              # the n tile of the chunk-backward kernels (group, BC, x)
-    heads_per_output: Optional[int]     # heads per output program (None: a whole group)
-    launch: dict                        # per chunk kernel: num_warps, num_stages, maxnreg (GPU only)
-    scan_block: Optional[int]           # the summary scan's slice of the p*n state (None: whole)
-    conv_fwd: ConvLaunch
-    conv_bwd: ConvLaunch
-    gate_tile: int                      # the gate and gated RMSNorm: elements per tile,
-    gate_programs: int                  # and programs of the gate's backward
-    norm_bwd: NormLaunch                # the gated RMSNorm's backward
-
-
-_TUNING = [Tuning("interpreter", chunk_fwd=64, chunk_bwd=64, chunks_per_run=2, longest_run=2, state_wave=1,
-                  state_tile=None,
-                  bwd_state_tiles=(16, 16, 16), heads_per_output=None, launch={}, scan_block=None,
-                  conv_fwd=ConvLaunch(32, 64, 64, 1, 4), conv_bwd=ConvLaunch(32, 64, 64, 1, 1),
-                  gate_tile=64, gate_programs=4096,
-                  norm_bwd=NormLaunch(4, 4, 4096))]
-
-
-def tuning():
-    """The Tuning the launches use now."""
-    return _TUNING[0]
-
-
-# The tensors of one SSD call, which travel together from launcher to launcher: x (b, l, h, p);
-# dt (b, l, h) raw (dt_bias, softplus and dt_limit as the _LaunchPlan says); A (h,); B and C
-# (b, l, g, n); D (h,), (h, p) or None; dt_bias (h,) or None; seq_idx (b, l) int32 or None.
-_SSDInputs = collections.namedtuple("_SSDInputs", "x dt A B C D dt_bias seq_idx")
-
-
-class _LaunchPlan:
-    """Everything the kernels need that is derived once per call: sizes, tiles, flags."""
-
-    def __init__(self, x, B, chunk, dt_bias, dt_softplus, dt_limit, seq_idx, state_dtype=None):
-        t = tuning()
-        self.batch, self.seqlen, self.nheads, self.headdim = x.shape
-        self.ngroups, self.dstate = B.shape[2], B.shape[3]
-        self.heads_per_group = self.nheads // self.ngroups
-        self.Q = chunk
-        self.nchunks = _cdiv(self.seqlen, chunk)
-        self.BP, self.BN = _pow2(self.headdim), _pow2(self.dstate)
-        self.BP_state, self.BN_state = (min(v, t.state_tile or v) for v in (self.BP, self.BN))
-        self.n_p_tiles, self.n_n_tiles = _cdiv(self.headdim, self.BP_state), _cdiv(self.dstate, self.BN_state)
-        # runs as long as the state pass still has state_wave programs: fewer runs, fewer
-        # summaries to store and scan
-        per_run = self.batch * self.nheads * self.n_p_tiles * self.n_n_tiles      # programs per run
-        self.chunks_per_run = t.chunks_per_run
-        while (2 * self.chunks_per_run <= t.longest_run
-               and per_run * _cdiv(self.nchunks, 2 * self.chunks_per_run) >= t.state_wave):
-            self.chunks_per_run *= 2
-        self.nruns = _cdiv(self.nchunks, self.chunks_per_run)
-        self.BN_group, self.BN_bc, self.BN_x = (min(self.BN, n) for n in t.bwd_state_tiles)
-        self.heads_per_output = t.heads_per_output or self.heads_per_group    # a divisor of heads_per_group
-        self.dt_limit = (float(dt_limit[0]), float(dt_limit[1]))
-        self.dt_flags = dict(HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus))
-        self.flags = dict(HAS_SEQ=seq_idx is not None)
-        # float32 products: as three tf32 tensor-core products (each operand split hi + lo, lo.lo
-        # dropped: within about 2^-21 of each term) where that is faster than IEEE's CUDA-core
-        # FMAs, everywhere but the state pass (measured: BENCHMARKS.md)
-        self.precision = "tf32x3" if x.dtype == torch.float32 else "tf32"
-        self.state_precision = "ieee" if x.dtype == torch.float32 else "tf32"
-        # the chunk entry states (and, in backward, exit gradients) as stored between kernels;
-        # the kernels carry them in float32 and read them back to float32
-        self.state_dtype = state_dtype or (torch.float32 if x.dtype == torch.float32 else x.dtype)
-        self.launch = {} if INTERPRET else t.launch        # the interpreter takes no launch options
-        self._cums = None
-
-    def cums(self, inp):
-        """inp's dt' and cs per chunk and head (section 1), formed on first use: every kernel of
-        the call reads this one buffer."""
-        if self._cums is None:
-            self._cums = _dt_cumsums(inp, self)
-        return self._cums
-
-    def dts(self, inp):
-        """inp's _DtArgs."""
-        return _DtArgs(inp.dt, *inp.dt.stride(), _stand_in(inp.dt_bias, inp.A), inp.A, *self.dt_limit)
-
-    def options(self, kernel):
-        """The launch options of one chunk kernel."""
-        return self.launch.get(kernel, {})
-
 
 # ---------------------------------------------------------------------------------------------
-# 3. The forward: state pass (both ways), summary scan, outputs; Summary
-#    README walkthrough b, c. Each kernel is followed by its launcher; Summary runs them.
+# 4. The forward: state pass, summary scan, outputs
+#    Steps (2) to (4) on one GPU (README "The chunked form", "The affine state summary"). Each
+#    kernel is followed by its launcher; Summary and ssd_output run them.
 # ---------------------------------------------------------------------------------------------
-
 
 @triton.jit
 def _state_pass_kernel(
@@ -525,7 +792,7 @@ def _state_pass_kernel(
     tl.store(sum_ptr + _state_tile(run_slot, h, offs_p, offs_n, nheads, headdim, dstate), V, mask=mask_pn)
 
 
-def _state_pass(head_in, group_in, inp, plan, reverse):
+def _state_pass(head_in, group_in, ssd, plan, reverse):
     """Every run from zero, forward (head_in = x, group_in = B) or reverse (dy, C): per chunk the
     carried value (b, nchunks, h, p, n) and decay (b, nchunks, h); per run what is left
     (b, nruns, h, p, n) and its decay a (b, nruns, h)."""
@@ -535,16 +802,14 @@ def _state_pass(head_in, group_in, inp, plan, reverse):
     decay = torch.empty(plan.batch, plan.nchunks, plan.nheads, device=dev, dtype=torch.float32)
     left = torch.empty(plan.batch, plan.nruns, plan.nheads, plan.headdim, plan.dstate, device=dev, dtype=torch.float32)
     a = torch.empty(plan.batch, plan.nruns, plan.nheads, device=dev, dtype=torch.float32)
-    grid = (plan.nruns * plan.n_p_tiles * plan.n_n_tiles, plan.batch * plan.nheads)
-    _state_pass_kernel[grid](
-        head_in, group_in, plan.cums(inp), inp.seq_idx, per_chunk, decay, left, a,
+    _state_pass_kernel[(plan.nruns * plan.n_p_tiles * plan.n_n_tiles, plan.batch * plan.nheads)](
+        head_in, group_in, ssd.cums, ssd.seq_idx, per_chunk, decay, left, a,
         plan.seqlen, plan.nheads, plan.headdim, plan.dstate, plan.nchunks, plan.chunks_per_run, plan.n_p_tiles,
-        plan.n_n_tiles, plan.heads_per_group,
-        _BLHP(*head_in.stride()), _BLGN(*group_in.stride()), _strides_of(inp.seq_idx, _BL),
+        plan.n_n_tiles, plan.heads_per_group, _BLHP(*head_in.stride()), _BLGN(*group_in.stride()),
+        _ZERO_BL if ssd.seq_idx is None else _BL(*ssd.seq_idx.stride()),
         Q=plan.Q, BP=plan.BP_state, BN=plan.BN_state, REVERSE=reverse, DOT_PRECISION=plan.state_precision,
-        **plan.options("state"), **plan.flags)
+        **plan.launch.get("state", {}), **plan.flags)
     return per_chunk, decay, left, a
-
 
 @triton.jit
 def _summary_scan_kernel(
@@ -579,10 +844,6 @@ def _summary_scan_kernel(
     tl.store(end_ptr + _slot_head(b, h, nheads) * size + offs, S, mask=mask)
 
 
-def _f32_contiguous(t):
-    return None if t is None else t.float().contiguous()
-
-
 def scan_summaries(src, a, start=None, cont=None, reverse=False):
     """The exclusive scan over K summaries, all fp32. Forward (src = S_ext (b, K, h, p, n), a
     (b, K, h), start the initial state (b, h, p, n) or None): the entry state of each
@@ -590,10 +851,13 @@ def scan_summaries(src, a, start=None, cont=None, reverse=False):
     final state's gradient): the gradient arriving at each one's exit and the initial state's
     gradient. cont (b, K) fp32 document-continuation flags or None."""
     b, K, h, p, n = src.shape
-    src, a, start, cont = (_f32_contiguous(t) for t in (src, a, start, cont))
+    src, a = src.float().contiguous(), a.float().contiguous()          # no copies where they are already
+    start = None if start is None else start.float().contiguous()
+    cont = None if cont is None else cont.float().contiguous()
     out = torch.empty_like(src)
     end = torch.empty(b, h, p, n, device=src.device, dtype=torch.float32)
-    BLOCK = min(tuning().scan_block or _next_pow2(p * n), _next_pow2(p * n))
+    whole = _next_pow2(p * n)
+    BLOCK = min(tuning().scan_block or whole, whole)
     _summary_scan_kernel[(_cdiv(p * n, BLOCK), b * h)](
         src, a, cont, start, out, end, K, h, p * n,
         BLOCK=BLOCK, HAS_CONT=cont is not None, HAS_START=start is not None, REVERSE=reverse)
@@ -602,10 +866,10 @@ def scan_summaries(src, a, start=None, cont=None, reverse=False):
 
 # The buffers that give every chunk's true entry state (or exit gradient), chunk c of run r's
 # being  stored(c) + decay(c) * run(r): what a state pass stored from a zero run entry (exit),
-# (b, nchunks, h, p, n); gamma (rho), (b, nchunks, h) fp32; the runs' entry states (exit
-# gradients), (b, nruns, h, p, n) fp32, or a stand-in where zero.
+# (b, nchunks, h, p, n); the decay from the run's entry to c's (gamma; backward, from c's exit
+# to the run's: rho), (b, nchunks, h) fp32; the runs' entry states (exit gradients),
+# (b, nruns, h, p, n) fp32, or a stand-in where zero.
 _ChunkEdge = collections.namedtuple("_ChunkEdge", "stored decay run")
-
 
 @triton.jit
 def _true_chunk_edge(edge, chunk_slot, run_slot, h, offs_p, offs_n, mask_pn, nheads, headdim, dstate,
@@ -691,31 +955,31 @@ def _D_strides(D):
     return _HP(D.stride(0), 0 if D.dim() == 1 else D.stride(1))
 
 
-def _output_fwd(inp, states, gamma, run_entry, plan, y=None, gate=None):
-    """y (b, l, h, p) of the _SSDInputs inp; run_entry (b, nruns, h, p, n) fp32: each run's entry
-    state, or None for zero. gate: None, or (z, out), both (b, l, h, p): out = y silu(z) too."""
-    x, dt, A, B, C, D, dt_bias, seq_idx = inp
+def _output_fwd(ssd, states, gamma, run_entry, plan, y=None, gate=None):
+    """y (b, l, h, p) of the SSD; run_entry (b, nruns, h, p, n) fp32: each run's entry state, or
+    None for zero. gate: None, or (z, out), both (b, l, h, p): out = y silu(z) too."""
+    x, B, C, D = ssd.x, ssd.B, ssd.C, ssd.D
     if y is None:
         y = torch.empty_like(x, memory_format=torch.contiguous_format)
     z, out = (y, y) if gate is None else gate
-    grid = (plan.nchunks * plan.batch * (plan.nheads // plan.heads_per_output), _cdiv(plan.headdim, plan.BP))
-    _output_fwd_kernel[grid](
-        x, B, C, plan.cums(inp), D, seq_idx, y, _ChunkEdge(states, gamma, _stand_in(run_entry, gamma)), z, out,
-        plan.seqlen, plan.headdim, plan.dstate, plan.heads_per_group, plan.heads_per_output, plan.nheads, plan.batch,
-        plan.chunks_per_run,
-        _BLHP(*x.stride()), _BLGN(*B.stride()), _BLGN(*C.stride()), _D_strides(D), _strides_of(seq_idx, _BL),
+    _output_fwd_kernel[(plan.nchunks * plan.batch * (plan.nheads // plan.heads_per_output), plan.n_p_blocks)](
+        x, B, C, ssd.cums, D, ssd.seq_idx, y, _ChunkEdge(states, gamma, gamma if run_entry is None else run_entry),
+        z, out, plan.seqlen, plan.headdim, plan.dstate, plan.heads_per_group, plan.heads_per_output, plan.nheads,
+        plan.batch, plan.chunks_per_run,
+        _BLHP(*x.stride()), _BLGN(*B.stride()), _BLGN(*C.stride()), _D_strides(D),
+        _ZERO_BL if ssd.seq_idx is None else _BL(*ssd.seq_idx.stride()),
         _BLHP(*y.stride()), _BLHP(*z.stride()), _BLHP(*out.stride()),
         Q=plan.Q, BP=plan.BP, BN=plan.BN, HAS_D=D is not None, HAS_ENTRY=run_entry is not None, HAS_Z=gate is not None,
-        DOT_PRECISION=plan.precision, **plan.options("output"), **plan.flags)
+        DOT_PRECISION=plan.precision, **plan.launch.get("output", {}), **plan.flags)
     return y
 
 
 class Summary:
-    """A sequence's (or CP shard's) state pass from a zero entry: what its outputs need besides
+    """A sequence's (or segment's) state pass from a zero entry: what its outputs need besides
     the entry state. Its affine summary S_out = a * S_entry + S_ext (fp32) is `affine()`."""
 
-    def __init__(self, inp, plan):
-        self.states, self.gamma, self.run_ext, self.run_a = _state_pass(inp.x, inp.B, inp, plan, False)
+    def __init__(self, ssd, plan):
+        self.states, self.gamma, self.run_ext, self.run_a = _state_pass(ssd.x, ssd.B, ssd, plan, False)
         self.plan = plan
 
     def affine(self):
@@ -727,7 +991,8 @@ class Summary:
     def run_entries(self, entry, need_exit=False):
         """Each run's entry state (b, nruns, h, p, n) or None for zero, given the sequence's entry
         (or None), and with need_exit the sequence's exit state (b, h, p, n)."""
-        entry = _f32_contiguous(entry)        # the kernels read it as a (b, nruns, h, p, n) buffer
+        if entry is not None:                 # the kernels read it as a (b, nruns, h, p, n) buffer
+            entry = entry.float().contiguous()
         if self.plan.nruns > 1:
             return scan_summaries(self.run_ext, self.run_a, entry)  # later runs start where earlier end
         run_entry = None if entry is None else entry[:, None]     # one run: no scan; absent stays absent
@@ -737,28 +1002,29 @@ class Summary:
         return run_entry, (S_ext if entry is None else S_ext + a[:, :, None, None] * entry)
 
 
-def ssd_output(inp, summary, entry=None, y=None, need_exit=False, gate=None):
-    """The outputs of a summarised sequence (_SSDInputs inp) entered with state `entry`
-    (b, h, p, n) or zero; with need_exit also its exit state (else None). gate (z, out): the
-    mixer's y silu(z) written into out as well, in the same pass over y."""
+def ssd_output(ssd, summary, entry=None, y=None, need_exit=False, gate=None):
+    """The outputs of a summarised sequence entered with state `entry` (b, h, p, n) or zero; with
+    need_exit also its exit state (else None). gate (z, out): the mixer's y silu(z) written into
+    out as well, in the same pass over y."""
     run_entry, exit_ = summary.run_entries(entry, need_exit)
-    y = _output_fwd(inp, summary.states, summary.gamma, run_entry, summary.plan, y, gate)
+    y = _output_fwd(ssd, summary.states, summary.gamma, run_entry, summary.plan, y, gate)
     return y, exit_
 
 
+
 # ---------------------------------------------------------------------------------------------
-# 4. The backward: GradPass (the state pass reversed), chunk gradients
-#    README walkthrough e. Each kernel is followed by its launcher.
+# 5. The backward: the state pass reversed, chunk gradients
+#    README "Backward". Each kernel is followed by its launcher; GradPass and ssd_grads run them.
 # ---------------------------------------------------------------------------------------------
 
 
 class GradPass:
     """A sequence's reverse state pass from a zero gradient at its exit: the chunks' exit
     gradients, and G (b, h, p, n), the pull of its outputs on its entry state. G is known
-    before the gradient at the exit is (it is what a CP rank all-gathers in backward)."""
+    before the gradient at the exit is (it is what a CP rank exchanges in backward)."""
 
-    def __init__(self, dy, inp, plan):
-        self.dstates, self.rho, self.run_G, self.run_a = _state_pass(dy, inp.C, inp, plan, True)
+    def __init__(self, dy, ssd, plan):
+        self.dstates, self.rho, self.run_G, self.run_a = _state_pass(dy, ssd.C, ssd, plan, True)
         self.plan = plan
 
     @property
@@ -770,7 +1036,8 @@ class GradPass:
         """Given the gradient at the sequence's exit (b, h, p, n) or None: the gradient arriving
         at each run's exit (b, nruns, h, p, n) or None, and the gradient at the
         sequence's entry, G + a dexit (b, h, p, n), both from one reverse scan."""
-        dexit = _f32_contiguous(dexit)        # the kernels read it as a (b, nruns, h, p, n) buffer
+        if dexit is not None:                 # the kernels read it as a (b, nruns, h, p, n) buffer
+            dexit = dexit.float().contiguous()
         if self.plan.nruns == 1 and dexit is None:
             return None, self.run_G[:, 0]
         return scan_summaries(self.run_G, self.run_a, dexit, reverse=True)
@@ -997,83 +1264,81 @@ def _chunk_bwd_x_kernel(
              ddt_raw.to(ddt_ptr.dtype.element_ty), mask=valid)
 
 
-def _chunk_bwd(inp, states, gamma, run_entry, dstates, rho, run_dexit, dout, plan, dx=None, dB=None, dC=None,
+def _chunk_bwd(ssd, states, gamma, run_entry, dstates, rho, run_dexit, dout, plan, dx=None, dB=None, dC=None,
                ddt=None):
-    """Every gradient of the chunks of the _SSDInputs inp, given each run's entry state and the
-    gradient at its exit (b, nruns, h, p, n) fp32 (either may be None for zero). dx, dB, dC
-    may be views into one buffer (the conv backward's input), ddt (b, l, h) a view too.
-    Returns (dx, dB, dC, ddt in dt's dtype, dA, dD, d dt_bias) fp32 but the first four."""
-    x, dt, A, B, C, D, dt_bias, seq_idx = inp
+    """Every gradient of the SSD's chunks, given each run's entry state and the gradient at its
+    exit (b, nruns, h, p, n) fp32 (either may be None for zero). dx, dB, dC may be views into one
+    buffer (the conv backward's input), ddt (b, l, h) a view too. Returns (dx, dB, dC, ddt in dt's
+    dtype, dA, dD, d dt_bias), fp32 but the first four."""
+    x, dt, B, C, D, seq_idx, cums = ssd.x, ssd.dt, ssd.B, ssd.C, ssd.D, ssd.seq_idx, ssd.cums
     dev, slots, Q = x.device, plan.batch * plan.nchunks, plan.Q
     dB = torch.empty_like(B, memory_format=torch.contiguous_format) if dB is None else dB
     dC = torch.empty_like(C, memory_format=torch.contiguous_format) if dC is None else dC
     CB = torch.empty(slots, plan.ngroups, Q, Q, device=dev, dtype=torch.float32)
     dCB = torch.empty(slots, plan.ngroups, Q, Q, device=dev, dtype=x.dtype)
-    ddt_pairs, ddA_pairs = (torch.empty(slots, plan.nheads, Q, device=dev, dtype=torch.float32) for _ in range(2))
-    n_bc_tiles = _cdiv(plan.dstate, plan.BN_bc)
-    ddA_entry_part, dw_part = (torch.empty(slots, plan.nheads, n_bc_tiles, Q, device=dev, dtype=torch.float32)
-                               for _ in range(2))
+    ddt_pairs = torch.empty(slots, plan.nheads, Q, device=dev, dtype=torch.float32)
+    ddA_pairs = torch.empty(slots, plan.nheads, Q, device=dev, dtype=torch.float32)
+    n_bc_tiles = plan.n_bc_tiles
+    ddA_entry_part = torch.empty(slots, plan.nheads, n_bc_tiles, Q, device=dev, dtype=torch.float32)
+    dw_part = torch.empty(slots, plan.nheads, n_bc_tiles, Q, device=dev, dtype=torch.float32)
     carry_part = torch.empty(slots, plan.nheads, n_bc_tiles, device=dev, dtype=torch.float32)
     d_width = plan.headdim if D is not None and D.dim() == 2 else 1
     dD_part = torch.empty(slots, plan.nheads, d_width, device=dev, dtype=torch.float32) if D is not None else None
-    in_edge = _ChunkEdge(states, gamma, _stand_in(run_entry, gamma))
-    out_edge = _ChunkEdge(dstates, rho, _stand_in(run_dexit, rho))
-    cums = plan.cums(inp)
+    in_edge = _ChunkEdge(states, gamma, gamma if run_entry is None else run_entry)
+    out_edge = _ChunkEdge(dstates, rho, rho if run_dexit is None else run_dexit)
     s_x, s_B, s_C = _BLHP(*x.stride()), _BLGN(*B.stride()), _BLGN(*C.stride())
-    s_seq, s_do = _strides_of(seq_idx, _BL), _BLHP(*dout.stride())
-    flags = dict(DOT_PRECISION=plan.precision, **plan.flags)
+    s_seq, s_do = _ZERO_BL if seq_idx is None else _BL(*seq_idx.stride()), _BLHP(*dout.stride())
     _chunk_bwd_group_kernel[(plan.nchunks * plan.batch * plan.ngroups,)](
-        x, B, C, cums, seq_idx, dout, CB, dCB, ddt_pairs, ddA_pairs, _stand_in(dD_part, ddt_pairs),
+        x, B, C, cums, seq_idx, dout, CB, dCB, ddt_pairs, ddA_pairs, ddt_pairs if dD_part is None else dD_part,
         plan.seqlen, plan.headdim, plan.dstate, plan.heads_per_group, plan.ngroups, plan.batch,
         s_x, s_B, s_C, s_seq, s_do,
         Q=Q, BP=plan.BP, BN=plan.BN_group, HAS_D=D is not None, D_PER_CHANNEL=d_width > 1,
-        **plan.options("bwd_group"), **flags)
+        DOT_PRECISION=plan.precision, **plan.launch.get("bwd_group", {}), **plan.flags)
     _chunk_bwd_BC_kernel[(plan.nchunks * plan.batch * plan.ngroups * n_bc_tiles,)](
         x, B, C, cums, seq_idx, in_edge, out_edge, dout, dCB, dB, dC, ddA_entry_part, dw_part, carry_part,
         plan.seqlen, plan.headdim, plan.dstate, plan.heads_per_group, plan.ngroups, plan.batch, n_bc_tiles,
         plan.chunks_per_run, s_x, s_B, s_C, s_seq, s_do, _BLGN(*dB.stride()), _BLGN(*dC.stride()),
         Q=Q, BP=plan.BP, BN=plan.BN_bc, HAS_ENTRY=run_entry is not None, HAS_EXIT=run_dexit is not None,
-        **plan.options("bwd_bc"), **flags)
+        DOT_PRECISION=plan.precision, **plan.launch.get("bwd_bc", {}), **plan.flags)
     del dCB                     # the x kernel's outputs take its place: the backward's peak is lower
     dx = torch.empty_like(x, memory_format=torch.contiguous_format) if dx is None else dx
     ddt = torch.empty(dt.shape, device=dev, dtype=dt.dtype) if ddt is None else ddt
     dA_part = torch.empty(slots, 2, plan.nheads, device=dev, dtype=torch.float32)
     _chunk_bwd_x_kernel[(plan.nchunks * plan.batch * plan.nheads,)](
-        B, plan.dts(inp), cums, D, seq_idx, out_edge, dout, CB, ddt_pairs, ddA_pairs, ddA_entry_part, dw_part,
-        carry_part, dx, ddt, dA_part,
+        B, plan.dts(dt, ssd.dt_bias, ssd.A), cums, D, seq_idx, out_edge, dout, CB, ddt_pairs, ddA_pairs,
+        ddA_entry_part, dw_part, carry_part, dx, ddt, dA_part,
         plan.seqlen, plan.headdim, plan.dstate, plan.heads_per_group, plan.nheads, plan.batch, plan.chunks_per_run,
         n_bc_tiles, s_B, _D_strides(D), s_seq, s_do, _BLHP(*dx.stride()), _BLH(*ddt.stride()),
         Q=Q, BP=plan.BP, BN=plan.BN_x, HAS_D=D is not None, HAS_EXIT=run_dexit is not None,
-        **plan.options("bwd_x"), **plan.dt_flags, **flags)
-    dA, ddt_bias = (dA_part[:, i].sum(dim=0) for i in range(2))   # (h,) each: an op's outputs share no tensor
+        DOT_PRECISION=plan.precision, **plan.launch.get("bwd_x", {}), **plan.dt_flags, **plan.flags)
+    dA, ddt_bias = dA_part[:, 0].sum(dim=0), dA_part[:, 1].sum(dim=0)   # (h,) each: an op's outputs share no tensor
     dD = None
     if D is not None:
         dD = dD_part.sum(dim=(0, 2) if D.dim() == 1 else 0)                         # (h,) or (h, p)
     return dx, dB, dC, ddt, dA, dD, ddt_bias
 
 
-def ssd_grads(inp, summary, grad_pass, dy, entry=None, dexit=None, dx=None, dB=None, dC=None, ddt=None):
-    """Every gradient of a sequence (_SSDInputs inp) entered with state `entry` whose exit
-    receives gradient `dexit` (either (b, h, p, n) or None). dx, dB, dC, ddt may be given as
-    output views. Returns (dx, dB, dC, ddt (in dt's dtype, w.r.t. raw dt), dA, dD, d dt_bias
-    (the sum of raw dt's gradient, whether or not a dt_bias was added), d entry)."""
+def ssd_grads(ssd, summary, grad_pass, dy, entry=None, dexit=None, dx=None, dB=None, dC=None, ddt=None):
+    """Every gradient of a sequence entered with state `entry` whose exit receives gradient
+    `dexit` (either (b, h, p, n) or None). dx, dB, dC, ddt may be given as output views. Returns
+    (dx, dB, dC, ddt (in dt's dtype, w.r.t. raw dt), dA, dD, d dt_bias (the sum of raw dt's
+    gradient, whether or not a dt_bias was added), d entry)."""
     run_dexits, dentry = grad_pass.exits_and_entry(dexit)
-    grads = _chunk_bwd(inp, summary.states, summary.gamma, summary.run_entries(entry)[0], grad_pass.dstates,
+    grads = _chunk_bwd(ssd, summary.states, summary.gamma, summary.run_entries(entry)[0], grad_pass.dstates,
                        grad_pass.rho, run_dexits, dy, summary.plan, dx, dB, dC, ddt)
     return (*grads, dentry)
 
 
+
 # ---------------------------------------------------------------------------------------------
-# 5. Layouts
-#    README walkthrough g: which causal segments of the global sequence a rank holds.
+# 6. Segments, and their exchange by all-gather
+#    Which causal segments of the global sequence a rank holds (README "Layouts"), and how the
+#    conv halos, the summaries and their gradients travel between them: steps (1) and (3)
+#    (README "The exclusive scan over summaries").
 # ---------------------------------------------------------------------------------------------
 
 
 LAYOUTS = ("none", "virtual", "permute_p2p", "permute_a2a")
-
-
-def _check_layout(load_balancing):
-    _expect(load_balancing in LAYOUTS, "load_balancing", repr(load_balancing), f"one of {LAYOUTS}")
 
 
 def _pieces(rank, world, load_balancing):
@@ -1084,21 +1349,18 @@ def _pieces(rank, world, load_balancing):
     return [rank, 2 * world - 1 - rank], 2 * world
 
 
-class _Segments:
-    """How the fused function sees a rank's shard: `per_row` causal segments of equal length per
-    batch row, with global segment ids `ids` (in local order) out of `count`. "virtual" treats the
-    zigzag halves as two segments; the permute layouts are first made contiguous ("none")."""
+class Segments:
+    """How the method sees a rank's shard: `per_row` causal segments of equal length per batch
+    row, at global positions `held` (in local order) out of `count`. "virtual" takes the zigzag
+    halves as two segments; the permute layouts are made contiguous first ("none")."""
 
     def __init__(self, rank, world, load_balancing):
-        compute = "virtual" if load_balancing == "virtual" else "none"
-        self.ids, self.count = _pieces(rank, world, compute)
-        self.per_row = len(self.ids)
+        layout = "virtual" if load_balancing == "virtual" else "none"
+        self.held, self.count = _pieces(rank, world, layout)
+        self.per_row = len(self.held)
         self.rank, self.world = rank, world
-        # where each global segment lives: (rank, local index)
-        self.where = {}
-        for r in range(world):
-            for j, k in enumerate(_pieces(r, world, compute)[0]):
-                self.where[k] = (r, j)
+        self.where = {k: (r, j) for r in range(world) for j, k in enumerate(_pieces(r, world, layout)[0])}
+        self.order = [self.where[k] for k in range(self.count)]        # (rank, local index) by position
 
     def to_rows(self, t):
         """(b, per_row * s, ...) -> (b * per_row, s, ...): one row per segment."""
@@ -1111,20 +1373,12 @@ class _Segments:
         """Stack per-rank, per-local-segment tensors (world, batch * per_row, ...) into global
         segment order (batch, count, ...)."""
         per_rank = gathered.reshape(self.world, batch, self.per_row, *gathered.shape[2:])
-        order = [self.where[k] for k in range(self.count)]
-        return torch.stack([per_rank[r, :, j] for r, j in order], dim=1)
+        return torch.stack([per_rank[r, :, j] for r, j in self.order], dim=1)
 
     def own(self, t_global):
         """This rank's segments of a (batch, count, ...) tensor, as rows (batch * per_row, ...)."""
-        own = torch.stack([t_global[:, k] for k in self.ids], dim=1)  # no index tensor: graph-capturable
+        own = torch.stack([t_global[:, k] for k in self.held], dim=1)  # no index tensor: graph-capturable
         return own.reshape(own.shape[0] * own.shape[1], *own.shape[2:])
-
-
-# ---------------------------------------------------------------------------------------------
-# 6. The exchange: summaries, their gradients and the conv halo, by all-gather
-#    README walkthrough d.
-# ---------------------------------------------------------------------------------------------
-
 
 def _all_gather(t, cp_group, async_op=False):
     """All-gather of a contiguous tensor into (world, *t.shape); with async_op the Work too."""
@@ -1156,41 +1410,26 @@ def _unpack(buf, shapes_dtypes):
     return out
 
 
-def _neighbours_by_all_gather(blocks, cfg, later):
-    """Each segment's row of blocks (rows, numel) handed to the segment after it (later) or before
-    it in the global sequence, zeros at the sequence's ends: every rank gathers every segment's
-    block and keeps its neighbours'. Returns (rows, numel)."""
-    every = _all_gather(blocks, cfg.group) if cfg.world > 1 else blocks[None]
-    glob = cfg.segs.gather_order(every, cfg.batch)                                 # (b, K, numel)
-    zero = torch.zeros_like(glob[:, :1])
-    glob = torch.cat([zero, glob[:, :-1]] if later else [glob[:, 1:], zero], dim=1)  # k gets k-1's (or k+1's)
-    return cfg.segs.own(glob)
-
-
-def _exchange_halo(xBC, seq_idx, cfg):
+def exchange_halo(xBC, seq_idx, plan):
     """Each segment's conv halo: the last d_conv-1 pre-conv tokens of the segment before it in
     the global sequence (zeros before segment 0), and their document ids. xBC (rows, s, dim).
     Returns halo (rows, d-1, dim) and halo_seq (rows, d-1) int32 or None."""
-    d1 = cfg.d_conv - 1
+    d1 = plan.d_conv - 1
     tail = xBC[:, xBC.shape[1] - d1:]                                              # (rows, d-1, dim)
-    parts = [tail]
-    if seq_idx is not None:
-        parts.append(seq_idx[:, seq_idx.shape[1] - d1:])
-    buf = _pack(xBC.shape[0], *parts)                                              # (rows, numel)
-    before = cfg.exchange.neighbours(buf, cfg, later=True)                         # (rows, numel)
-    shapes = [((d1, xBC.shape[2]), torch.float32)] + ([((d1,), torch.int32)] if seq_idx is not None else [])
-    halo, *halo_seq = _unpack(before, shapes)
-    return halo.to(xBC.dtype), (halo_seq[0] if halo_seq else None)
+    buf = _pack(xBC.shape[0], tail) if seq_idx is None else _pack(xBC.shape[0], tail, seq_idx[:, seq_idx.shape[1] - d1:])
+    before = plan.exchange.neighbours(buf, plan, later=True)                       # (rows, numel)
+    if seq_idx is None:
+        return before.reshape(xBC.shape[0], d1, xBC.shape[2]).to(xBC.dtype), None
+    halo, halo_seq = _unpack(before, [((d1, xBC.shape[2]), torch.float32), ((d1,), torch.int32)])
+    return halo.to(xBC.dtype), halo_seq
 
 
-def _return_halo_grad(dxBC, dhalo, cfg):
+def return_halo_grad(dxBC, dhalo, plan):
     """Send each halo's gradient back to the segment it came from, which adds it to the
     gradient of its last d_conv-1 tokens. dxBC (rows, s, dim) is updated in place."""
-    d1 = cfg.d_conv - 1
-    buf = dhalo.float().reshape(dhalo.shape[0], -1)
-    after = cfg.exchange.neighbours(buf, cfg, later=False)                         # (rows, numel)
-    own = after.reshape(dxBC.shape[0], d1, dxBC.shape[2])
-    dxBC[:, dxBC.shape[1] - d1:] += own.to(dxBC.dtype)
+    d1 = plan.d_conv - 1
+    after = plan.exchange.neighbours(dhalo.float().reshape(dhalo.shape[0], -1), plan, later=False)   # (rows, numel)
+    dxBC[:, dxBC.shape[1] - d1:] += after.reshape(dxBC.shape[0], d1, dxBC.shape[2]).to(dxBC.dtype)
 
 
 def _document_flags(first, last):
@@ -1201,502 +1440,318 @@ def _document_flags(first, last):
     return cont
 
 
-def _entries_by_all_gather(S_ext, a, seq_idx, initial_states, cfg):
-    """Every segment's summary (S_ext (rows, h, p, n), a (rows, h), with documents its first and
-    last ids) all-gathered in one fp32 buffer, then the scan in global segment order: this rank's
-    segment entry states (rows, h, p, n), the final state (b, h, p, n), a and cont (b, K)."""
-    parts = [S_ext, a] + ([seq_idx[:, :1], seq_idx[:, -1:]] if seq_idx is not None else [])
-    buf = _pack(S_ext.shape[0], *parts)
-    every = _all_gather(buf, cfg.group) if cfg.world > 1 else buf[None]
-    h, p, n = cfg.state_shape
-    shapes = [((h, p, n), torch.float32), ((h,), torch.float32)]
-    shapes += [((1,), torch.int32), ((1,), torch.int32)] if seq_idx is not None else []
-    S_all, a_all, *ids = _unpack(cfg.segs.gather_order(every, cfg.batch), shapes)  # (b, K, ...)
-    cont = _document_flags(ids[0][..., 0], ids[1][..., 0]) if ids else None
-    entries, final = scan_summaries(S_all.contiguous(), a_all.contiguous(), initial_states, cont)
-    return cfg.segs.own(entries), final, a_all.contiguous(), cont
-
-
-def _exit_grads_by_all_gather(G, dfinal, a_all, cont, cfg, meanwhile):
-    """Every segment's G (rows, h, p, n) and each rank's gradient of its copy of the final state
-    (the copies' add up) all-gathered, `meanwhile` run while they travel, then the reverse scan:
-    the gradient at this rank's segment exits (rows, h, p, n), initial_states' (b, h, p, n), and
-    meanwhile's result."""
-    rows = cfg.batch * cfg.segs.per_row
-    h, p, n = cfg.state_shape
-    if dfinal is None:
-        dfinal = torch.zeros((cfg.batch, h, p, n), device=G.device)
-    buf = torch.cat([G.reshape(-1), dfinal.float().reshape(-1)])
-    every, work = _all_gather(buf, cfg.group, async_op=True) if cfg.world > 1 else (buf[None], None)
-    done = meanwhile()
-    if work is not None:
-        work.wait()
-    G_part, dfin = every[:, :rows * h * p * n], every[:, rows * h * p * n:]
-    G_all = cfg.segs.gather_order(G_part.reshape(cfg.world, rows, h, p, n), cfg.batch)  # (b, K, h, p, n)
-    dfinal = dfin.reshape(cfg.world, cfg.batch, h, p, n).sum(dim=0)
-    dexit_all, dinit = scan_summaries(G_all.contiguous(), a_all, dfinal, cont, reverse=True)
-    return cfg.segs.own(dexit_all), dinit, done
-
-
-class _AllGatherExchange:
+class AllGatherExchange:
     """summary_exchange="all_gather": every rank receives every segment's summary (and, in the
-    backward, every G) and scans them itself. Other exchanges have the same three methods."""
-    neighbours = staticmethod(_neighbours_by_all_gather)
-    entry_states = staticmethod(_entries_by_all_gather)
-    exit_grads = staticmethod(_exit_grads_by_all_gather)
+    backward, every G) and scans them itself; a halo comes from an all-gather of every
+    segment's tail. Another exchange has the same three methods (section 8)."""
 
+    @staticmethod
+    def neighbours(blocks, plan, later):
+        """Each segment's row of blocks (rows, numel) handed to the segment after it (later) or
+        before it in the global sequence, zeros at the sequence's ends: every rank gathers every
+        segment's block and keeps its neighbours'. Returns (rows, numel)."""
+        every = _all_gather(blocks, plan.group) if plan.world > 1 else blocks[None]
+        glob = plan.segments.gather_order(every, plan.batch)                          # (b, K, numel)
+        zero = torch.zeros_like(glob[:, :1])
+        glob = torch.cat([zero, glob[:, :-1]] if later else [glob[:, 1:], zero], dim=1)  # k gets k-1's (or k+1's)
+        return plan.segments.own(glob)
 
-EXCHANGES = {"all_gather": _AllGatherExchange}     # by summary_exchange name
+    @staticmethod
+    def entry_states(S_ext, a, seq_idx, initial_states, plan):
+        """Every segment's summary (S_ext (rows, h, p, n), a (rows, h), with documents its first
+        and last ids) all-gathered in one fp32 buffer, then the scan in global segment order: this
+        rank's segment entry states (rows, h, p, n), the final state (b, h, p, n), and what the
+        backward needs: a and cont (b, K), cont None without documents."""
+        parts = (S_ext, a) if seq_idx is None else (S_ext, a, seq_idx[:, :1], seq_idx[:, -1:])
+        buf = _pack(S_ext.shape[0], *parts)
+        every = _all_gather(buf, plan.group) if plan.world > 1 else buf[None]
+        h, p, n = plan.state_shape
+        shapes = [((h, p, n), torch.float32), ((h,), torch.float32)]
+        if seq_idx is not None:
+            shapes += [((1,), torch.int32), ((1,), torch.int32)]
+        S_all, a_all, *ids = _unpack(plan.segments.gather_order(every, plan.batch), shapes)  # (b, K, ...)
+        cont = _document_flags(ids[0][..., 0], ids[1][..., 0]) if ids else None
+        a_all = a_all.contiguous()
+        entries, final = scan_summaries(S_all.contiguous(), a_all, initial_states, cont)
+        return plan.segments.own(entries), final, a_all, cont
 
+    @staticmethod
+    def exit_grads(G, dfinal, a_all, cont, plan, meanwhile):
+        """Every segment's G (rows, h, p, n) and each rank's gradient of its copy of the final
+        state (the copies' add up) all-gathered, `meanwhile` run while they travel, then the
+        reverse scan: the gradient at this rank's segment exits (rows, h, p, n), initial_states'
+        (b, h, p, n), and meanwhile's result."""
+        rows = plan.batch * plan.segments.per_row
+        h, p, n = plan.state_shape
+        if dfinal is None:
+            dfinal = torch.zeros((plan.batch, h, p, n), device=G.device)
+        buf = torch.cat([G.reshape(-1), dfinal.float().reshape(-1)])
+        every, work = _all_gather(buf, plan.group, async_op=True) if plan.world > 1 else (buf[None], None)
+        done = meanwhile()
+        if work is not None:
+            work.wait()
+        G_part, dfin = every[:, :rows * h * p * n], every[:, rows * h * p * n:]
+        G_all = plan.segments.gather_order(G_part.reshape(plan.world, rows, h, p, n), plan.batch)  # (b, K, h, p, n)
+        dfinal = dfin.reshape(plan.world, plan.batch, h, p, n).sum(dim=0)
+        dexit_all, dinit = scan_summaries(G_all.contiguous(), a_all, dfinal, cont, reverse=True)
+        return plan.segments.own(dexit_all), dinit, done
 
-# ---------------------------------------------------------------------------------------------
-# 7. The causal conv1d
-#    README walkthrough f. Each kernel is followed by its launcher.
-#
-# Depthwise causal conv1d + bias + SiLU with a halo, forward and backward.
-#
-#     out[b, t, c] = silu(bias[c] + sum_{k<d} weight[c, k] * u[b, t - (d-1) + k, c])
-#
-# u is the shard's pre-conv xBC, preceded by the halo: the last d-1 pre-conv tokens of the
-# previous segment, received from their owner (zeros for the first segment). With seq_idx a tap
-# whose token belongs to another document than token t contributes 0, in the halo too.
-#
-# Backward. g = dout * silu'(pre), with the pre-activation recomputed (it is as large as xBC, so
-# it is not kept). With m_j(s) = 1 when s and s+j are in one document (the forward's tap mask):
-#     du[s, c]        = sum_j weight[c, d-1-j] * m_j(s) g[s+j, c]
-#     dweight[c, d-1-j] = sum_s u[s, c] * m_j(s) g[s+j, c]          dbias[c] = sum_t g[t, c]
-# so one pass over tokens s of [halo, xBC] gives all three; du at s < 0 is the halo's gradient,
-# which the caller sends back to the halo's owner.
-#
-# Both kernels walk the tokens in order, one per step. A register tile cannot be shifted by
-# tokens, so what a token needs from its neighbours is carried from step to step: the u of the
-# d-1 tokens before it (the window) and, backward, the partial du of those tokens, to which token
-# t's g adds its share; the oldest is then complete and stored. So u and dout are loaded once per
-# token, but for d-1 tokens at each end of a strip. A program walks one strip on a GPU, or many
-# side by side as one tile in the interpreter, which pays per step. No atomics: dweight and dbias
-# are per-program partial sums, summed by torch in a fixed order. Offsets are int64 (2^20 tokens
-# x 8k channels, in any layout).
-# ---------------------------------------------------------------------------------------------
-
-
-# Conv pieces: a program's channels and operands, document ids and u of a step's tokens, the
-# pre-activation. A kernel gathers its operands once into tuples: xs, u's two sources (the
-# shard, then the halo before it: base pointer, channel offsets, token stride of each); w, the
-# channels' tap weights; seqs, the document ids of both.
-
-
-@triton.jit
-def _conv_program(x_ptr, stride_x, halo_ptr, stride_h, w_ptr, stride_w, bias_ptr, stride_bias, seq_ptr, stride_s,
-                  hseq_ptr, stride_hs, dim, BC: tl.constexpr, TAPS: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """This program's batch row bb and channels offs_c (int64, (BC,)) with their mask, and its
-    operands: xs, w (a tuple of TAPS (1, BC) fp32 tiles, tap 0, the oldest token, first), bias
-    ((BC,) fp32, zeros without one), seqs."""
-    bb = tl.program_id(2).to(tl.int64)
-    offs_c = (tl.program_id(1) * BC + tl.arange(0, BC)).to(tl.int64)
-    mask_c = offs_c < dim
-    xs = (x_ptr + bb * stride_x.b, offs_c * stride_x.c, stride_x.l, halo_ptr + bb * stride_h.b,
-          offs_c * stride_h.c, stride_h.l)
-    w = ()
-    for k in tl.static_range(TAPS):
-        wk = tl.load(w_ptr + offs_c * stride_w.c + k * stride_w.k, mask=mask_c, other=0.0).to(tl.float32)
-        w = w + (wk[None, :],)
-    bias = tl.zeros((BC,), dtype=tl.float32)
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + offs_c * stride_bias, mask=mask_c, other=0.0).to(tl.float32)
-    seqs = (seq_ptr + bb * stride_s.b, stride_s.l, hseq_ptr + bb * stride_hs.b, stride_hs.l)
-    return bb, offs_c, mask_c, xs, w, bias, seqs
-
-
-@triton.jit
-def _doc(seqs, t, seqlen, HALO: tl.constexpr, HAS_HALO_SEQ: tl.constexpr):
-    """Document id (M,) int64 of tokens t (M,); -1 where there is none (those tokens hold zeros)."""
-    s_row0, stride_s_l, hs_row0, stride_hs_l = seqs
-    r = t.to(tl.int64)
-    doc = tl.load(s_row0 + r * stride_s_l, mask=(t >= 0) & (t < seqlen), other=-1)
-    if HAS_HALO_SEQ:
-        in_h = (t < 0) & (t >= -HALO)
-        doc = tl.where(in_h, tl.load(hs_row0 + (r + HALO) * stride_hs_l, mask=in_h, other=-1), doc)
-    return doc.to(tl.int64)
-
-
-@triton.jit
-def _u_at(xs, t, mask_c, seqlen, HALO: tl.constexpr, HAS_HALO: tl.constexpr):
-    """u at tokens t (M,) as an (M, BC) fp32 tile, zero outside [-HALO, seqlen). Tokens < 0
-    come from the halo."""
-    x_row0, x_col, stride_x_l, h_row0, h_col, stride_h_l = xs
-    r = t.to(tl.int64)
-    in_x = (t >= 0) & (t < seqlen)
-    u = tl.load(x_row0 + r[:, None] * stride_x_l + x_col[None, :],
-                mask=in_x[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
-    if HAS_HALO:   # a second masked load, not a branch: a branch would keep the loads apart
-        in_h = (t < 0) & (t >= -HALO)
-        u += tl.load(h_row0 + (r + HALO)[:, None] * stride_h_l + h_col[None, :],
-                     mask=in_h[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
-    return u
-
-
-@triton.jit
-def _preact(w, bias, win, docs, u, doc, TAPS: tl.constexpr, HAS_SEQ: tl.constexpr):
-    """Pre-activation (M, BC) of tokens t: bias + sum_k w_k u[t-(TAPS-1)+k], from the window
-    (u and ids of tokens t-TAPS+1 .. t-1) and token t itself; a tap from another document dropped."""
-    acc = bias[None, :] + w[TAPS - 1] * u
-    for k in tl.static_range(TAPS - 1):
-        uk = win[k]
-        if HAS_SEQ:
-            uk = tl.where((docs[k] == doc)[:, None], uk, 0.0)
-        acc += w[k] * uk
-    return acc
-
-
-@triton.jit
-def _sigmoid(p, FAST: tl.constexpr):
-    """sigmoid(p), float32. FAST (compiled kernels only: the interpreter runs no PTX): the GPU's
-    approximate 2^x and 1/x with subnormals flushed, a few ulp off and exactly 0 or 1 at the
-    ends: four instructions where tl.sigmoid's IEEE-careful ones take eleven, in kernels whose
-    instruction issue, not memory, sets their pace."""
-    if FAST:
-        e = tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [p * -1.4426950408889634],
-                                      dtype=tl.float32, is_pure=True, pack=1)
-        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [e + 1.0],
-                                         dtype=tl.float32, is_pure=True, pack=1)
-    return tl.sigmoid(p)
-
-
-@triton.jit
-def _conv_fwd_kernel(
-    x_ptr, w_ptr, bias_ptr, halo_ptr, seq_ptr, hseq_ptr, out_ptr,
-    seqlen, dim, S, stride_x, stride_w, stride_bias, stride_h, stride_s, stride_hs, stride_o,
-    TAPS: tl.constexpr, M: tl.constexpr, BC: tl.constexpr, U: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_HALO_SEQ: tl.constexpr,
-    SILU: tl.constexpr, FAST: tl.constexpr,
-):
-    """M strips of S output tokens each (this program's), BC channels, one batch row: out =
-    silu(pre-activation), or the pre-activation itself without SILU. A step loads U tokens of
-    every strip, then convolves them one by one with the window of the d-1 tokens before."""
-    bb, offs_c, mask_c, xs, w, bias, seqs = _conv_program(
-        x_ptr, stride_x, halo_ptr, stride_h, w_ptr, stride_w, bias_ptr, stride_bias, seq_ptr, stride_s, hseq_ptr,
-        stride_hs, dim, BC, TAPS, HAS_BIAS)
-    o_row0, o_col = out_ptr + bb * stride_o.b, offs_c * stride_o.c
-    first = (tl.program_id(0) * M + tl.arange(0, M)) * S       # (M,) each strip's first token
-    win = (tl.zeros((M, BC), dtype=tl.float32),) * (TAPS - 1)  # u of the TAPS-1 tokens before
-    docs = (tl.full((M,), -1, tl.int64),) * (TAPS - 1)           # and their documents
-    for i0 in range(-(TAPS - 1), S, U):     # the first TAPS-1 steps only fill the window
-        ahead = ()
-        for k in tl.static_range(U):
-            t = first + (i0 + k)
-            doc = _doc(seqs, t, seqlen, TAPS - 1, HAS_HALO_SEQ) if HAS_SEQ else t.to(tl.int64)
-            ahead = ahead + ((_u_at(xs, t, mask_c, seqlen, TAPS - 1, HAS_HALO), doc),)
-        for k in tl.static_range(U):
-            t = first + (i0 + k)
-            u, doc = ahead[k]
-            p = _preact(w, bias, win, docs, u, doc, TAPS, HAS_SEQ)              # (M, BC)
-            out = p * _sigmoid(p, FAST) if SILU else p
-            tl.store(o_row0 + t.to(tl.int64)[:, None] * stride_o.l + o_col[None, :], out.to(out_ptr.dtype.element_ty),
-                     mask=((t >= first) & (t < first + S) & (t < seqlen))[:, None] & mask_c[None, :])
-            win = win[1:] + (u,)
-            docs = docs[1:] + (doc,)
-
-
-def _conv_flags(bias, halo, seq_idx, silu):
-    has_seq = seq_idx is not None
-    return dict(HAS_BIAS=bias is not None, HAS_HALO=halo is not None, HAS_SEQ=has_seq,
-                HAS_HALO_SEQ=has_seq and halo is not None,         # without a halo its ids don't matter
-                SILU=bool(silu), FAST=not INTERPRET)
-
-
-def _conv_strips(tokens, dim, launch):
-    """(strips M, tokens per strip S, channels BC, programs per batch row) of a conv launch over
-    `tokens` tokens: the tuning's, no larger than the tensor needs."""
-    M, BC = launch.strips, min(launch.channels, max(16, _next_pow2(dim)))
-    S = max(1, min(launch.tokens, _cdiv(tokens, M)))
-    return M, S, BC, _cdiv(tokens, M * S)
-
-
-def _conv1d_fwd(xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=None, out=None, silu=True):
-    """silu(causal depthwise conv(xBC) + bias) (without silu the conv alone), (b, l, dim) in xBC's
-    dtype, or written into out. xBC (b, l, dim); weight (dim, d); bias (dim,); halo (b, d-1, dim),
-    the tokens before the shard (None: zeros); seq_idx (b, l), halo_seq (b, d-1) document ids."""
-    (b, l, dim), d = xBC.shape, weight.shape[1]
-    flags = _conv_flags(bias, halo, seq_idx, silu)
-    halo_seq = halo_seq.to(seq_idx.dtype) if flags["HAS_HALO_SEQ"] else None   # one id type in the kernel
-    if out is None:
-        out = torch.empty((b, l, dim), device=xBC.device, dtype=xBC.dtype)
-    launch = tuning().conv_fwd
-    M, S, BC, n_t = _conv_strips(l, dim, launch)
-    _conv_fwd_kernel[(n_t, _cdiv(dim, BC), b)](
-        xBC, weight, _stand_in(bias, xBC), _stand_in(halo, xBC), _stand_in(seq_idx, xBC), _stand_in(halo_seq, xBC),
-        out, l, dim, S, _BLC(*xBC.stride()), _CK(*weight.stride()), 0 if bias is None else bias.stride(0),
-        _strides_of(halo, _BLC), _strides_of(seq_idx, _BL), _strides_of(halo_seq, _BL), _BLC(*out.stride()),
-        TAPS=d, M=M, BC=BC, U=launch.unroll, num_warps=launch.warps, **flags)
-    return out
-
-
-@triton.jit
-def _conv_bwd_kernel(
-    dout_ptr, x_ptr, w_ptr, bias_ptr, halo_ptr, seq_ptr, hseq_ptr,
-    dx_ptr, dhalo_ptr, dw_part_ptr,
-    seqlen, dim, S, stride_do, stride_x, stride_w, stride_bias, stride_h, stride_s, stride_hs, stride_dx,
-    TAPS: tl.constexpr, M: tl.constexpr, BC: tl.constexpr, U: tl.constexpr, SHIFT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_HALO_SEQ: tl.constexpr,
-    NEED_DHALO: tl.constexpr, SILU: tl.constexpr, FAST: tl.constexpr,
-):
-    """M strips of S du tokens each of tokens s of [halo, xBC] (from s = -SHIFT; SHIFT is TAPS-1
-    with a halo), BC channels, one batch row: du per token (into dx, or dhalo for s < 0), and the
-    dweight, dbias of the g tokens it owns, summed into this program's partial slot (TAPS rows of
-    dweight, then dbias's). Step t
-    computes g[t] and hands its share to the du of tokens t-TAPS+1 .. t (`part`), the oldest then
-    complete. A strip's steps run from TAPS-1 tokens before its first du token (the window's
-    fill) to TAPS-1 past its last (whose g complete it; they count in the next strip's dweight)."""
-    bb, offs_c, mask_c, xs, w, bias, seqs = _conv_program(
-        x_ptr, stride_x, halo_ptr, stride_h, w_ptr, stride_w, bias_ptr, stride_bias, seq_ptr, stride_s, hseq_ptr,
-        stride_hs, dim, BC, TAPS, HAS_BIAS)
-    do_row0, do_col = dout_ptr + bb * stride_do.b, offs_c * stride_do.c
-    dx_row0, dx_col = dx_ptr + bb * stride_dx.b, offs_c * stride_dx.c
-
-    first = (tl.program_id(0) * M + tl.arange(0, M)) * S - SHIFT   # (M,) each strip's first du token
-    zero = tl.zeros((M, BC), dtype=tl.float32)
-    win = (zero,) * (TAPS - 1)                          # u of tokens t-TAPS+1 .. t-1
-    docs = (tl.full((M,), -1, tl.int64),) * (TAPS - 1)  # their documents
-    part = (zero,) * (TAPS - 1)                         # du of tokens t-TAPS+1 .. t-1, so far
-    dw = (zero,) * TAPS                                 # dweight per tap, per strip
-    db = zero
-    for i0 in range(-(TAPS - 1), S + TAPS - 1, U):
-        ahead = ()
-        for k in tl.static_range(U):
-            t = first + (i0 + k)
-            has_g = (t >= first) & (t >= 0) & (t < seqlen)      # g = 0 off [0, seqlen) and before the window fills
-            do = tl.load(do_row0 + t.to(tl.int64)[:, None] * stride_do.l + do_col[None, :],
-                         mask=has_g[:, None] & mask_c[None, :], other=0.0)
-            doc = _doc(seqs, t, seqlen, TAPS - 1, HAS_HALO_SEQ) if HAS_SEQ else t.to(tl.int64)
-            ahead = ahead + ((_u_at(xs, t, mask_c, seqlen, TAPS - 1, HAS_HALO), do, doc),)
-        for k in tl.static_range(U):
-            t = first + (i0 + k)
-            u, do, doc = ahead[k]
-            g = do.to(tl.float32)
-            if SILU:
-                p = _preact(w, bias, win, docs, u, doc, TAPS, HAS_SEQ)
-                sig = _sigmoid(p, FAST)
-                g = g * sig * (1.0 + p * (1.0 - sig))     # silu'(p) = sig(p) (1 + p (1 - sig(p)))
-            # g[t]'s share of du at token t-TAPS+1+j (weight j): zero across a document boundary
-            share = ()
-            for j in tl.static_range(TAPS - 1):
-                gj = tl.where((docs[j] == doc)[:, None], g, 0.0) if HAS_SEQ else g
-                share = share + (gj,)
-            s = t - (TAPS - 1)                                  # the du token g[t] completes
-            du = part[0] + w[0] * share[0]
-            keep = (s >= first) & (s < first + S) & (s < seqlen)
-            tl.store(dx_row0 + s.to(tl.int64)[:, None] * stride_dx.l + dx_col[None, :], du.to(dx_ptr.dtype.element_ty),
-                     mask=(keep & (s >= 0))[:, None] & mask_c[None, :])
-            if NEED_DHALO:
-                tl.store(dhalo_ptr + (bb * (TAPS - 1) + s.to(tl.int64) + (TAPS - 1))[:, None] * dim + offs_c[None, :],
-                         du, mask=(keep & (s < 0))[:, None] & mask_c[None, :])
-            nxt = ()
-            for j in tl.static_range(1, TAPS - 1):
-                nxt = nxt + (part[j] + w[j] * share[j],)
-            part = nxt + (w[TAPS - 1] * g,)
-            # dweight and dbias count the g tokens this strip owns: one select, then FMAs
-            g_own = tl.where(((t >= first) & (t < first + S))[:, None], g, 0.0)
-            sums = ()
-            for j in tl.static_range(TAPS - 1):
-                gj = tl.where((docs[j] == doc)[:, None], g_own, 0.0) if HAS_SEQ else g_own
-                sums = sums + (dw[j] + win[j] * gj,)
-            dw = sums + (dw[TAPS - 1] + u * g_own,)
-            db += g_own
-            win = win[1:] + (u,)
-            docs = docs[1:] + (doc,)
-
-    slot = (bb * tl.num_programs(0) + tl.program_id(0)) * (TAPS + HAS_BIAS)   # this program's partial rows
-    for j in tl.static_range(TAPS):
-        tl.store(dw_part_ptr + (slot + j) * dim + offs_c, tl.sum(dw[j], axis=0), mask=mask_c)
-    if HAS_BIAS:
-        tl.store(dw_part_ptr + (slot + TAPS) * dim + offs_c, tl.sum(db, axis=0), mask=mask_c)
-
-
-def _conv1d_bwd(dout, xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=None, need_dhalo=True, silu=True,
-                dx=None):
-    """Gradients of _conv1d_fwd: dxBC (into dx if given), dhalo (b, d-1, dim) fp32 (None without
-    need_dhalo or a halo), dweight (dim, d), dbias (dim,) or None."""
-    (b, l, dim), d = xBC.shape, weight.shape[1]
-    flags = _conv_flags(bias, halo, seq_idx, silu)
-    halo_seq = halo_seq.to(seq_idx.dtype) if flags["HAS_HALO_SEQ"] else None   # one id type in the kernel
-    need_dhalo = bool(need_dhalo) and halo is not None
-    shift = d - 1 if halo is not None else 0    # du tokens start at the halo's
-    launch = tuning().conv_bwd
-    M, S, BC, n_t = _conv_strips(shift + l, dim, launch)
-
-    if dx is None:
-        dx = torch.empty((b, l, dim), device=xBC.device, dtype=xBC.dtype)
-    dhalo = torch.empty((b, d - 1, dim), device=xBC.device, dtype=torch.float32) if need_dhalo else None
-    # dweight's and dbias's per-program partials in one buffer: one sum gives both
-    parts = torch.empty((b, n_t, d + (bias is not None), dim), device=xBC.device, dtype=torch.float32)
-    _conv_bwd_kernel[(n_t, _cdiv(dim, BC), b)](
-        dout, xBC, weight, _stand_in(bias, xBC), _stand_in(halo, xBC), _stand_in(seq_idx, xBC),
-        _stand_in(halo_seq, xBC),
-        dx, _stand_in(dhalo, parts), parts,
-        l, dim, S, _BLC(*dout.stride()), _BLC(*xBC.stride()), _CK(*weight.stride()),
-        0 if bias is None else bias.stride(0), _strides_of(halo, _BLC), _strides_of(seq_idx, _BL),
-        _strides_of(halo_seq, _BL), _BLC(*dx.stride()),
-        TAPS=d, M=M, BC=BC, U=launch.unroll, SHIFT=shift, NEED_DHALO=need_dhalo, num_warps=launch.warps, **flags)
-    sums = parts.sum(dim=(0, 1))                                                 # (d [+ 1], dim)
-    dweight = sums[:d].t().contiguous()                                          # (dim, d)
-    dbias = sums[d] if bias is not None else None                                # (dim,)
-    return dx, dhalo, dweight, dbias
 
 
 # ---------------------------------------------------------------------------------------------
-# 8. The fused Conv1d + SSD with state-passing CP
-#    Plain functions for the forward and the backward, and one autograd function over them.
+# 7. Launch plumbing: tiles, tuning, the plan
+#    Where a kernel's tiles live in memory; the launch choices; what a call derives once.
 # ---------------------------------------------------------------------------------------------
 
 
-def _split_xBC(conv_out, cfg):
-    """Views of the conv output (rows, s, conv_dim) as x (rows, s, h, p), B and C (rows, s, g, n)."""
-    hp, gn = cfg.nheads * cfg.headdim, cfg.ngroups * cfg.dstate
-    x = conv_out[..., :hp].unflatten(-1, (cfg.nheads, cfg.headdim))
-    B = conv_out[..., hp:hp + gn].unflatten(-1, (cfg.ngroups, cfg.dstate))
-    C = conv_out[..., hp + gn:].unflatten(-1, (cfg.ngroups, cfg.dstate))
-    return x, B, C
+# A caller's tensor comes with its strides as one named tuple (Triton specialises a tuple's
+# fields as it does scalars: a unit stride still vectorises): x, y (batch, token, head, headdim);
+# B, C (batch, token, group, dstate); dt; dt's gradient (batch, token, head); seq_idx; D (head,
+# headdim: a (nheads,) D has p = 0); the conv's xBC and halo (batch, token, channel) and weight
+# (channel, tap). An absent tensor's strides are zeros (its pointer is a stand-in the kernel
+# never reads). The module's own buffers are contiguous, and the kernels compute their offsets
+# from the sizes. The model's sizes (heads, groups, headdim, dstate, state tiles) are
+# constexprs in the chunk kernels, which drops whole tiles' masks and the indexing's divisions;
+# the call's (batch, length, chunks, runs) stay run-time values, so lengths share the kernels.
+_BLHP = collections.namedtuple("_BLHP", "b l h p")
+_BLGN = collections.namedtuple("_BLGN", "b l g n")
+_BL = collections.namedtuple("_BL", "b l")
+_BLH = collections.namedtuple("_BLH", "b l h")
+_HP = collections.namedtuple("_HP", "h p")
+_BLC = collections.namedtuple("_BLC", "b l c")
+_CK = collections.namedtuple("_CK", "c k")
+_ZERO_BL, _ZERO_BLC = _BL(0, 0), _BLC(0, 0, 0)
 
 
-def _state_shape(xBC, dt, headdim, ngroups):
-    """(h, p, n) of the state, from xBC (rows, s, h*p + 2*g*n) and dt (rows, s, h)."""
-    h = dt.shape[2]
-    return h, headdim, (xBC.shape[2] - h * headdim) // (2 * ngroups)
+@triton.jit
+def _tile_ptrs(ptr, stride, b64, t64, i, offs):
+    """Pointers to a (tokens, channels) tile of a (batch, length, heads or groups, channels)
+    tensor: batch b64, tokens t64 (T,) int64, head or group i, channels offs (C,); stride its record."""
+    return ptr + b64 * stride[0] + t64[:, None] * stride[1] + i * stride[2] + offs[None, :] * stride[3]
+
+
+@triton.jit
+def _load_tile(ptr, stride, b64, t64, i, offs, mask):
+    """The (tokens, channels) tile at _tile_ptrs, zeros where masked off."""
+    return tl.load(_tile_ptrs(ptr, stride, b64, t64, i, offs), mask=mask, other=0.0)
+
+
+@triton.jit
+def _chunk_tokens(c, seqlen, headdim, Q: tl.constexpr, BP: tl.constexpr):
+    """Chunk c's first token, its token offsets (Q,) and headdim offsets (BP,), the tokens' int64
+    positions, which of them exist, and the (Q, BP) mask of a head tile."""
+    start = c * Q
+    offs_q = tl.arange(0, Q)
+    offs_p = tl.arange(0, BP)
+    valid = start + offs_q < seqlen
+    return start, offs_q, offs_p, (start + offs_q).to(tl.int64), valid, valid[:, None] & (offs_p[None, :] < headdim)
+
+
+# The per-chunk and per-run buffers are indexed by *slot*: b * nchunks + c for chunk c of batch
+# row b, b * nruns + r for its run r.
+
+@triton.jit
+def _chunk_slots(b, c, seqlen, chunks_per_run, Q: tl.constexpr):
+    """Chunk c of batch row b: its slot in the chunk buffers and its run's in the run buffers."""
+    nchunks = tl.cdiv(seqlen, Q)
+    b64 = b.to(tl.int64)
+    return b64 * nchunks + c, b64 * tl.cdiv(nchunks, chunks_per_run) + c // chunks_per_run
+
+
+@triton.jit
+def _state_tile(slot, h, offs_p, offs_n, nheads, headdim, dstate):
+    """int64 offsets of head h's (p, n) tile in a contiguous (slots, nheads, headdim, dstate) buffer."""
+    return ((slot.to(tl.int64) * nheads + h) * headdim + offs_p[:, None]) * dstate + offs_n[None, :]
+
+
+@triton.jit
+def _slot_head(slot, h, nheads):
+    """int64 offset of (slot, head) in a contiguous (slots, nheads) buffer: gamma, rho, a, partials."""
+    return slot.to(tl.int64) * nheads + h
+
+
+@triton.jit
+def _pair_tile(slot, g, ngroups, Q: tl.constexpr):
+    """int64 offsets of group g's (Q, Q) tile in a contiguous (b * nchunks, ngroups, Q, Q) buffer."""
+    offs_q = tl.arange(0, Q)
+    return (slot * ngroups + g) * (Q * Q) + offs_q[:, None] * Q + offs_q[None, :]
+
+
+# Host-side integer helpers. triton.cdiv and triton.next_power_of_2 do the same, but through
+# Triton's constexpr machinery, which costs microseconds a call.
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _next_pow2(v):
+    return 1 << max(0, v - 1).bit_length()
+
+
+def _pow2(v, lo=16):
+    return max(lo, _next_pow2(v))
+
+
+# A conv program walks `strips` strips of `tokens` consecutive tokens side by side (one tile)
+# over `channels` channels with `warps` warps, loading `unroll` tokens of each strip per step.
+ConvLaunch = collections.namedtuple("ConvLaunch", "strips channels tokens unroll warps")
+# The gated RMSNorm's backward: `rows` token rows a tile, `warps` warps, about `programs` programs.
+NormLaunch = collections.namedtuple("NormLaunch", "rows warps programs")
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """The launch choices, the same results under any of them."""
+    name: str
+    chunk_fwd: int                      # kernel chunk lengths (may be shorter than the caller's)
+    chunk_bwd: int
+    chunks_per_run: int                 # chunks a state-pass program walks in order: this many,
+    longest_run: int                    # doubled up to this many while the state pass keeps
+    state_wave: int                     # this many programs
+    state_tile: Optional[int]           # the state passes' (p, n) tile width (None: whole)
+    bwd_state_tiles: tuple              # the n tile of the chunk-backward kernels (group, BC, x)
+    heads_per_output: Optional[int]     # heads per output program (None: a whole group)
+    launch: dict                        # per chunk kernel: num_warps, num_stages, maxnreg (GPU only)
+    scan_block: Optional[int]           # the summary scan's slice of the p*n state (None: whole)
+    conv_fwd: ConvLaunch
+    conv_bwd: ConvLaunch
+    gate_tile: int                      # the gate and gated RMSNorm: elements per tile,
+    gate_programs: int                  # and programs of the gate's backward
+    norm_bwd: NormLaunch                # the gated RMSNorm's backward
+
+
+# The interpreter's choices are small, so that CPU tests walk every loop (its tiny runs make
+# them exercise the runs' scan). The GPU's are the fastest measured on an H200 at the record
+# shape (BENCHMARKS.md, "Where the time goes", "The launch choices"). What they trade:
+#   chunk_fwd, chunk_bwd  the (Q, Q) tiles live in registers.
+#   chunks_per_run,       runs of 16 chunks run the sequential state pass in parallel, joined by
+#   longest_run,          the summary scan, doubled up to 64 while the state pass keeps 512
+#   state_wave            programs (about one wave at 4 an SM): longer runs were faster from 16384
+#                         tokens (fewer summaries), shorter ones at 4096.
+#   state_tile            the state passes split (p, n) into tiles of this width, one per program.
+#   heads_per_output      one head per output program runs more programs, which hides latency
+#                         better than a group's heads sharing C.B.
+#   launch                the chunk kernels are latency-bound chains of small products: what
+#                         pays is programs per SM, hence 4 warps and, where it buys a program
+#                         without costing more in spills, a register cap (maxnreg).
+#   conv_fwd, conv_bwd    on a GPU one strip a program: registers bound the loads in flight
+#                         (unroll of them per step). The interpreter pays per step: many strips.
+#   norm_bwd              one token row a tile (56 registers, against 255 at eight) ran fastest.
+TUNED_KERNELS = ("cumsum", "state", "output", "bwd_group", "bwd_bc", "bwd_x")  # chunk kernels with launch options
+TUNINGS = {
+    "interpreter": Tuning("interpreter", chunk_fwd=64, chunk_bwd=64, chunks_per_run=2, longest_run=2, state_wave=1,
+                          state_tile=None, bwd_state_tiles=(16, 16, 16), heads_per_output=None, launch={},
+                          scan_block=None, conv_fwd=ConvLaunch(32, 64, 64, 1, 4),
+                          conv_bwd=ConvLaunch(32, 64, 64, 1, 1), gate_tile=64, gate_programs=4096,
+                          norm_bwd=NormLaunch(4, 4, 4096)),
+    "gpu": Tuning("gpu", chunk_fwd=64, chunk_bwd=64, chunks_per_run=16, longest_run=64, state_wave=512,
+                  state_tile=64, bwd_state_tiles=(64, 64, 64), heads_per_output=1,
+                  launch=dict(cumsum=dict(num_warps=1), state=dict(num_warps=4, num_stages=2),
+                              output=dict(num_warps=4, num_stages=1, maxnreg=168),
+                              bwd_group=dict(num_warps=4, num_stages=2), bwd_bc=dict(num_warps=4, num_stages=2),
+                              bwd_x=dict(num_warps=4, num_stages=1, maxnreg=128)),
+                  scan_block=1024, conv_fwd=ConvLaunch(1, 256, 128, 8, 2), conv_bwd=ConvLaunch(1, 128, 256, 8, 1),
+                  gate_tile=4096, gate_programs=4096, norm_bwd=NormLaunch(1, 4, 16384)),
+}
+_TUNING = [TUNINGS["interpreter" if INTERPRET else "gpu"]]      # the one in use: where the kernels run
+
+
+def tuning():
+    """The Tuning the launches use now."""
+    return _TUNING[0]
+
+
+def set_tuning(choice):
+    """Make `choice` (a Tuning, or a name in TUNINGS) the one every launch uses; returns the
+    previous one. Tests pick the GPU's in the interpreter this way; bench.py its variants."""
+    if isinstance(choice, str) and choice not in TUNINGS or not isinstance(choice, (str, Tuning)):
+        raise ValueError(f"set_tuning: got {choice!r}, expected a Tuning or one of {sorted(TUNINGS)}")
+    previous = _TUNING[0]
+    _TUNING[0] = TUNINGS[choice] if isinstance(choice, str) else choice
+    return previous
+
+
+class LaunchPlan:
+    """The sizes, tiles and flags of one SSD's launches: shape (b, l, h, p, g, n), x's dtype, the
+    chunk length Q; dt_bias and seq_idx only by whether they are given."""
+
+    def __init__(self, shape, dtype, chunk, dt_bias, dt_softplus, dt_limit, seq_idx, state_dtype=None):
+        t = tuning()
+        self.batch, self.seqlen, self.nheads, self.headdim, self.ngroups, self.dstate = shape
+        self.heads_per_group = self.nheads // self.ngroups
+        self.Q = chunk
+        self.nchunks = _cdiv(self.seqlen, chunk)
+        self.BP, self.BN = _pow2(self.headdim), _pow2(self.dstate)
+        self.n_p_blocks = _cdiv(self.headdim, self.BP)
+        self.BP_state, self.BN_state = min(self.BP, t.state_tile or self.BP), min(self.BN, t.state_tile or self.BN)
+        self.n_p_tiles, self.n_n_tiles = _cdiv(self.headdim, self.BP_state), _cdiv(self.dstate, self.BN_state)
+        # runs as long as the state pass still has state_wave programs: fewer runs, fewer
+        # summaries to store and scan
+        per_run = self.batch * self.nheads * self.n_p_tiles * self.n_n_tiles      # programs per run
+        self.chunks_per_run = t.chunks_per_run
+        while (2 * self.chunks_per_run <= t.longest_run
+               and per_run * _cdiv(self.nchunks, 2 * self.chunks_per_run) >= t.state_wave):
+            self.chunks_per_run *= 2
+        self.nruns = _cdiv(self.nchunks, self.chunks_per_run)
+        self.BN_group, self.BN_bc, self.BN_x = (min(self.BN, n) for n in t.bwd_state_tiles)
+        self.n_bc_tiles = _cdiv(self.dstate, self.BN_bc)
+        self.heads_per_output = t.heads_per_output or self.heads_per_group    # a divisor of heads_per_group
+        self.cumsum_heads = min(8, self.nheads & -self.nheads)   # the largest power of two dividing nheads, up to 8
+        self.dt_limit = (float(dt_limit[0]), float(dt_limit[1]))
+        self.dt_flags = dict(HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus))
+        self.flags = dict(HAS_SEQ=seq_idx is not None)
+        # float32 products: as three tf32 tensor-core products (each operand split hi + lo, lo.lo
+        # dropped: within about 2^-21 of each term) where that is faster than IEEE's CUDA-core
+        # FMAs, everywhere but the state pass (measured: BENCHMARKS.md)
+        self.precision = "tf32x3" if dtype == torch.float32 else "tf32"
+        self.state_precision = "ieee" if dtype == torch.float32 else "tf32"
+        # the chunk entry states (and, in backward, exit gradients) as stored between kernels;
+        # the kernels carry them in float32 and read them back to float32
+        self.state_dtype = state_dtype or (torch.float32 if dtype == torch.float32 else dtype)
+        self.launch = {} if INTERPRET else t.launch        # per kernel; the interpreter takes no launch options
+
+    def dts(self, dt, dt_bias, A):
+        """The _DtArgs of dt (b, l, h), dt_bias (or None) and A."""
+        return _DtArgs(dt, *dt.stride(), A if dt_bias is None else dt_bias, A, *self.dt_limit)
 
 
 def _rank_and_world(group):
     return (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
 
 
-class _CPConfig:
-    """What the CP function derives once per call from its arguments and the group."""
+class Plan:
+    """What the method derives once from a Call's shapes, its options and its CP group: the
+    segments and the exchange, the sizes, and the SSD's launch plans forward and backward.
+    Built once per call signature and carried from the forward to the backward."""
 
-    def __init__(self, xBC, dt, conv_weight, chunk_size, headdim, ngroups, cp_group, rank, world,
-                 load_balancing, dt_limit, batch=None, exchange="all_gather", silu=True, state_dtype=None):
-        self.group, self.rank, self.world, self.load_balancing = cp_group, rank, world, load_balancing
-        self.exchange = EXCHANGES[exchange]         # how the summaries and halos travel
-        self.segs = _Segments(rank, world, load_balancing)
-        self.holds_first = 0 in self.segs.ids
-        self.batch = xBC.shape[0] if batch is None else batch
-        self.d_conv, self.chunk, self.dt_limit = conv_weight.shape[1], chunk_size, tuple(dt_limit)
-        self.nheads, self.headdim, self.ngroups = dt.shape[2], headdim, ngroups
-        self.state_shape = _state_shape(xBC, dt, headdim, ngroups)
-        self.dstate = self.state_shape[2]
-        self.silu, self.state_dtype = silu, state_dtype
+    def __init__(self, call, batch, chunk_size, headdim, ngroups, dt_limit=(0.0, math.inf), silu=True,
+                 state_dtype=None, group=None, load_balancing="none", exchange=AllGatherExchange):
+        self.group = group
+        self.rank, self.world = _rank_and_world(group)
+        self.segments = Segments(self.rank, self.world, load_balancing)
+        self.holds_first = 0 in self.segments.held
+        self.exchange, self.batch, self.silu = exchange, batch, bool(silu)
+        rows, s, conv_dim = call.xBC.shape
+        self.d_conv = call.conv_weight.shape[1]
+        self.nheads, self.headdim, self.ngroups = call.dt.shape[2], headdim, ngroups
+        self.dstate = (conv_dim - self.nheads * headdim) // (2 * ngroups)
+        self.state_shape = (self.nheads, headdim, self.dstate)
+        t, shape = tuning(), (rows, s, self.nheads, headdim, ngroups, self.dstate)
+        self.fwd, self.bwd = (LaunchPlan(shape, call.xBC.dtype, min(chunk_size, q), call.dt_bias, True, dt_limit,
+                                         call.seq_idx, state_dtype) for q in (t.chunk_fwd, t.chunk_bwd))
 
-
-def _conv1d_ssd_cp_forward(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, cfg, gate=None):
-    """Forward of one causal segment per row: xBC (rows, s, conv_dim), dt (rows, s, h), seq_idx
-    (rows, s); gate None or (z, out), both (rows, s, h, p), to write y silu(z) into out too
-    (ssd_output). Returns y (rows, s, h, p), the final state (b, h, p, n), and what backward needs,
-    `kept`: (halo, halo_seq, entries, a_kept, cont), None where absent; none of it grows with
-    length. Halo exchange, conv, the summary from a zero entry, the summary exchange and scan
-    (true entry states, the global final state), the outputs with the entry state folded in. A
-    single segment in all exchanges nothing: its entry is initial_states, its exit the final
-    state, and it keeps nothing."""
-    # a single segment in all (a world of one, contiguous) has nothing before it: no halo,
-    # which spares every conv step the halo's masked loads
-    halo, halo_seq = _exchange_halo(xBC, seq_idx, cfg) if cfg.segs.count > 1 else (None, None)
-    conv_out = _conv1d_fwd(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, silu=cfg.silu)  # (rows, s, conv_dim)
-    x, B, C = _split_xBC(conv_out, cfg)
-    plan = _LaunchPlan(x, B, min(cfg.chunk, tuning().chunk_fwd), dt_bias, True, cfg.dt_limit, seq_idx, cfg.state_dtype)
-    inp = _SSDInputs(x, dt, A, B, C, D, dt_bias, seq_idx)
-    summary = Summary(inp, plan)
-    if cfg.segs.count == 1:       # nothing to exchange: the entry is the initial state, the exit final
-        y, final = ssd_output(inp, summary, initial_states, need_exit=True, gate=gate)
-        return y, final, (None,) * 5
-    S_ext, a = summary.affine()                                                 # (rows, h, p, n), (rows, h)
-    entries, final, a_kept, cont = cfg.exchange.entry_states(S_ext, a, seq_idx, initial_states, cfg)
-    y, _ = ssd_output(inp, summary, entries, gate=gate)
-    return y, final, (halo, halo_seq, entries, a_kept, cont)
-
-
-def _conv1d_ssd_cp_backward(dy, dfinal, xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx,
-                            kept, cfg, dxBC_into=None, ddt_into=None):
-    """The backward: [dxBC, ddt, dconv_weight, dconv_bias, ddt_bias, dA, dD, dinitial_states],
-    None where absent; kept is the forward's. Given dxBC_into (rows, s, conv_dim) and ddt_into
-    (rows, s, h), views into the caller's gradient buffer, dxBC and ddt are written there.
-
-    Recompute the conv; the reverse state pass from a zero exit gradient gives G; its all-gather
-    runs while the forward state pass is recomputed; the reverse scan gives each segment's exit
-    gradient; one fused chunk backward writes dx, dB, dC straight into the conv backward's input;
-    the halo's gradient goes back to its owner. A single segment exchanges nothing."""
-    halo, halo_seq, entries, a_kept, cont = kept
-    conv_out = _conv1d_fwd(xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq, silu=cfg.silu)
-    x, B, C = _split_xBC(conv_out, cfg)
-    plan = _LaunchPlan(x, B, min(cfg.chunk, tuning().chunk_bwd), dt_bias, True, cfg.dt_limit, seq_idx, cfg.state_dtype)
-    inp = _SSDInputs(x, dt, A, B, C, D, dt_bias, seq_idx)
-    grad_pass = GradPass(dy, inp, plan)
-    if cfg.segs.count == 1:       # the entry is initial_states, the exit's gradient the final state's
-        entries, dexit, summary = initial_states, dfinal, Summary(inp, plan)
-    else:
-        dexit, dinit, summary = cfg.exchange.exit_grads(grad_pass.G, dfinal, a_kept, cont, cfg,
-                                                        lambda: Summary(inp, plan))
-
-    dconv_out = torch.empty_like(conv_out)
-    dx, dB, dC = _split_xBC(dconv_out, cfg)
-    _, _, _, ddt, dA, dD, ddt_bias, dentry = ssd_grads(inp, summary, grad_pass, dy, entries, dexit, dx=dx, dB=dB,
-                                                       dC=dC, ddt=ddt_into)
-    if cfg.segs.count == 1:
-        dinit = dentry                                                          # its entry is the initial state
-    dxBC, dhalo, dweight, dbias = _conv1d_bwd(dconv_out, xBC, conv_weight, conv_bias, halo, seq_idx, halo_seq,
-                                             silu=cfg.silu, dx=dxBC_into)
-    if dhalo is not None:
-        _return_halo_grad(dxBC, dhalo, cfg)
-    dinit = dinit if cfg.holds_first else torch.zeros_like(dinit)               # one rank contributes it
-    return [dxBC, ddt, dweight.to(conv_weight.dtype), None if conv_bias is None else dbias.to(conv_bias.dtype),
-            None if dt_bias is None else ddt_bias.to(dt_bias.dtype), dA.to(A.dtype),
-            None if D is None else dD.to(D.dtype), None if initial_states is None else dinit.to(initial_states.dtype)]
-
-
-class _Conv1dSSDCPFn(torch.autograd.Function):
-    """The fused conv1d + SSD with state-passing CP, one causal segment per row."""
-
-    @staticmethod
-    def forward(ctx, xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, cfg):
-        y, final, kept = _conv1d_ssd_cp_forward(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states,
-                                                seq_idx, cfg)
-        ctx.save_for_backward(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, *kept)
-        ctx.cfg = cfg
-        return y, final
-
-    @staticmethod
-    def backward(ctx, dy, dfinal):
-        saved = ctx.saved_tensors
-        grads = _conv1d_ssd_cp_backward(dy, dfinal, *saved[:9], saved[9:], ctx.cfg)
-        return (*grads, None, None)
-
-
-def _conv1d_ssd_cp(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size, headdim, ngroups, cp_group,
-                   load_balancing="none", seq_idx=None, initial_states=None, dt_limit=(0.0, float("inf")), silu=True,
-                   state_dtype=None, exchange="all_gather"):
-    """The method end to end: y (b, l_local, h, p) in the layout `load_balancing` ("none" or
-    "virtual") and the fp32 final state (b, h, p, n), differentiable. The local tensors become
-    rows of causal segments for the autograd function and come back. The public
-    mamba_conv1d_ssd_cp runs the same two functions, with its inputs checked on every
-    rank, the exchange chosen, the permute layouts, and each function as one op for
-    torch.compile."""
-    rank, world = _rank_and_world(cp_group)
-    cfg = _CPConfig(xBC, dt, conv_weight, chunk_size, headdim, ngroups, cp_group, rank, world, load_balancing,
-                    dt_limit, exchange=exchange, silu=silu, state_dtype=state_dtype)
-    rows = cfg.segs.to_rows
-    y, final = _Conv1dSSDCPFn.apply(rows(xBC), rows(dt), conv_weight, conv_bias, dt_bias, A, D, initial_states,
-                                    None if seq_idx is None else rows(seq_idx.to(torch.int32)).contiguous(), cfg)
-    return cfg.segs.from_rows(y, cfg.batch), final
 
 
 # =============================================================================================
 # PART II. THE EXTRAS
-# Sections 9 to 18: what production adds, and a worked example. Each depends on Part I only,
-# never the reverse.
+# Sections 8 to 16: what production adds, and a worked example. Each depends on Part I and
+# changes nothing of it.
 # =============================================================================================
 
 
 # ---------------------------------------------------------------------------------------------
-# 9. The prefix-scan exchange and the model that chooses
+# 8. The prefix-scan exchange and the model that chooses
 #    summary_exchange="scan" and "auto".
 # ---------------------------------------------------------------------------------------------
-
 
 def _global_rank(group, r):
     """Rank r of the group as point-to-point calls and broadcast sources name it."""
@@ -1763,14 +1818,14 @@ def _unpacked_map(buf, like):
     return _SummaryMap(*(None if t is None else next(parts) for t in like))
 
 
-def _prefix_over_ranks(chains, cfg):
+def _prefix_over_ranks(chains, plan):
     """Exclusive and inclusive prefix compositions along chains of ranks. chains: a list of
     (this rank's map, order), order listing every rank of the group in chain order; two chains
     run in opposite directions, so no two messages of a round share sender and receiver. In
     round d each rank sends its inclusive prefix d places down its chain and composes in what
     arrives from d places up: ceil(log2 W) rounds. Returns [exclusive (None at the chain's
     head), inclusive] per chain."""
-    me, world, group = cfg.rank, cfg.world, cfg.group
+    me, world, group = plan.rank, plan.world, plan.group
     state = [[None, m] for m, _ in chains]
     d = 1
     while d < world:
@@ -1792,145 +1847,143 @@ def _prefix_over_ranks(chains, cfg):
     return state
 
 
-def _broadcast_map(m, src, cfg):
+def _broadcast_map(m, src, plan):
     """The map held by rank src, on every rank (m: this rank's, of the same shapes)."""
-    if cfg.world == 1:
+    if plan.world == 1:
         return m
     buf = _packed_map(m)
-    dist.broadcast(buf, _global_rank(cfg.group, src), group=cfg.group)
+    dist.broadcast(buf, _global_rank(plan.group, src), group=plan.group)
     return _unpacked_map(buf, m)
 
 
-def _own_maps(a, S, seq_idx, cfg):
+def _own_maps(a, S, seq_idx, plan):
     """This rank's segment maps by local index j: (rows, ...) tensors as per_row (b, ...) maps."""
-    per = cfg.segs.per_row
+    per = plan.segments.per_row
 
     def j_of(t, j):
-        return None if t is None else t.reshape(cfg.batch, per, *t.shape[1:])[:, j]
+        return None if t is None else t.reshape(plan.batch, per, *t.shape[1:])[:, j]
 
     first, last = (None, None) if seq_idx is None else (seq_idx[:, 0], seq_idx[:, -1])
     return [_SummaryMap(j_of(a, j), j_of(S, j), j_of(first, j), j_of(last, j)) for j in range(per)]
 
 
-def _chains(cfg, backward):
+def _chains(plan, backward):
     """Rank orders of the chains, by local segment index: "none" runs one chain over the ranks
     in order; "virtual" a second one back down, for the second halves (segment 2W-1-r on rank
     r). The backward walks each the other way, second halves first."""
-    up, down = list(range(cfg.world)), list(range(cfg.world - 1, -1, -1))
-    if cfg.segs.per_row == 1:
+    up, down = list(range(plan.world)), list(range(plan.world - 1, -1, -1))
+    if plan.segments.per_row == 1:
         return [down if backward else up]
     return [down, up] if backward else [up, down]
 
 
-def _rows(per_segment, cfg):
+def _stacked_rows(per_segment, plan):
     """Per-local-segment (b, ...) tensors as (rows, ...), rows in (batch, segment) order."""
-    return torch.stack(per_segment, dim=1).reshape(cfg.batch * len(per_segment), *per_segment[0].shape[1:])
+    return torch.stack(per_segment, dim=1).reshape(plan.batch * len(per_segment), *per_segment[0].shape[1:])
 
 
-def _entries_by_prefix_scan(S_ext, a, seq_idx, initial_states, cfg):
+def _entries_by_prefix_scan(S_ext, a, seq_idx, initial_states, plan):
     """Forward state passing by prefix scan. S_ext (rows, h, p, n) and a (rows, h) this rank's
     summaries, seq_idx (rows, s) or None. Returns the entry states of this rank's segments
     (rows, h, p, n), the final state of the whole sequence (b, h, p, n), identical on every
     rank, and what backward needs: a (rows, h) and cont (rows,) of this rank's segments (cont
     None without documents)."""
-    own = _own_maps(a, S_ext, seq_idx, cfg)
-    (excl0, incl0), *second = _prefix_over_ranks(list(zip(own, _chains(cfg, False))), cfg)
-    first_half = _broadcast_map(incl0, cfg.world - 1, cfg)                       # segments 0..W-1
+    own = _own_maps(a, S_ext, seq_idx, plan)
+    (excl0, incl0), *second = _prefix_over_ranks(list(zip(own, _chains(plan, False))), plan)
+    first_half = _broadcast_map(incl0, plan.world - 1, plan)                       # segments 0..W-1
     prefixes = [excl0]
     total = first_half
     if second:     # "virtual": the second halves follow the first, from rank W-1 back to rank 0
         excl1, incl1 = second[0]
         prefixes.append(first_half if excl1 is None else _then(first_half, excl1))
-        total = _then(first_half, _broadcast_map(incl1, 0, cfg))
+        total = _then(first_half, _broadcast_map(incl1, 0, plan))
     init = None if initial_states is None else initial_states.float()
     entries, conts = [], []
     for m, prefix in zip(own, prefixes):
         if prefix is None:                                       # segment 0: the initial state
             entries.append(torch.zeros_like(m.S) if init is None else init.clone())
-            conts.append(torch.ones(cfg.batch, device=m.S.device))
+            conts.append(torch.ones(plan.batch, device=m.S.device))
             continue
-        cont = (torch.ones(cfg.batch, device=m.S.device) if m.first is None
+        cont = (torch.ones(plan.batch, device=m.S.device) if m.first is None
                 else (m.first == prefix.last).float())
         entries.append(cont[:, None, None, None] * _applied(prefix, init))
         conts.append(cont)
-    return _rows(entries, cfg), _applied(total, init), a, None if seq_idx is None else _rows(conts, cfg)
+    return _stacked_rows(entries, plan), _applied(total, init), a, None if seq_idx is None else _stacked_rows(conts, plan)
 
 
-def _exit_grads_by_prefix_scan(G, dfinal, a, cont, cfg):
+def _exit_grads_by_prefix_scan(G, dfinal, a, cont, plan):
     """Backward state passing by prefix scan, the reverse of _entries_by_prefix_scan: each segment maps
     the gradient at its exit to that at the exit before it, dE -> cont (a dE + G). G (rows, h, p,
     n); dfinal (b, h, p, n) this rank's copy's gradient or None; a (rows, h) and cont (rows,) or
     None as _entries_by_prefix_scan returned them. Returns the gradient arriving at this rank's segment exits
     (rows, h, p, n) and that of the initial state (b, h, p, n; zeros but on the rank holding
     segment 0)."""
-    h, p, n = cfg.state_shape
-    dfin = torch.zeros((cfg.batch, h, p, n), device=G.device) if dfinal is None else dfinal.float().clone()
-    if cfg.world > 1:
-        dist.all_reduce(dfin, group=cfg.group)                    # every copy of the final state
+    h, p, n = plan.state_shape
+    dfin = torch.zeros((plan.batch, h, p, n), device=G.device) if dfinal is None else dfinal.float().clone()
+    if plan.world > 1:
+        dist.all_reduce(dfin, group=plan.group)                    # every copy of the final state
     cont = torch.ones(a.shape[0], device=a.device) if cont is None else cont
-    own = _own_maps(cont[:, None] * a, cont[:, None, None, None] * G, None, cfg)
-    (excl0, incl0), *second = _prefix_over_ranks(list(zip(own, _chains(cfg, True))), cfg)
+    own = _own_maps(cont[:, None] * a, cont[:, None, None, None] * G, None, plan)
+    (excl0, incl0), *second = _prefix_over_ranks(list(zip(own, _chains(plan, True))), plan)
     if not second:
         after, everything = [excl0], incl0                  # what follows each segment; all of it
     else:          # "virtual": the second halves come first, from rank 0 up to rank W-1
         excl1, incl1 = second[0]
-        second_halves = _broadcast_map(incl1, cfg.world - 1, cfg)
+        second_halves = _broadcast_map(incl1, plan.world - 1, plan)
         after = [second_halves if excl0 is None else _then(second_halves, excl0), excl1]
         everything = _then(second_halves, incl0)
     dexits = [dfin if m is None else _applied(m, dfin) for m in after]
-    dinit = _applied(everything, dfin) if cfg.holds_first else torch.zeros_like(dfin)
-    return _rows(dexits, cfg), dinit
+    dinit = _applied(everything, dfin) if plan.holds_first else torch.zeros_like(dfin)
+    return _stacked_rows(dexits, plan), dinit
 
 
-def _from_neighbours(blocks, cfg, later):
+def _from_neighbours(blocks, plan, later):
     """Point-to-point: each of this rank's segments sends its row of blocks (rows, numel) to the
     segment after it (later) or before it in the global sequence, and gets the same from the
     other side (zeros at the sequence's ends). A rank sends at most one block to each other rank.
     Returns (rows, numel)."""
     step = 1 if later else -1
-    mine = blocks.reshape(cfg.batch, cfg.segs.per_row, -1)
+    mine = blocks.reshape(plan.batch, plan.segments.per_row, -1)
     got = torch.zeros_like(mine)
     ops, landing = [], []
-    for j, k in enumerate(cfg.segs.ids):
-        if 0 <= k + step < cfg.segs.count and cfg.segs.where[k + step][0] != cfg.rank:
-            ops.append(_send(mine[:, j].contiguous(), cfg.segs.where[k + step][0], cfg.group))
-        if 0 <= k - step < cfg.segs.count:
-            frm, i = cfg.segs.where[k - step]
-            if frm == cfg.rank:
+    for j, k in enumerate(plan.segments.held):
+        if 0 <= k + step < plan.segments.count and plan.segments.where[k + step][0] != plan.rank:
+            ops.append(_send(mine[:, j].contiguous(), plan.segments.where[k + step][0], plan.group))
+        if 0 <= k - step < plan.segments.count:
+            frm, i = plan.segments.where[k - step]
+            if frm == plan.rank:
                 got[:, j] = mine[:, i]
             else:
                 landing.append((j, torch.empty_like(mine[:, j])))
-                ops.append(_recv(landing[-1][1], frm, cfg.group))
+                ops.append(_recv(landing[-1][1], frm, plan.group))
     _run_p2p(ops)
     for j, buf in landing:
         got[:, j] = buf
     return got.reshape(blocks.shape)
 
 
-class _PrefixScanExchange:
+class PrefixScanExchange:
     """summary_exchange="scan": the summaries and G by prefix scan over the ranks, the halos from
-    the neighbouring segments alone. The methods of _AllGatherExchange (section 6); what runs
+    the neighbouring segments alone. The methods of AllGatherExchange (section 6); what runs
     `meanwhile` there runs here after the (blocking) rounds."""
 
     neighbours = staticmethod(_from_neighbours)
 
     @staticmethod
-    def entry_states(S_ext, a, seq_idx, initial_states, cfg):
-        return _entries_by_prefix_scan(S_ext, a, seq_idx, initial_states, cfg)
+    def entry_states(S_ext, a, seq_idx, initial_states, plan):
+        return _entries_by_prefix_scan(S_ext, a, seq_idx, initial_states, plan)
 
     @staticmethod
-    def exit_grads(G, dfinal, a_kept, cont, cfg, meanwhile):
-        return (*_exit_grads_by_prefix_scan(G, dfinal, a_kept, cont, cfg), meanwhile())
+    def exit_grads(G, dfinal, a_kept, cont, plan, meanwhile):
+        return (*_exit_grads_by_prefix_scan(G, dfinal, a_kept, cont, plan), meanwhile())
 
-
-EXCHANGES["scan"] = _PrefixScanExchange
 
 
 # Which exchange: a latency-bandwidth model of the link, one cost model for every path. A message
 # of m bytes costs alpha + beta * m; a cost is a list of terms, each its bytes and its messages
 # in sequence (an all-gather W - 1 ring steps, a prefix round or a neighbour's message 1, a
 # broadcast ceil(log2 W): a pipelined tree, the bytes once), and modelled_seconds sums them.
-# comm_bytes (section 16, after the all-to-all's head split it needs) gives every path's terms
+# comm_bytes (section 15, after the all-to-all's head split it needs) gives every path's terms
 # and their notation; _exchange_terms below the exchange's own, which are what "auto" compares
 # (chosen_exchange). Per layer call, forward and backward, with s the bytes of one segment's
 # summary, k segments per rank and R = ceil(log2 W):
@@ -1983,17 +2036,17 @@ def _exchange_terms(exchange, world, k, batch, nheads, headdim, dstate, d_conv, 
     comm_bytes states them (its docstring has the notation): [(side, name, bytes, messages in
     sequence)], side "fwd" or "bwd". Every summary and halo travels as fp32 (_pack), whatever the
     input dtype. In a world of one nothing moves: every term is 0."""
-    o, R, ids, f4 = world - 1, _log2_rounds(world), int(documents), 4
+    o, R, docs, f4 = world - 1, _log2_rounds(world), int(documents), 4
     rows, h, state, d1, cd = batch * k, nheads, nheads * headdim * dstate, d_conv - 1, conv_dim
     if exchange == "all_gather":
-        terms = [("fwd", "halo all-gather", o * rows * d1 * (cd + ids) * f4, o),
-                 ("fwd", "summary all-gather", o * rows * (state + h + 2 * ids) * f4, o),
+        terms = [("fwd", "halo all-gather", o * rows * d1 * (cd + docs) * f4, o),
+                 ("fwd", "summary all-gather", o * rows * (state + h + 2 * docs) * f4, o),
                  ("bwd", "G all-gather", o * (rows + batch) * state * f4, o),
                  ("bwd", "halo-gradient all-gather", o * rows * d1 * cd * f4, o)]
     else:
-        terms = [("fwd", "halos from the neighbours", rows * d1 * (cd + ids) * f4, 1),
-                 ("fwd", "summary prefix rounds", R * rows * (state + h + 2 * ids) * f4, R),
-                 ("fwd", "totals broadcast", rows * (state + h + 2 * ids) * f4, k * R),
+        terms = [("fwd", "halos from the neighbours", rows * d1 * (cd + docs) * f4, 1),
+                 ("fwd", "summary prefix rounds", R * rows * (state + h + 2 * docs) * f4, R),
+                 ("fwd", "totals broadcast", rows * (state + h + 2 * docs) * f4, k * R),
                  ("bwd", "final-gradient all-reduce", 2 * o * batch * state * f4 // world, 2 * R),
                  ("bwd", "gradient prefix rounds", R * rows * (state + h) * f4, R)]
         if k == 2:
@@ -2031,17 +2084,30 @@ def chosen_exchange(choice, world, load_balancing, batch, state_shape, conv_dim,
                     for e in ("scan", "all_gather"))
     return "scan" if scan < gather else "all_gather"
 
+# The exchanges by summary_exchange name ("auto" is resolved by chosen_exchange)
+EXCHANGES = {"all_gather": AllGatherExchange, "scan": PrefixScanExchange}
+
+
 
 # ---------------------------------------------------------------------------------------------
-# 10. Input checks and the ranks' agreement
-#    Every bad input gets a ValueError naming the argument, what was seen, and what was expected.
-#    The public conv launchers, conv1d_fwd and conv1d_bwd, are section 7's with their inputs checked.
+# 9. Input checks and the ranks' agreement
+#    Every bad input gets a ValueError naming the argument, what was seen, and what was
+#    expected, on every rank, before any collective that could hang. The public conv launchers,
+#    conv1d_fwd and conv1d_bwd, are section 2's with their inputs checked.
 # ---------------------------------------------------------------------------------------------
+
+
+def _expect(cond, name, seen, expected):
+    if not cond:
+        raise ValueError(f"{name}: got {seen}, expected {expected}")
+
+
+def _check_layout(load_balancing):
+    _expect(load_balancing in LAYOUTS, "load_balancing", repr(load_balancing), f"one of {LAYOUTS}")
 
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _INTS = (torch.int32, torch.int64)
-
 
 def _check_tensor(t, name, shape, ref, *, dtypes=None, allow_none=True):
     """Shape (None entries are free), device of `ref`, floating dtype (or one of `dtypes`)."""
@@ -2110,18 +2176,12 @@ def conv1d_bwd(dout, xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=N
     return _conv1d_bwd(dout, xBC, weight, bias, halo, seq_idx, halo_seq, need_dhalo, silu, dx)
 
 
-def _capturing(t):
-    """True while a CUDA graph is being captured: checks that read device values on the host
-    (a synchronisation) are skipped then; the eager calls before capture have run them."""
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
-
-
 def _check_document_values(seq_idx, cu_seqlens=None):
     """The checks that read device values on the host (a synchronisation): seq_idx non-decreasing,
     and cu_seqlens bounding the documents that seq_idx marks (shapes checked before). They run
     where the values are used, so under torch.compile too, but not while a CUDA graph is captured
     (the eager calls before capture have run them)."""
-    if seq_idx is None or _capturing(seq_idx):
+    if seq_idx is None or (seq_idx.is_cuda and torch.cuda.is_current_stream_capturing()):
         return
     _expect(bool((seq_idx[:, 1:] >= seq_idx[:, :-1]).all()), "seq_idx", "a decreasing step",
             "non-decreasing document ids along each row")
@@ -2148,7 +2208,9 @@ def _check_options(chunk_size, seq_idx, dt_limit, tokens, ref):
             "dt_limit", dt_limit, "a pair (dt_min, dt_max) with dt_min <= dt_max")
 
 
-def _check_ssd_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_limit):
+def _check_ssd_inputs(call, chunk_size, dt_limit):
+    """The local checks of a single-device call (a ScanCall, any values at all)."""
+    x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, _ = call
     _expect(isinstance(x, torch.Tensor) and x.dim() == 4, "x",
             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}",
             "a 4-dim tensor (batch, seqlen, nheads, headdim)")
@@ -2175,166 +2237,13 @@ def _check_ssd_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states,
 
 
 _STATE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
-
-
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64)
-
-
-def _signature(**tensors_and_options):
-    """A fixed-length integer description of every argument (-1 where absent), for _agree."""
-    values, names = [], []
-    for name, v in tensors_and_options.items():
-        if isinstance(v, torch.Tensor) or v is None:
-            shape = list(v.shape) if v is not None else []
-            dims = ([v.dim()] if v is not None else [-1]) + (shape + [-1] * 5)[:5]
-            code = _DTYPES.index(v.dtype) if v is not None and v.dtype in _DTYPES else -1
-            values += dims + [code]
-            names += [f"{name} rank"] + [f"{name}.shape[{i}]" for i in range(5)] + [f"{name} dtype"]
-        else:
-            values.append(int(v))
-            names.append(name)
-    return values, names
-
-
-def _op_signature(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, chunk_size, headdim,
-                  ngroups):
-    """What the ranks of a compiled call agree on inside the forward op (rows of segments)."""
-    return dict(xBC=xBC, dt=dt, conv_weight=conv_weight, conv_bias=conv_bias, dt_bias=dt_bias, A=A, D=D,
-                seq_idx=seq_idx, initial_states=initial_states, chunk_size=chunk_size, headdim=headdim,
-                ngroups=ngroups)
-
-
-def _call_signature(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size, headdim, ngroups, seq_idx,
-                    initial_states, load_balancing, return_final_states, summary_exchange="auto"):
-    def t(v):
-        return v if isinstance(v, torch.Tensor) else None
-
-    def i(v):
-        return v if isinstance(v, int) else -1
-
-    return dict(xBC=t(xBC), dt=t(dt), conv_weight=t(conv_weight), conv_bias=t(conv_bias), dt_bias=t(dt_bias),
-                A=t(A), D=t(D), seq_idx=t(seq_idx), initial_states=t(initial_states), chunk_size=i(chunk_size),
-                headdim=i(headdim), ngroups=i(ngroups),
-                load_balancing=LAYOUTS.index(load_balancing) if load_balancing in LAYOUTS else -1,
-                return_final_states=bool(return_final_states),
-                summary_exchange=(SUMMARY_EXCHANGES.index(summary_exchange) if isinstance(summary_exchange, str)
-                                  and summary_exchange in SUMMARY_EXCHANGES else -1))
-
-
-def _group_info(cp_group, ref):
-    """(rank, world) in the CP group; a ValueError if the group cannot serve these tensors."""
-    if cp_group is None or not dist.is_available() or not dist.is_initialized():
-        _expect(cp_group is None, "cp_group", "a group", "None when torch.distributed is not initialised")
-        return 0, 1
-    _expect(isinstance(cp_group, dist.ProcessGroup), "cp_group", type(cp_group).__name__,
-            "a torch.distributed ProcessGroup, or None for a single device")
-    rank = dist.get_rank(cp_group)
-    _expect(rank >= 0, "cp_group", "a group this process is not a member of", "a group containing this rank")
-    world = dist.get_world_size(cp_group)
-    backend = str(dist.get_backend(cp_group)).lower()
-    if "nccl" in backend:
-        _expect(ref.is_cuda, "cp_group", f"an NCCL group with tensors on {ref.device}", "CUDA tensors for NCCL")
-    return rank, world
-
-
-# When the verdict is read. Reading the gathered vector on the host waits for the GPU, and an
-# eager caller that never waits keeps the GPU fed. So each rank reads it on the first call of
-# each signature (per group), when every rank that was called alike reads it too: a clear
-# ValueError on every rank. On later calls of a signature already agreed, a device-side assert
-# checks the same vector: a mismatch then stops every rank's stream (a RuntimeError at its next
-# synchronisation, the CUDA context lost, as with any device assert) before any later
-# collective can run. set_input_checks("always") reads it on every call.
-_CHECKS = {"mode": "first", "world_of_one": False}    # world_of_one: gather in a world of one too (tests)
-_AGREED = {}                                          # (group, device, signature) -> what all send
-
-
-def set_input_checks(mode):
-    """When the CP entries read the ranks' agreement (shapes, dtypes and options alike on every
-    rank, and seq_idx non-decreasing) on the host: "first" (the default) on the first call of
-    each signature, checking later calls on the device without waiting for it; "always" on every
-    call, one synchronisation each. Returns the previous mode. Every rank of a group must set the
-    same."""
-    _expect(mode in ("first", "always"), "mode", repr(mode), "'first' or 'always'")
-    previous, _CHECKS["mode"] = _CHECKS["mode"], mode
-    return previous
-
-
-def _raise_disagreement(every, names, local_error):
-    """The host's reading of the gathered (world, len(names) + 2) verdicts."""
-    for i, name in enumerate(names):
-        values = every[:, i].tolist()
-        if len(set(values)) > 1:
-            raise ValueError(f"{name}: got {values} across the ranks of cp_group, expected the same on every rank")
-    if local_error is not None:
-        raise local_error
-    rejected = [r for r, flag in enumerate(every[:, -2].tolist()) if flag]
-    if rejected:
-        raise ValueError(f"inputs: got a ValueError on rank(s) {rejected} of cp_group, expected valid inputs "
-                         "on every rank (all ranks stop before any collective that could hang)")
-    decreasing = [r for r, flag in enumerate(every[:, -1].tolist()) if flag]
-    _expect(not decreasing, "seq_idx", f"a decreasing step on rank(s) {decreasing} of cp_group",
-            "non-decreasing document ids along each row")
-
-
-def _agree(signature, names, local_error, seq_idx, cp_group, device):
-    """Every rank checks that all ranks called with the same shapes and options, that none
-    rejected its own inputs, and that no seq_idx steps down: one all-gather of a fixed-size
-    integer vector (the signature, then those two verdicts), so a mismatch cannot hang. A
-    difference raises the same ValueError on every rank (on a signature's first call; later,
-    the device-side assert above); a rank that rejected its inputs raises its own error and the
-    others say which rank stopped them. cp_group None: a world of one, nothing gathered."""
-    key = (None if cp_group is None else id(cp_group), device, tuple(signature))
-    expected = _AGREED.get(key)            # what every rank sends when all is well
-    read = _CHECKS["mode"] == "always" or local_error is not None or expected is None
-    mine = (torch.tensor(signature + [local_error is not None, 0], dtype=torch.int64, device=device) if read
-            else expected)
-    if seq_idx is not None and seq_idx.shape[1] > 1:
-        mine = mine.clone()
-        mine[-1:] = (seq_idx[:, 1:] < seq_idx[:, :-1]).any()
-    every = _all_gather(mine, cp_group) if cp_group is not None else mine[None]   # (world, len(names) + 2)
-    if not read:
-        torch._assert_async((every == expected).all(),
-                            "mamba_cp: the ranks of cp_group were called with different shapes or options, "
-                            "or a seq_idx steps down (set_input_checks('always') names it)")
-        return
-    _raise_disagreement(every.cpu(), names, local_error)
-    if len(_AGREED) >= 1024:
-        _AGREED.clear()
-    _AGREED[key] = torch.tensor(signature + [0, 0], dtype=torch.int64, device=device)
-
-
-def _validate_everywhere(check, cp_group, world, ref, **signature_args):
-    """Run the local checks, then (outside CUDA-graph capture) agree with the other ranks before
-    anything else is sent; a world of one checks only seq_idx's order. While torch.compile
-    traces, the check sees shapes only: the CP forward op agrees when it runs."""
-    try:
-        check()
-        local_error = None
-    except ValueError as e:
-        local_error = e
-    if not _capturing(ref) and not torch.compiler.is_compiling():
-        seq_idx = signature_args.get("seq_idx") if local_error is None else None
-        group = cp_group if world > 1 or (_CHECKS["world_of_one"] and cp_group is not None) else None
-        if group is not None or seq_idx is not None:    # a world of one without documents: nothing to agree
-            values, names = _signature(**signature_args)
-            _agree(values, names, local_error, seq_idx, group, ref.device)
-    if local_error is not None:
-        raise local_error
-
-
-def _agreement_ints():
-    """How many int64 values each rank all-gathers when the public CP functions agree on their
-    inputs (the signature and two verdicts): the count the volume model uses."""
-    values, _ = _signature(**_call_signature(*([None] * 12), "none", False))
-    return len(values) + 2
-
-
 _ACTIVATIONS = ("silu", "swish", None)
 
-
-def _check_cp_inputs(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size, headdim, ngroups,
-                     seq_idx, initial_states, load_balancing, dt_limit, activation="silu", state_dtype=None,
+def _check_cp_inputs(call, chunk_size, headdim, ngroups, load_balancing, dt_limit, activation="silu", state_dtype=None,
                      summary_exchange="auto"):
+    """The local checks of a CP call (a Call in the caller's layout, any values at all)."""
+    xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx = call
     _check_layout(load_balancing)
     _expect(isinstance(summary_exchange, str) and summary_exchange in SUMMARY_EXCHANGES, "summary_exchange",
             repr(summary_exchange), f"one of {SUMMARY_EXCHANGES}")
@@ -2377,13 +2286,185 @@ def _check_cp_inputs(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size,
     _expect(seg >= max(1, d_conv - 1), "xBC", f"segments of {seg} tokens",
             f"at least d_conv - 1 = {d_conv - 1} tokens per segment (the conv halo comes from one neighbour)")
 
+def _signature(**tensors_and_options):
+    """A fixed-length integer description of every argument (-1 where absent), for _agree."""
+    values, names = [], []
+    for name, v in tensors_and_options.items():
+        if isinstance(v, torch.Tensor) or v is None:
+            shape = list(v.shape) if v is not None else []
+            dims = ([v.dim()] if v is not None else [-1]) + (shape + [-1] * 5)[:5]
+            code = _DTYPES.index(v.dtype) if v is not None and v.dtype in _DTYPES else -1
+            values += dims + [code]
+            names += [f"{name} rank"] + [f"{name}.shape[{i}]" for i in range(5)] + [f"{name} dtype"]
+        else:
+            values.append(int(v))
+            names.append(name)
+    return values, names
+
+def _call_signature(call, chunk_size, headdim, ngroups, load_balancing, return_final_states, summary_exchange="auto"):
+    """What the ranks agree on (for _signature): a Call's tensors, any values at all, and the options."""
+    xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx = call
+
+    def t(v):
+        return v if isinstance(v, torch.Tensor) else None
+
+    def i(v):
+        return v if isinstance(v, int) else -1
+
+    return dict(xBC=t(xBC), dt=t(dt), conv_weight=t(conv_weight), conv_bias=t(conv_bias), dt_bias=t(dt_bias),
+                A=t(A), D=t(D), seq_idx=t(seq_idx), initial_states=t(initial_states), chunk_size=i(chunk_size),
+                headdim=i(headdim), ngroups=i(ngroups),
+                load_balancing=LAYOUTS.index(load_balancing) if load_balancing in LAYOUTS else -1,
+                return_final_states=bool(return_final_states),
+                summary_exchange=(SUMMARY_EXCHANGES.index(summary_exchange) if isinstance(summary_exchange, str)
+                                  and summary_exchange in SUMMARY_EXCHANGES else -1))
+
+
+def _group_info(cp_group, ref):
+    """(rank, world) in the CP group; a ValueError if the group cannot serve these tensors."""
+    if cp_group is None:
+        return 0, 1
+    found = _GROUPS.get((cp_group, ref.is_cuda))
+    if found is not None:
+        return found
+    _expect(dist.is_available() and dist.is_initialized(), "cp_group", "a group",
+            "None when torch.distributed is not initialised")
+    _expect(isinstance(cp_group, dist.ProcessGroup), "cp_group", type(cp_group).__name__,
+            "a torch.distributed ProcessGroup, or None for a single device")
+    rank = dist.get_rank(cp_group)
+    _expect(rank >= 0, "cp_group", "a group this process is not a member of", "a group containing this rank")
+    world = dist.get_world_size(cp_group)
+    backend = str(dist.get_backend(cp_group)).lower()
+    if "nccl" in backend:
+        _expect(ref.is_cuda, "cp_group", f"an NCCL group with tensors on {ref.device}", "CUDA tensors for NCCL")
+    _GROUPS[(cp_group, ref.is_cuda)] = rank, world
+    return rank, world
+
+
+# When the verdict is read. Reading the gathered vector on the host waits for the GPU, and an
+# eager caller that never waits keeps the GPU fed. So each rank reads it on the first call of
+# each signature (per group), when every rank that was called alike reads it too: a clear
+# ValueError on every rank. On later calls of a signature already agreed, a device-side assert
+# checks the same vector: a mismatch then stops every rank's stream (a RuntimeError at its next
+# synchronisation, the CUDA context lost, as with any device assert) before any later
+# collective can run. set_input_checks("always") reads it on every call.
+_CHECKS = {"mode": "first", "world_of_one": False}    # world_of_one: gather in a world of one too (tests)
+_AGREED = {}                                          # call key -> what every rank sends when all is well
+_PREPARED = {}                                        # call key -> its first call's results (_prepared)
+_GROUPS = {}                                          # (group, on a GPU) -> (rank, world), checked
+
+
+def set_input_checks(mode):
+    """When the CP entries read the ranks' agreement (shapes, dtypes and options alike on every
+    rank, and seq_idx non-decreasing) on the host: "first" (the default) on the first call of
+    each signature, checking later calls on the device without waiting for it; "always" on every
+    call, one synchronisation each. Returns the previous mode. Every rank of a group must set the
+    same."""
+    _expect(mode in ("first", "always"), "mode", repr(mode), "'first' or 'always'")
+    previous, _CHECKS["mode"] = _CHECKS["mode"], mode
+    return previous
+
+def _raise_disagreement(every, names, local_error):
+    """The host's reading of the gathered (world, len(names) + 2) verdicts."""
+    for i, name in enumerate(names):
+        values = every[:, i].tolist()
+        if len(set(values)) > 1:
+            raise ValueError(f"{name}: got {values} across the ranks of cp_group, expected the same on every rank")
+    if local_error is not None:
+        raise local_error
+    rejected = [r for r, flag in enumerate(every[:, -2].tolist()) if flag]
+    if rejected:
+        raise ValueError(f"inputs: got a ValueError on rank(s) {rejected} of cp_group, expected valid inputs "
+                         "on every rank (all ranks stop before any collective that could hang)")
+    decreasing = [r for r, flag in enumerate(every[:, -1].tolist()) if flag]
+    _expect(not decreasing, "seq_idx", f"a decreasing step on rank(s) {decreasing} of cp_group",
+            "non-decreasing document ids along each row")
+
+
+def _agree(key, signature, local_error, seq_idx, group, device):
+    """Every rank checks that all ranks called with the same shapes and options, that none
+    rejected its own inputs, and that no seq_idx steps down: one all-gather of a fixed-size
+    integer vector (signature()'s values, then those two verdicts), so a mismatch cannot hang. A
+    difference raises the same ValueError on every rank (on a key's first call; later, the
+    device-side assert above); a rank that rejected its inputs raises its own error and the
+    others say which rank stopped them. group None: a world of one, nothing gathered."""
+    expected = _AGREED.get(key)            # what every rank sends when all is well
+    read = _CHECKS["mode"] == "always" or local_error is not None or expected is None
+    if read:
+        values, names = signature()
+        mine = torch.tensor(values + [local_error is not None, 0], dtype=torch.int64, device=device)
+    else:
+        mine = expected
+    if seq_idx is not None and seq_idx.shape[1] > 1:
+        mine = mine.clone()
+        mine[-1:] = (seq_idx[:, 1:] < seq_idx[:, :-1]).any()
+    every = _all_gather(mine, group) if group is not None else mine[None]   # (world, len(names) + 2)
+    if not read:
+        torch._assert_async((every == expected).all(),
+                            "mamba_cp: the ranks of cp_group were called with different shapes or options, "
+                            "or a seq_idx steps down (set_input_checks('always') names it)")
+        return
+    _raise_disagreement(every.cpu(), names, local_error)
+    if len(_AGREED) >= 1024:
+        _AGREED.clear()
+    _AGREED[key] = torch.tensor(values + [0, 0], dtype=torch.int64, device=device)
+
+
+def _call_key(*args):
+    """A call's arguments as a dict key: tensors by shape, dtype and device (what the checks
+    read), lists as tuples; None where an argument cannot be hashed (nothing is then cached)."""
+    key = tuple([(a.shape, a.dtype, a.device) if isinstance(a, Tensor) else tuple(a) if isinstance(a, list) else a
+                 for a in args])
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _prepared(key, prepare, cp_group, world, ref, seq_idx, signature):
+    """What prepare() derives from a call: it runs the call's local checks (a ValueError on bad
+    input) and returns what the call needs (its plan, its options). It runs on the first call of
+    a key and is looked up after (under the same tuning and link model): checks that passed for a
+    key cannot fail for it again. Then, outside CUDA-graph capture and compilation, every rank
+    agrees with the others (_agree) before anything else is sent; a world of one checks only
+    seq_idx's order. signature(): _signature's (values, names), asked for only where read."""
+    hit = _PREPARED.get(key) if key is not None else None
+    found, error = None, None
+    if hit is not None and hit[1] is tuning() and hit[2] is _LINK[0]:
+        found = hit[0]
+    else:
+        try:
+            found = prepare()
+        except ValueError as e:
+            error = e
+    if not (ref.is_cuda and torch.cuda.is_current_stream_capturing()) and not torch.compiler.is_compiling():
+        group = cp_group if world > 1 or (_CHECKS["world_of_one"] and cp_group is not None) else None
+        seq = seq_idx if error is None else None
+        if group is not None or seq is not None:    # a world of one without documents: nothing to agree
+            _agree(key, signature, error, seq, group, ref.device)
+    if error is not None:
+        raise error
+    if key is not None and (hit is None or hit[0] is not found):
+        if len(_PREPARED) >= 1024:
+            _PREPARED.clear()
+        _PREPARED[key] = (found, tuning(), _LINK[0])
+    return found
+
+
+def _agreement_ints():
+    """How many int64 values each rank all-gathers when the public CP functions agree on their
+    inputs (the signature and two verdicts): the count the volume model uses."""
+    values, _ = _signature(**_call_signature(Call(*([None] * 9)), None, None, None, "none", False))
+    return len(values) + 2
+
+
 
 # ---------------------------------------------------------------------------------------------
-# 11. Shard, unshard, and the permute layouts
+# 10. Shard, unshard, and the permute layouts
 #    A full sequence's shards in a layout, and load_balancing="permute_p2p" and "permute_a2a": tokens
 #    moved to the contiguous layout and back.
 # ---------------------------------------------------------------------------------------------
-
 
 def shard(x_full, rank, world, load_balancing="none", dim=1):
     """This rank's local shard of a full-sequence tensor, in the given layout."""
@@ -2409,7 +2490,7 @@ def unshard(shards, load_balancing="none", dim=1):
     return torch.cat(pieces, dim=dim)
 
 
-# Under torch.compile every collective runs inside a custom op (section 12 says why): the compiler
+# Under torch.compile every collective runs inside a custom op (section 11 says why): the compiler
 # records the call, and the op's own code runs the NCCL or gloo calls, which the compiler never
 # traces. A group travels to an op by its handle.
 
@@ -2426,13 +2507,13 @@ def _resolve_group(handle):
 
 
 def _zigzag_and_contiguous(world):
-    """For each of the 2W pieces: (rank, slot) in the zigzag layout and in the contiguous one."""
+    """For each of the 2W pieces: (rank, half) in the zigzag layout and in the contiguous one."""
     zig, con = {}, {}
     for r in range(world):
-        for slot, piece in enumerate((r, 2 * world - 1 - r)):
-            zig[piece] = (r, slot)
-        for slot, piece in enumerate((2 * r, 2 * r + 1)):
-            con[piece] = (r, slot)
+        for half, piece in enumerate((r, 2 * world - 1 - r)):
+            zig[piece] = (r, half)
+        for half, piece in enumerate((2 * r, 2 * r + 1)):
+            con[piece] = (r, half)
     return zig, con
 
 
@@ -2444,200 +2525,169 @@ def _permute(t, group, load_balancing, to_contiguous):
         return t.clone()
     zig, con = _zigzag_and_contiguous(world)
     src, dst = (zig, con) if to_contiguous else (con, zig)
-    mine = {src_slot: piece for piece, (r, src_slot) in src.items() if r == me}   # slot -> piece
-    wanted = {dst[piece][1]: piece for piece in src if dst[piece][0] == me}       # slot -> piece
+    mine = {src_half: piece for piece, (r, src_half) in src.items() if r == me}   # half -> piece
+    wanted = {dst[piece][1]: piece for piece in src if dst[piece][0] == me}       # half -> piece
     pieces = t.chunk(2, dim=1)
     out = torch.empty_like(t, memory_format=torch.contiguous_format)
     out_pieces = out.chunk(2, dim=1)
     if load_balancing == "permute_p2p":
         ops, landing = [], []
-        for slot, piece in mine.items():
+        for half, piece in mine.items():
             to = dst[piece][0]
             if to == me:
-                out_pieces[dst[piece][1]].copy_(pieces[slot])
+                out_pieces[dst[piece][1]].copy_(pieces[half])
             else:
-                ops.append(_send(pieces[slot].contiguous(), to, group))
-        for slot, piece in wanted.items():
+                ops.append(_send(pieces[half].contiguous(), to, group))
+        for half, piece in wanted.items():
             frm = src[piece][0]
             if frm != me:
                 buf = torch.empty_like(pieces[0], memory_format=torch.contiguous_format)
                 ops.append(_recv(buf, frm, group))
-                landing.append((slot, buf))
+                landing.append((half, buf))
         _run_p2p(ops)
-        for slot, buf in landing:
-            out_pieces[slot].copy_(buf)
+        for half, buf in landing:
+            out_pieces[half].copy_(buf)
         return out
     # all_to_all_single moves blocks of dim 0: put the sequence first
     s = t.shape[1] // 2
-    send_order = sorted(mine.items(), key=lambda kv: dst[kv[1]])                  # by (dst rank, dst slot)
-    send = torch.cat([pieces[slot].transpose(0, 1) for slot, _ in send_order]).contiguous()
+    send_order = sorted(mine.items(), key=lambda kv: dst[kv[1]])                  # by (dst rank, dst half)
+    send = torch.cat([pieces[half].transpose(0, 1) for half, _ in send_order]).contiguous()
     counts_to = [sum(1 for _, piece in send_order if dst[piece][0] == r) for r in range(world)]
-    recv_order = sorted(wanted.items(), key=lambda kv: (src[kv[1]][0], kv[0]))   # by src rank, then slot
+    recv_order = sorted(wanted.items(), key=lambda kv: (src[kv[1]][0], kv[0]))   # by src rank, then half
     counts_from = [sum(1 for _, piece in recv_order if src[piece][0] == r) for r in range(world)]
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, [c * s for c in counts_from], [c * s for c in counts_to], group=group)
-    for i, (slot, _) in enumerate(recv_order):
-        out_pieces[slot].copy_(recv[i * s:(i + 1) * s].transpose(0, 1))
+    for i, (half, _) in enumerate(recv_order):
+        out_pieces[half].copy_(recv[i * s:(i + 1) * s].transpose(0, 1))
     return out
 
 
 @torch.library.custom_op("mamba_cp::permute", mutates_args=())
 def _permute_op(t: Tensor, group_name: str, load_balancing: str, to_contiguous: bool) -> Tensor:
+    """_permute as an op; its gradient travels the inverse permutation."""
     return _permute(t, _resolve_group(group_name), load_balancing, to_contiguous)
 
 
 @_permute_op.register_fake
-def _(t, group_name, load_balancing, to_contiguous):
+def _permute_fake(t, group_name, load_balancing, to_contiguous):
     return torch.empty(t.shape, device=t.device, dtype=t.dtype)
 
 
-class _PermuteFn(torch.autograd.Function):
-    """Zigzag <-> contiguous, autograd-aware: the gradient travels the inverse permutation."""
+def _permute_keep(ctx, inputs, output):
+    ctx.args = inputs[1:]
 
-    @staticmethod
-    def forward(ctx, t, group, load_balancing, to_contiguous):
-        ctx.args = (_group_name(group), load_balancing, to_contiguous)
-        return _permute_op(t, *ctx.args)
 
-    @staticmethod
-    def backward(ctx, grad):
-        group, load_balancing, to_contiguous = ctx.args
-        return _permute_op(grad, group, load_balancing, not to_contiguous), None, None, None
+def _permute_backward(ctx, grad):
+    group_name, load_balancing, to_contiguous = ctx.args
+    return _permute_op(grad, group_name, load_balancing, not to_contiguous), None, None, None
+
+
+_permute_op.register_autograd(_permute_backward, setup_context=_permute_keep)
+
 
 
 # ---------------------------------------------------------------------------------------------
-# 12. The compile layer and the public CP function: mamba_conv1d_ssd_cp
+# 11. The compile layer and the public CP function: mamba_conv1d_ssd_cp
 # ---------------------------------------------------------------------------------------------
 
 
-# torch.compile. The forward and the backward are each one opaque custom op (torch.library):
-# the compiler records the call and its output shapes (from the fake functions below), and the
-# kernels run as they do eagerly, on the tensors they were given. Traced instead, a kernel's
-# writes into views (the fused backward writes dx, dB, dC into channel slices of one buffer)
-# become inductor's copies of those views and back, and at torch 2.11 such a copy read past its
-# source: the illegal memory access of README "torch.compile". In the interpreter the compiler
-# would trace NumPy. An op takes plain values (the options as numbers and strings, the group as
-# its handle) and returns tensors only: absent outputs are empty tensors, and so are absent
-# gradients. The ops wrap section 8's plain functions; every public call, eager too, runs them
-# through _Conv1dSSDCPOpFn.
+# torch.compile. While compiling, an entry runs the same StatePassingFn with the same steps, its
+# forward and its backward each wrapped as one opaque custom op (torch.library): the compiler
+# records the call and its output shapes (from a fake function), and the kernels run as they do
+# eagerly, on the tensors they were given. Traced instead, a kernel's writes into views (the
+# fused backward writes dx, dB, dC into channel slices of one buffer) become inductor's copies
+# of those views and back, and at torch 2.11 such a copy read past its source (README
+# "torch.compile"); in the interpreter the compiler would trace NumPy. An op takes plain values
+# (an options tuple of numbers and strings, the group as its handle) and returns tensors only:
+# absent outputs and gradients travel as empty tensors. Eager calls run the steps themselves.
 
 
 def _none_if_empty(t):
     return None if t is None or t.numel() == 0 else t
 
 
-def _empty_if_none(t, ref, dtype=None):
-    return ref.new_empty(0, dtype=dtype or ref.dtype) if t is None else t
+def _empty_if_none(t, ref):
+    return ref.new_empty(0) if t is None else t
 
 
-class _CoreOptions(NamedTuple):
-    """The fused core's scalar options; core_args puts them, with the group and the exchange, in
-    the order that ends the argument lists of the ops and of _core_backward."""
-    batch: int
-    chunk: int
+_SCHEMA = {int: "int", float: "float", bool: "bool", str: "str", tuple: "int[]", Optional[torch.dtype]: "ScalarType?"}
+
+
+def _as_ops(name, steps, options, plan_of, outputs, fake_forward, agree):
+    """`steps` (whose arg is a plan) as Steps whose arg is an `options` tuple, each direction one
+    custom op, mamba_cp::{name}_fwd and _bwd, taking the options' fields. Inside, plan_of(tensors,
+    options) builds the plan; agree(options, tensors) first runs the ranks' agreement, which an
+    eager call makes before. `outputs` counts the forward's outputs, the rest is what it keeps;
+    fake_forward(options, *tensors) gives both as empty contiguous tensors of their shapes. A
+    gradient is absent (empty) where its tensor is absent or not floating."""
+    fields = ", ".join(f"{_SCHEMA[kind]} {field}" for field, kind in options.__annotations__.items())
+
+    def forward(tensors, *opts):
+        opts = options(*opts)
+        agree(opts, tensors)
+        out, kept = steps.forward(plan_of(tensors, opts), *tensors)
+        # contiguous, as the fakes make them (a kept view may have other strides, or share a buffer)
+        return [_empty_if_none(t, tensors[0]).contiguous() for t in (*out, *kept)]
+
+    def backward(grads, tensors, kept, *opts):
+        opts = options(*opts)
+        grads = steps.backward(plan_of(tensors, opts), [_none_if_empty(g) for g in grads], tensors,
+                               [_none_if_empty(k) for k in kept])
+        return [_empty_if_none(g, tensors[0]) for g in grads]
+
+    def fake_backward(grads, tensors, kept, *opts):
+        return [torch.empty_like(t) if t is not None and t.is_floating_point() else tensors[0].new_empty(0)
+                for t in tensors]
+
+    fwd = torch.library.custom_op(f"mamba_cp::{name}_fwd", forward, mutates_args=(),
+                                  schema=f"(Tensor?[] tensors, {fields}) -> Tensor[]")
+    bwd = torch.library.custom_op(f"mamba_cp::{name}_bwd", backward, mutates_args=(),
+                                  schema=f"(Tensor?[] grads, Tensor?[] tensors, Tensor[] kept, {fields}) -> Tensor[]")
+    fwd.register_fake(lambda tensors, *opts: fake_forward(options(*opts), *tensors))
+    bwd.register_fake(fake_backward)
+
+    def op_forward(opts, *tensors):
+        out = fwd(list(tensors), *opts)
+        return tuple(out[:outputs]), tuple(out[outputs:])
+
+    def op_backward(opts, grads, tensors, kept):
+        return [_none_if_empty(g) for g in bwd(list(grads), list(tensors), list(kept), *opts)]
+
+    return Steps(op_forward, op_backward)
+
+
+class CoreOptions(NamedTuple):
+    """The fused core's options as plain values: what its ops take, and, with the call's shapes
+    and group, what its Plan is built from."""
+    batch: int                          # batch rows, before each segment became a row
+    chunk_size: int
     headdim: int
     ngroups: int
     dt_min: float
     dt_max: float
     silu: bool
-
-    def core_args(self, group_name, load_balancing, exchange, state_dtype):
-        return (group_name, load_balancing, exchange, self.batch, self.chunk, self.headdim, self.ngroups, self.dt_min,
-                self.dt_max, self.silu, state_dtype)
-
-
-def _cp_config(xBC, dt, conv_weight, group_name, load_balancing, exchange, batch, chunk_size, headdim, ngroups,
-               dt_min, dt_max, silu, state_dtype):
-    """The _CPConfig of an op's call, from core_args: xBC and dt hold one segment per row."""
-    group = _resolve_group(group_name)
-    rank, world = _rank_and_world(group)
-    return _CPConfig(xBC, dt, conv_weight, chunk_size, headdim, ngroups, group, rank, world, load_balancing,
-                     (dt_min, dt_max), batch=batch, exchange=exchange, silu=silu, state_dtype=state_dtype)
+    state_dtype: Optional[torch.dtype]
+    group: str                          # the CP group's handle (_group_name)
+    load_balancing: str                 # the layout the method computes: "none" or "virtual"
+    summary_exchange: str               # "all_gather" or "scan"
 
 
-@torch.library.custom_op("mamba_cp::conv1d_ssd_cp_fwd", mutates_args=())
-def _conv1d_ssd_cp_fwd_op(xBC: Tensor, dt: Tensor, conv_weight: Tensor, conv_bias: Optional[Tensor],
-                          dt_bias: Optional[Tensor], A: Tensor, D: Optional[Tensor], initial_states: Optional[Tensor],
-                          seq_idx: Optional[Tensor], group_name: str, load_balancing: str, exchange: str, batch: int,
-                          chunk_size: int, headdim: int, ngroups: int, dt_min: float, dt_max: float, silu: bool,
-                          state_dtype: Optional[torch.dtype], agree: bool, z: Optional[Tensor]) -> list[Tensor]:
-    """_conv1d_ssd_cp_forward as one op: [y, final, halo, halo_seq, entries, a_kept, cont, gated],
-    the absent ones empty; given z (rows, s, h, p), gated is y silu(z), from the output kernel's
-    pass over y. With agree (a compiled call), the ranks' agreement and seq_idx's order are
-    checked here first, where an eager call has checked them before."""
-    if agree:
-        group = _resolve_group(group_name)
-        _validate_everywhere(lambda: None, group, _rank_and_world(group)[1], xBC,
-                             **_op_signature(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx,
-                                             chunk_size, headdim, ngroups))
-    cfg = _cp_config(xBC, dt, conv_weight, group_name, load_balancing, exchange, batch, chunk_size, headdim, ngroups,
-                     dt_min, dt_max, silu, state_dtype)
-    gated = xBC.new_empty(0) if z is None else torch.empty(z.shape, device=z.device, dtype=xBC.dtype)
-    y, final, (halo, halo_seq, entries, a_kept, cont) = _conv1d_ssd_cp_forward(
-        xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, cfg,
-        None if z is None else (z, gated))
-    rows, ids = xBC.shape[0], dict(device=xBC.device, dtype=torch.int32)
-    empty = lambda: torch.empty(0, device=xBC.device)          # what a single segment keeps, each its own
-    return [y, final, xBC.new_empty((rows, 0, xBC.shape[2])) if halo is None else halo.clone(),   # an op's outputs
-            torch.empty((rows, 0) if seq_idx is not None else 0, **ids) if halo_seq is None else halo_seq.clone(),
-            empty() if entries is None else entries.contiguous(), empty() if a_kept is None else a_kept.clone(),
-            empty() if cont is None else cont, gated]
+def _core_options(batch, nheads, conv_dim, d_conv, chunk_size, headdim, ngroups, dt_limit, activation, state_dtype,
+                  cp_group, world, load_balancing, summary_exchange):
+    """A checked call's CoreOptions: summary_exchange resolved ("auto" by the link model)."""
+    dstate = (conv_dim - nheads * headdim) // (2 * ngroups)
+    exchange = chosen_exchange(summary_exchange, world, load_balancing, batch, (nheads, headdim, dstate), conv_dim,
+                               d_conv)
+    return CoreOptions(batch, chunk_size, headdim, ngroups, float(dt_limit[0]), float(dt_limit[1]),
+                       activation is not None, state_dtype, _group_name(cp_group),
+                       "virtual" if load_balancing == "virtual" else "none", exchange)
 
 
-@_conv1d_ssd_cp_fwd_op.register_fake
-def _conv1d_ssd_cp_fwd_fake(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, group_name,
-                            load_balancing, exchange, batch, chunk_size, headdim, ngroups, dt_min, dt_max, silu,
-                            state_dtype, agree, z):
-    cfg = _cp_config(xBC, dt, conv_weight, group_name, load_balancing, exchange, batch, chunk_size, headdim, ngroups,
-                     dt_min, dt_max, silu, state_dtype)
-    rows, s, conv_dim = xBC.shape
-    h, p, n = cfg.state_shape
-    K, scan = cfg.segs.count, exchange == "scan"
-    halo_rows = cfg.d_conv - 1 if K > 1 else 0      # (rows, 0, ...): no halo (a single segment)
-    f32 = dict(device=xBC.device, dtype=torch.float32)
-    if K == 1:                                      # nothing exchanged, nothing kept
-        kept = [0, 0, 0]
-    else:
-        kept = [(rows, h, p, n), (rows, h) if scan else (batch, K, h),
-                ((rows,) if scan else (batch, K)) if seq_idx is not None else 0]
-    return [torch.empty((rows, s, h, p), device=xBC.device, dtype=xBC.dtype), torch.empty((batch, h, p, n), **f32),
-            torch.empty((rows, halo_rows, conv_dim), device=xBC.device, dtype=xBC.dtype),
-            torch.empty((rows, halo_rows) if seq_idx is not None else 0, device=xBC.device, dtype=torch.int32),
-            *(torch.empty(shape, **f32) for shape in kept),
-            xBC.new_empty(0) if z is None else torch.empty(z.shape, device=z.device, dtype=xBC.dtype)]
-
-
-def _core_backward(dy, dfinal, xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, halo, halo_seq,
-                   entries, a_kept, cont, *core_args, dxBC_into=None, ddt_into=None):
-    """_conv1d_ssd_cp_backward from an op's arguments: the forward op's kept tensors (empty where
-    absent) and core_args."""
-    cfg = _cp_config(xBC, dt, conv_weight, *core_args)
-    kept = tuple(_none_if_empty(t) for t in (halo, halo_seq, entries, a_kept, cont))
-    return _conv1d_ssd_cp_backward(dy, dfinal, xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx,
-                                   kept, cfg, dxBC_into, ddt_into)
-
-
-@torch.library.custom_op("mamba_cp::conv1d_ssd_cp_bwd", mutates_args=())
-def _conv1d_ssd_cp_bwd_op(dy: Tensor, dfinal: Optional[Tensor], xBC: Tensor, dt: Tensor, conv_weight: Tensor,
-                          conv_bias: Optional[Tensor], dt_bias: Optional[Tensor], A: Tensor, D: Optional[Tensor],
-                          initial_states: Optional[Tensor], seq_idx: Optional[Tensor], halo: Tensor, halo_seq: Tensor,
-                          entries: Tensor, a_kept: Tensor, cont: Tensor, group_name: str, load_balancing: str,
-                          exchange: str, batch: int, chunk_size: int, headdim: int, ngroups: int, dt_min: float,
-                          dt_max: float, silu: bool, state_dtype: Optional[torch.dtype]) -> list[Tensor]:
-    """_conv1d_ssd_cp_backward as one op: [dxBC, ddt, dconv_weight, dconv_bias, ddt_bias, dA, dD,
-    dinitial_states] (absent ones empty)."""
-    grads = _core_backward(dy, dfinal, xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, halo,
-                           halo_seq, entries, a_kept, cont, group_name, load_balancing, exchange, batch, chunk_size,
-                           headdim, ngroups, dt_min, dt_max, silu, state_dtype)
-    return [_empty_if_none(g, xBC) for g in grads]
-
-
-@_conv1d_ssd_cp_bwd_op.register_fake
-def _(dy, dfinal, xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, halo, halo_seq, entries,
-      a_kept, cont, group_name, load_balancing, exchange, batch, chunk_size, headdim, ngroups, dt_min, dt_max, silu,
-      state_dtype):
-    like = (xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states)
-    return [xBC.new_empty(0) if t is None else torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in like]
+def _core_plan(tensors, o, group=None):
+    """The Plan of a fused-core call (a Call's tensors, one segment per row) under CoreOptions o."""
+    return Plan(Call(*tensors), o.batch, o.chunk_size, o.headdim, o.ngroups, (o.dt_min, o.dt_max), o.silu,
+                o.state_dtype, group if group is not None else _resolve_group(o.group), o.load_balancing,
+                EXCHANGES[o.summary_exchange])
 
 
 def _world_of(group_name):
@@ -2645,37 +2695,45 @@ def _world_of(group_name):
     return int(group_name.rsplit(":", 1)[1]) if group_name else 1
 
 
-def _conv1d_ssd_cp_fwd_agreeing(*args):
-    """The forward op (no gate); a call being compiled agrees inside it (an eager call has agreed before)."""
-    return _conv1d_ssd_cp_fwd_op(*args, torch.compiler.is_compiling(), None)
+def _core_fake(o, xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx):
+    """The core's forward outputs and Kept as empty tensors of their shapes (METHOD's)."""
+    rows, s, conv_dim = xBC.shape
+    h, p = dt.shape[2], o.headdim
+    n = (conv_dim - h * p) // (2 * o.ngroups)
+    count = (2 if o.load_balancing == "virtual" else 1) * _world_of(o.group)
+    f32, none = dict(device=xBC.device, dtype=torch.float32), xBC.new_empty(0)
+    kept = [none] * 5                               # a single segment keeps nothing
+    if count > 1:
+        scan, docs = o.summary_exchange == "scan", seq_idx is not None
+        kept = [xBC.new_empty((rows, conv_weight.shape[1] - 1, conv_dim)),
+                torch.empty((rows, conv_weight.shape[1] - 1), device=xBC.device, dtype=torch.int32) if docs else none,
+                torch.empty((rows, h, p, n), **f32), torch.empty((rows, h) if scan else (o.batch, count, h), **f32),
+                torch.empty((rows,) if scan else (o.batch, count), **f32) if docs else none]
+    return [xBC.new_empty((rows, s, h, p)), torch.empty((o.batch, h, p, n), **f32), *kept]
 
 
-class _Conv1dSSDCPOpFn(torch.autograd.Function):
-    """_Conv1dSSDCPFn (section 8) with its forward and backward each one op."""
-
-    @staticmethod
-    def forward(ctx, xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, core_args):
-        y, final, *kept, _ = _conv1d_ssd_cp_fwd_agreeing(xBC, dt, conv_weight, conv_bias, dt_bias, A, D,
-                                                         initial_states, seq_idx, *core_args)
-        ctx.save_for_backward(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx, *kept)
-        ctx.core_args = core_args
-        return y, final
-
-    @staticmethod
-    def backward(ctx, dy, dfinal):
-        grads = _conv1d_ssd_cp_bwd_op(dy, dfinal, *ctx.saved_tensors, *ctx.core_args)
-        return (*(_none_if_empty(g) for g in grads), None, None)
+def _core_agrees(o, tensors):
+    """The ranks' agreement on a compiled core call, inside its forward op."""
+    call = Call(*tensors)
+    group = _resolve_group(o.group)
+    _prepared(_call_key(o, *tensors), lambda: None, group, _world_of(o.group), call.xBC, call.seq_idx,
+              lambda: _signature(**_call_signature(call, o.chunk_size, o.headdim, o.ngroups, o.load_balancing, False,
+                                                   o.summary_exchange)))
 
 
-def _core_numbers(core):
-    """A _CoreOptions as one list of numbers, as the split entry's ops take it (an op schema takes
-    no mixed lists); _core_of reads it back."""
-    return [float(v) for v in core]
+CORE_OPS = _as_ops("core", METHOD, CoreOptions, _core_plan, 2, _core_fake, _core_agrees)
 
 
-def _core_of(numbers):
-    b, chunk, p, g, dt_min, dt_max, silu = numbers
-    return _CoreOptions(int(b), int(chunk), int(p), int(g), dt_min, dt_max, bool(silu))
+def _rows(t, per_row):
+    """(b, per_row * s, ...) -> (b * per_row, s, ...): one causal segment per row."""
+    return t.reshape(t.shape[0] * per_row, t.shape[1] // per_row, *t.shape[2:])
+
+
+def _segment_rows(call, per_row):
+    """A Call in the caller's layout as the method takes it: one causal segment per batch row,
+    seq_idx int32 and contiguous."""
+    seq_idx = None if call.seq_idx is None else _rows(call.seq_idx.to(torch.int32), per_row).contiguous()
+    return Call(_rows(call.xBC, per_row), _rows(call.dt, per_row), *call[2:8], seq_idx)
 
 
 def mamba_conv1d_ssd_cp(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size, *, headdim, ngroups,
@@ -2698,43 +2756,50 @@ def mamba_conv1d_ssd_cp(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_si
     "all_gather" (every rank receives every segment's), "scan" (a prefix scan over ranks in
     ceil(log2 W) point-to-point rounds; halos from the neighbours) or "auto" (the faster by the
     link model of set_link_model); the results agree to float32 rounding."""
-    ref = xBC if isinstance(xBC, torch.Tensor) else torch.empty(0)
+    call = Call(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx)
+    ref = xBC if isinstance(xBC, Tensor) else torch.empty(0)
     rank, world = _group_info(cp_group, ref)
-    _validate_everywhere(
-        lambda: _check_cp_inputs(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size, headdim, ngroups,
-                                 seq_idx, initial_states, load_balancing, dt_limit, activation, state_dtype,
-                                 summary_exchange),
-        cp_group, world, ref, **_call_signature(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size, headdim,
-                                                ngroups, seq_idx, initial_states, load_balancing, return_final_states,
-                                                summary_exchange))
-    exchange = chosen_exchange(summary_exchange, world, load_balancing, xBC.shape[0],
-                                _state_shape(xBC, dt, headdim, ngroups), xBC.shape[2], conv_weight.shape[1])
+
+    def options():                      # the local checks, then the call's options
+        _check_cp_inputs(call, chunk_size, headdim, ngroups, load_balancing, dt_limit, activation, state_dtype,
+                         summary_exchange)
+        return _core_options(xBC.shape[0], dt.shape[2], xBC.shape[2], conv_weight.shape[1], chunk_size, headdim,
+                             ngroups, dt_limit, activation, state_dtype, cp_group, world, load_balancing,
+                             summary_exchange)
+
+    if torch.compiler.is_compiling():   # the ranks agree inside the forward op, when it runs
+        o = options()
+        steps, arg = CORE_OPS, o
+    else:
+        def prepare():
+            o = options()
+            return o, _core_plan(_segment_rows(call, 2 if o.load_balancing == "virtual" else 1), o, cp_group)
+        key = _call_key(cp_group, *call, chunk_size, headdim, ngroups, load_balancing, dt_limit, return_final_states,
+                        activation, state_dtype, summary_exchange)
+        o, plan = _prepared(key, prepare, cp_group, world, ref, seq_idx, lambda: _signature(**_call_signature(
+            call, chunk_size, headdim, ngroups, load_balancing, return_final_states, summary_exchange)))
+        steps, arg = METHOD, plan
     permuted = load_balancing.startswith("permute") and world > 1
     if permuted:
-        xBC, dt = (_PermuteFn.apply(t, cp_group, load_balancing, True) for t in (xBC, dt))
-        seq_idx = None if seq_idx is None else _permute_op(seq_idx.to(torch.int32), _group_name(cp_group),
-                                                           load_balancing, True)
-    segs, batch = _Segments(rank, world, load_balancing), xBC.shape[0]
-    core = _CoreOptions(batch, chunk_size, headdim, ngroups, dt_limit[0], dt_limit[1], activation is not None)
-    y, final = _Conv1dSSDCPOpFn.apply(
-        segs.to_rows(xBC), segs.to_rows(dt), conv_weight, conv_bias, dt_bias, A, D, initial_states,
-        None if seq_idx is None else segs.to_rows(seq_idx.to(torch.int32)).contiguous(),
-        core.core_args(_group_name(cp_group), load_balancing, exchange, state_dtype))
-    y = segs.from_rows(y, batch)
+        xBC, dt = _permute_op(xBC, o.group, load_balancing, True), _permute_op(dt, o.group, load_balancing, True)
+        seq_idx = None if seq_idx is None else _permute_op(seq_idx.to(torch.int32), o.group, load_balancing, True)
+        call = Call(xBC, dt, *call[2:8], seq_idx)
+    y, final = StatePassingFn.apply(steps, arg, *_segment_rows(call, 2 if o.load_balancing == "virtual" else 1))
+    y = y.reshape(o.batch, -1, *y.shape[2:])                                     # the rows back to (b, l, h, p)
     if permuted:
-        y = _PermuteFn.apply(y, cp_group, load_balancing, False)
+        y = _permute_op(y, o.group, load_balancing, False)
     return (y, final) if return_final_states else y
 
 
+
 # ---------------------------------------------------------------------------------------------
-# 13. The gate and the gated RMSNorm
+# 12. The gate and the gated RMSNorm
 #    y * silu(z), or the gated RMSNorm, as the mixer entry and the single-device function apply it.
 #
 # Gated RMSNorm over groups of c = dim / ngroups channels, r = (mean_group(v^2) + eps)^-1/2:
 #     norm_before_gate: out = (y r) w silu(z)          else: v = y silu(z), out = (v r) w
 # and its gradient through n = v r:  dv = r (dn - n mean_group(n dn)).
 # ---------------------------------------------------------------------------------------------
-
 
 @triton.jit
 def _gate_norm_tile(y_ptr, z_ptr, w_ptr, b, t, cols, mask, col_mask, stride_y_b, stride_y_l, stride_z_b, stride_z_l,
@@ -2813,13 +2878,13 @@ def _gate_norm_bwd_kernel(do_ptr, y_ptr, z_ptr, w_ptr, dy_ptr, dz_ptr, dw_part_p
         tl.store(dw_part_ptr + tl.program_id(0).to(tl.int64) * stride_dw_r + cols, dw, mask=in_group)
 
 
-class _GateNorm:
-    """The gate y * silu(z), or the gated RMSNorm, over (b, l, dim) tensors (any strides with a
-    unit channel stride), and its gradient; launches the two kernels above."""
-
-    def __init__(self, rmsnorm_weight, eps, group_size, norm_before_gate):
-        self.w, self.eps, self.group_size, self.before = rmsnorm_weight, eps, group_size, norm_before_gate
-        self.norm = rmsnorm_weight is not None
+class _GateNorm(NamedTuple):
+    """The gate y * silu(z) (norm False), or the gated RMSNorm, over (b, l, dim) tensors (any
+    strides with a unit channel stride), and its gradient; launches the two kernels above."""
+    norm: bool
+    eps: float
+    group_size: int
+    before: bool                            # norm_before_gate
 
     def tiles(self, dim):
         """(channels per program: one norm group, else up to 1024; their power-of-two tile;
@@ -2828,17 +2893,17 @@ class _GateNorm:
         BG = _next_pow2(gs)
         return gs, BG, max(1, tuning().gate_tile // BG)
 
-    def forward(self, y, z, out):
-        """Writes the gated output into out (b, l, dim), a view."""
+    def forward(self, y, z, w, out):
+        """Writes the gated output into out (b, l, dim), a view; w the norm's weight (or None)."""
         b, l, dim = y.shape
         gs, BG, BR = self.tiles(dim)
-        grid = (_cdiv(b * l, BR), _cdiv(dim, gs))
-        _gate_norm_fwd_kernel[grid](y, z, self.w if self.norm else y, out, b * l, l, dim, gs, self.eps,
-                                    y.stride(0), y.stride(1), z.stride(0), z.stride(1), out.stride(0), out.stride(1),
-                                    BR=BR, BG=BG, NORM=self.norm, BEFORE=self.before)
+        _gate_norm_fwd_kernel[(_cdiv(b * l, BR), _cdiv(dim, gs))](
+            y, z, y if w is None else w, out, b * l, l, dim, gs, self.eps, y.stride(0), y.stride(1), z.stride(0),
+            z.stride(1), out.stride(0), out.stride(1), BR=BR, BG=BG, NORM=self.norm, BEFORE=self.before)
 
-    def backward(self, do, y, z, dz):
-        """dy (b, l, dim) in y's dtype, dz written into dz (a view), and drmsnorm_weight (fp32)."""
+    def backward(self, do, y, z, w, dz):
+        """dy (b, l, dim) in y's dtype, dz written into dz (a view), and the norm weight's
+        gradient (fp32, None without a norm)."""
         b, l, dim = y.shape
         gs, BG, BR = self.tiles(dim)
         programs, warps = tuning().gate_programs, 4
@@ -2850,21 +2915,22 @@ class _GateNorm:
         dy = torch.empty(y.shape, device=y.device, dtype=y.dtype)
         dw_part = torch.empty((n_row_progs, dim), device=y.device, dtype=torch.float32) if self.norm else None
         _gate_norm_bwd_kernel[(n_row_progs, n_cols)](
-            do, y, z, self.w if self.norm else y, dy, dz, dw_part if self.norm else dy, b * l, l, dim, gs, self.eps,
-            n_inner, do.stride(0), do.stride(1), y.stride(0), y.stride(1), z.stride(0), z.stride(1),
-            dy.stride(0), dy.stride(1), dz.stride(0), dz.stride(1), dw_part.stride(0) if self.norm else 0,
+            do, y, z, y if w is None else w, dy, dz, dy if dw_part is None else dw_part, b * l, l, dim, gs,
+            self.eps, n_inner, do.stride(0), do.stride(1), y.stride(0), y.stride(1), z.stride(0), z.stride(1),
+            dy.stride(0), dy.stride(1), dz.stride(0), dz.stride(1), 0 if dw_part is None else dw_part.stride(0),
             BR=BR, BG=BG, NORM=self.norm, BEFORE=self.before, num_warps=warps)
         return dy, (dw_part.sum(0) if self.norm else None)
 
 
+_Z_GATE = _GateNorm(False, 0.0, 0, True)   # the plain gate y * silu(z), also mamba_chunk_scan_combined's
 
-_Z_GATE = _GateNorm(None, 0.0, 0, True)   # the plain gate y * silu(z), also mamba_chunk_scan_combined's
 
 
 # ---------------------------------------------------------------------------------------------
-# 14. The single-device function: mamba_chunk_scan_combined, and the packed documents' states
+# 13. The single-device function: mamba_chunk_scan_combined
+#    The SSD of a whole sequence on one device: section 4's and 5's steps with no exchange (its
+#    entry is initial_states), the z gate, and the packed documents' end states.
 # ---------------------------------------------------------------------------------------------
-
 
 @triton.jit
 def _document_end_state_kernel(
@@ -2918,17 +2984,17 @@ def _document_end_state_kernel(
     tl.store(out_ptr + _state_tile(d, h, offs_p, offs_n, nheads, headdim, dstate), S, mask=mask_pn)
 
 
-def document_end_states(inp, summary, cu_seqlens, entry=None):
+def document_end_states(ssd, summary, cu_seqlens, entry=None):
     """The float32 state after each packed document of batch row 0, (num_docs, h, p, n), given
     the documents' bounds cu_seqlens (num_docs + 1,) and the sequence's entry state (or None)."""
-    x, B = inp.x, inp.B
-    plan = summary.plan
+    x, B, plan = ssd.x, ssd.B, summary.plan
     run_entry, _ = summary.run_entries(entry)
     ndocs = cu_seqlens.shape[0] - 1
     out = torch.empty(ndocs, plan.nheads, plan.headdim, plan.dstate, device=x.device, dtype=torch.float32)
     gamma = summary.gamma
     _document_end_state_kernel[(ndocs, plan.nheads, plan.n_p_tiles * plan.n_n_tiles)](
-        x, B, plan.dts(inp), cu_seqlens, _ChunkEdge(summary.states, gamma, _stand_in(run_entry, gamma)), out,
+        x, B, plan.dts(ssd.dt, ssd.dt_bias, ssd.A), cu_seqlens,
+        _ChunkEdge(summary.states, gamma, gamma if run_entry is None else run_entry), out,
         plan.seqlen, plan.nheads, plan.headdim, plan.dstate, plan.heads_per_group, plan.chunks_per_run,
         plan.n_n_tiles, _BLHP(*x.stride()), _BLGN(*B.stride()),
         Q=plan.Q, BP=plan.BP_state, BN=plan.BN_state, HAS_ENTRY=run_entry is not None,
@@ -2936,114 +3002,103 @@ def document_end_states(inp, summary, cu_seqlens, entry=None):
         **plan.dt_flags)
     return out
 
-
 def _flat_heads(t):
     """(b, l, h, p) as (b, l, h*p) with a unit channel stride, as the gate's kernels read it (a
     view where the strides allow one)."""
     return (t if t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] else t.contiguous()).flatten(-2)
 
 
-@torch.library.custom_op("mamba_cp::chunk_scan_fwd", mutates_args=())
-def _chunk_scan_fwd(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size: int, D: Optional[Tensor],
-                    z: Optional[Tensor], dt_bias: Optional[Tensor], initial_states: Optional[Tensor],
-                    seq_idx: Optional[Tensor], dt_softplus: bool, dt_min: float, dt_max: float, need_final: bool,
-                    state_dtype: Optional[torch.dtype], cu_seqlens: Optional[Tensor],
-                    need_doc_states: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The output (gated with z), the final state (empty unless need_final), each packed
-    document's end state (empty unless need_doc_states), and y before the gate (empty without z).
-
-    The gate y * silu(z) is written by the output kernel beside y, which is kept for the
-    backward, as mamba_ssm keeps it; the backward runs the gate's own kernel (section 13's) on
-    y first: folded into the SSD kernels' backward it cost more, which had to load z in three
-    kernels and recompute y in one (BENCHMARKS.md, "The launch choices")."""
-    _check_document_values(seq_idx, cu_seqlens)
-    plan = _LaunchPlan(x, B, min(chunk_size, tuning().chunk_fwd), dt_bias, dt_softplus, (dt_min, dt_max), seq_idx,
-                       state_dtype)
-    entry = None if initial_states is None else initial_states.float()
-    inp = _SSDInputs(x, dt, A, B, C, D, dt_bias, seq_idx)
-    summary = Summary(inp, plan)
-    gate = None if z is None else (z, torch.empty(x.shape, device=x.device, dtype=x.dtype))   # (z, y silu(z))
-    y, final = ssd_output(inp, summary, entry, need_exit=need_final, gate=gate)
-    doc_states = document_end_states(inp, summary, cu_seqlens, entry) if need_doc_states else None
-    out, y_kept = (y, y.new_empty(0)) if gate is None else (gate[1], y)
-    return out, _empty_if_none(final, y, torch.float32), _empty_if_none(doc_states, y, torch.float32), y_kept
+class ScanCall(NamedTuple):
+    """The tensors of one mamba_chunk_scan_combined call (shapes in its docstring)."""
+    x: Tensor
+    dt: Tensor
+    A: Tensor
+    B: Tensor
+    C: Tensor
+    D: Optional[Tensor]
+    z: Optional[Tensor]
+    dt_bias: Optional[Tensor]
+    initial_states: Optional[Tensor]
+    seq_idx: Optional[Tensor]           # int32
+    cu_seqlens: Optional[Tensor]
 
 
-@_chunk_scan_fwd.register_fake
-def _(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_softplus, dt_min, dt_max, need_final,
-      state_dtype, cu_seqlens, need_doc_states):
+class ScanOptions(NamedTuple):
+    """mamba_chunk_scan_combined's options as plain values."""
+    chunk_size: int
+    dt_softplus: bool
+    dt_min: float
+    dt_max: float
+    need_final: bool
+    need_doc_states: bool
+    state_dtype: Optional[torch.dtype]
+
+
+class _ScanPlan(NamedTuple):
+    options: ScanOptions
+    fwd: LaunchPlan
+    bwd: LaunchPlan
+
+
+def _scan_plan(tensors, o):
+    call, t = ScanCall(*tensors), tuning()
+    shape = (*call.x.shape, *call.B.shape[2:])
+    fwd, bwd = (LaunchPlan(shape, call.x.dtype, min(o.chunk_size, q), call.dt_bias, o.dt_softplus, (o.dt_min, o.dt_max),
+                           call.seq_idx, o.state_dtype) for q in (t.chunk_fwd, t.chunk_bwd))
+    return _ScanPlan(o, fwd, bwd)
+
+
+def _scan_forward(plan, *tensors):
+    """(out: y, or y silu(z) with z; the final state or None; each packed document's end state
+    or None), and what the backward keeps: y before the gate, with z. The gate is written by the
+    output kernel beside y, which is kept, as mamba_ssm keeps it; the backward runs the gate's own
+    kernel first (folded into the chunk backward it cost more: BENCHMARKS.md)."""
+    call = ScanCall(*tensors)
+    _check_document_values(call.seq_idx, call.cu_seqlens)
+    ssd = ssd_tensors(call.x, call.B, call.C, call, plan.fwd)
+    summary = Summary(ssd, plan.fwd)
+    gate = None if call.z is None else (call.z, torch.empty(call.x.shape, device=call.x.device, dtype=call.x.dtype))
+    y, final = ssd_output(ssd, summary, call.initial_states, need_exit=plan.options.need_final, gate=gate)
+    docs = document_end_states(ssd, summary, call.cu_seqlens, call.initial_states) if plan.options.need_doc_states \
+        else None
+    return ((y, final, docs), ()) if gate is None else ((gate[1], final, docs), (y,))
+
+
+def _scan_backward(plan, grads, tensors, kept):
+    """The gradients of _scan_forward, as a ScanCall. Backward recomputes the chunk states (they
+    are as large as x, so they are not kept). The packed documents' end states are forward only,
+    as in mamba_ssm: a gradient arriving at them is an error, not silently dropped."""
+    dout, dfinal, ddocs = grads
+    if ddocs is not None and bool(ddocs.ne(0).any()):   # compiled, an unused output's gradient is zeros
+        raise RuntimeError("mamba_chunk_scan_combined: the states returned with return_varlen_states=True have "
+                           "no backward (as in mamba_ssm); detach them before they reach the loss")
+    call = ScanCall(*tensors)
+    dy = torch.zeros_like(call.x) if dout is None else dout
+    dz = None
+    if call.z is not None:                          # through the gate first
+        dz = torch.empty(call.z.shape, device=call.z.device, dtype=call.z.dtype)
+        dy, _ = _Z_GATE.backward(_flat_heads(dy), _flat_heads(kept[0]), _flat_heads(call.z), None, dz.flatten(-2))
+        dy = dy.unflatten(-1, call.x.shape[2:])
+    ssd = ssd_tensors(call.x, call.B, call.C, call, plan.bwd)
+    grad_pass = GradPass(dy, ssd, plan.bwd)
+    dx, dB, dC, ddt, dA, dD, ddt_bias, dinit = ssd_grads(ssd, Summary(ssd, plan.bwd), grad_pass, dy,
+                                                         call.initial_states, dfinal)
+    return ScanCall(dx, ddt, dA.to(call.A.dtype), dB, dC, _as(dD, call.D), dz, _as(ddt_bias, call.dt_bias),
+                    _as(dinit, call.initial_states), None, None)
+
+
+def _scan_fake(o, x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens):
     b, _, h, p = x.shape
-    n = B.shape[3]
-    f32 = dict(device=x.device, dtype=torch.float32)
-    return (torch.empty(x.shape, device=x.device, dtype=x.dtype), torch.empty((b, h, p, n) if need_final else 0, **f32),
-            torch.empty((cu_seqlens.shape[0] - 1, h, p, n) if need_doc_states else 0, **f32),
-            torch.empty(x.shape if z is not None else 0, device=x.device, dtype=x.dtype))
+    f32, none = dict(device=x.device, dtype=torch.float32), x.new_empty(0)
+    return [torch.empty_like(x), torch.empty((b, h, p, B.shape[3]), **f32) if o.need_final else none,
+            torch.empty((cu_seqlens.shape[0] - 1, h, p, B.shape[3]), **f32) if o.need_doc_states else none,
+            *([] if z is None else [torch.empty_like(x)])]
 
 
-@torch.library.custom_op("mamba_cp::chunk_scan_bwd", mutates_args=())
-def _chunk_scan_bwd(dout: Tensor, dfinal: Optional[Tensor], x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
-                    chunk_size: int, D: Optional[Tensor], z: Optional[Tensor], y: Tensor, dt_bias: Optional[Tensor],
-                    initial_states: Optional[Tensor], seq_idx: Optional[Tensor], dt_softplus: bool, dt_min: float,
-                    dt_max: float, state_dtype: Optional[torch.dtype]) -> list[Tensor]:
-    """[dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinitial_states], absent ones empty. y: the
-    output before the gate (empty without z)."""
-    dy, dz = dout, None
-    if z is not None:                                  # through the gate first
-        dz = torch.empty(z.shape, device=z.device, dtype=z.dtype)
-        dy, _ = _Z_GATE.backward(_flat_heads(dout), _flat_heads(y), _flat_heads(z), dz.flatten(-2))
-        dy = dy.unflatten(-1, x.shape[2:])
-    plan = _LaunchPlan(x, B, min(chunk_size, tuning().chunk_bwd), dt_bias, dt_softplus, (dt_min, dt_max), seq_idx,
-                       state_dtype)
-    entry = None if initial_states is None else initial_states.float()
-    inp = _SSDInputs(x, dt, A, B, C, D, dt_bias, seq_idx)
-    grad_pass = GradPass(dy, inp, plan)
-    summary = Summary(inp, plan)
-    dx, dB, dC, ddt, dA, dD, ddt_bias, dinit = ssd_grads(inp, summary, grad_pass, dy, entry, dfinal)
-    ddt_bias = ddt_bias.to(dt_bias.dtype) if dt_bias is not None else None
-    grads = [dx, ddt, dA.to(A.dtype), dB, dC, None if D is None else dD.to(D.dtype), dz, ddt_bias,
-             None if initial_states is None else dinit.to(initial_states.dtype)]
-    return [_empty_if_none(g, x) for g in grads]
-
-
-@_chunk_scan_bwd.register_fake
-def _(dout, dfinal, x, dt, A, B, C, chunk_size, D, z, y, dt_bias, initial_states, seq_idx, dt_softplus, dt_min,
-      dt_max, state_dtype):
-    like = (x, dt, A, B, C, D, z, dt_bias, initial_states)
-    return [x.new_empty(0) if t is None else torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in like]
-
-
-class _ChunkScanFn(torch.autograd.Function):
-    """Single device: the whole sequence is one CP shard whose entry state is initial_states.
-    Backward recomputes the chunk states (they are as large as x, so they are not kept); with
-    z it reads y before the gate, kept by the forward.
-    Parameter gradients are per-chunk partials summed in fixed order: two identical calls give
-    bitwise identical results. The packed documents' end states (with cu_seqlens) are forward
-    only, as in mamba_ssm: a gradient arriving at them is an error, not silently dropped."""
-
-    @staticmethod
-    def forward(ctx, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_softplus, dt_limit,
-                need_final, state_dtype, cu_seqlens, need_doc_states):
-        out, final, doc_states, y = _chunk_scan_fwd(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states,
-                                                    seq_idx, dt_softplus, dt_limit[0], dt_limit[1], need_final,
-                                                    state_dtype, cu_seqlens, need_doc_states)
-        ctx.save_for_backward(x, dt, A, B, C, D, z, y, dt_bias, initial_states, seq_idx)
-        ctx.args = (chunk_size, dt_softplus, dt_limit, state_dtype)
-        ctx.set_materialize_grads(False)      # an unused output's gradient stays None
-        return out, final, doc_states
-
-    @staticmethod
-    def backward(ctx, dout, dfinal, ddoc_states):
-        if _none_if_empty(ddoc_states) is not None:   # compiled, an absent output's gradient is empty, not None
-            raise RuntimeError("mamba_chunk_scan_combined: the states returned with return_varlen_states=True have "
-                               "no backward (as in mamba_ssm); detach them before they reach the loss")
-        x, dt, A, B, C, D, z, y, dt_bias, initial_states, seq_idx = ctx.saved_tensors
-        chunk_size, dt_softplus, dt_limit, state_dtype = ctx.args
-        dout = torch.zeros_like(x) if dout is None else dout
-        grads = _chunk_scan_bwd(dout, _none_if_empty(dfinal), x, dt, A, B, C, chunk_size, D, z, y, dt_bias,
-                                initial_states, seq_idx, dt_softplus, dt_limit[0], dt_limit[1], state_dtype)
-        dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinit = (_none_if_empty(g) for g in grads)
-        return (dx, ddt, dA, dB, dC, None, dD, dz, ddt_bias, dinit, None, None, None, None, None, None, None)
-
+# Parameter gradients are per-chunk partials summed in a fixed order: two identical calls give
+# bitwise identical results.
+SCAN = Steps(_scan_forward, _scan_backward)
+SCAN_OPS = _as_ops("chunk_scan", SCAN, ScanOptions, _scan_plan, 3, _scan_fake, lambda o, tensors: None)
 
 def _check_varlen(cu_seqlens, return_varlen_states, seq_idx, x):
     """cu_seqlens (num_docs + 1,) in one batch row, with seq_idx (their values: in the op)."""
@@ -3056,7 +3111,6 @@ def _check_varlen(cu_seqlens, return_varlen_states, seq_idx, x):
     _expect(x.shape[0] == 1, "x", f"batch {x.shape[0]} with cu_seqlens", "batch 1 (cu_seqlens packs the documents "
             "into one row)")
     _expect(seq_idx is not None, "seq_idx", "None with cu_seqlens", "the documents of cu_seqlens as ids (1, seqlen)")
-
 
 def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
                               initial_states=None, seq_idx=None, cu_seqlens=None, dt_softplus=False,
@@ -3073,30 +3127,41 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     state_dtype: the dtype of the chunk entry states stored between kernels (default: x's dtype;
     float32 for float32 x). float32 with bf16 inputs doubles that buffer for a little accuracy.
     """
-    _check_ssd_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_limit)
-    _expect(state_dtype in _STATE_DTYPES, "state_dtype", state_dtype, f"one of {_STATE_DTYPES}")
-    _check_varlen(cu_seqlens, return_varlen_states, seq_idx, x)
+    call = ScanCall(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens)
+
+    def options():
+        _check_ssd_inputs(call, chunk_size, dt_limit)
+        _expect(state_dtype in _STATE_DTYPES, "state_dtype", state_dtype, f"one of {_STATE_DTYPES}")
+        _check_varlen(cu_seqlens, return_varlen_states, seq_idx, x)
+        return ScanOptions(chunk_size, bool(dt_softplus), float(dt_limit[0]), float(dt_limit[1]),
+                           bool(return_final_states), bool(return_varlen_states), state_dtype)
+
+    if torch.compiler.is_compiling():
+        steps, arg = SCAN_OPS, options()
+    else:
+        key = _call_key(*call, chunk_size, dt_softplus, dt_limit, return_final_states, return_varlen_states,
+                        state_dtype)
+        steps, arg = SCAN, _prepared(key, lambda: _scan_plan(call, options()), None, 1,
+                                     x if isinstance(x, Tensor) else torch.empty(0), None, None)
     if seq_idx is not None:
-        seq_idx = seq_idx.to(torch.int32)
-    y, final, doc_states = _ChunkScanFn.apply(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
-                                              dt_softplus, tuple(dt_limit), return_final_states, state_dtype,
-                                              cu_seqlens, return_varlen_states)
+        call = call._replace(seq_idx=seq_idx.to(torch.int32))
+    y, final, doc_states = StatePassingFn.apply(steps, arg, *call)
     out = (y,) + ((final,) if return_final_states else ()) + ((doc_states,) if return_varlen_states else ())
     return out[0] if len(out) == 1 else out
 
 
+
 # ---------------------------------------------------------------------------------------------
-# 15. The mixer entry: mamba_split_conv1d_scan_combined
+# 14. The mixer entry: mamba_split_conv1d_scan_combined
 #    mamba_ssm's fused entry, the one Mamba2 mixers call.
 #
 # zxbcdt = [z0 | x0 | z | xBC | dt] (widths d_nonssm, d_nonssm, dim, conv_dim, nheads). The core
-# (conv + SSD, with CP) runs on the xBC and dt channels; everything else is per token and stays
-# local: the gate y * silu(z) or the gated RMSNorm, the SwiGLU channels silu(z0) * x0 in front,
-# the out projection. One autograd function for all of it, so the gradient of zxbcdt is one
-# buffer whose channel slices are filled in place (autograd would otherwise add a zxbcdt-sized
-# zero buffer per slice).
+# (conv + SSD, with CP) runs on the xBC and dt channels, by section 1's method_forward and
+# method_backward; everything else is per token and stays local: the gate y * silu(z) or the
+# gated RMSNorm, the SwiGLU channels silu(z0) * x0 in front, the out projection. All of it is one
+# StatePassingFn call, so the gradient of zxbcdt is one buffer whose channel slices are filled in
+# place (autograd would otherwise add a zxbcdt-sized zero buffer per slice).
 # ---------------------------------------------------------------------------------------------
-
 
 def _swiglu(z0, x0):
     return (z0.float() * torch.sigmoid(z0.float()) * x0.float())
@@ -3108,159 +3173,159 @@ def _swiglu_grad(ds, z0, x0):
     return ds * x0f * sig * (1.0 + z0f * (1.0 - sig)), ds * z0f * sig
 
 
-def _split_output(y, z, z0, x0, gate_norm, widths):
+def _split_output(y, z, z0, x0, gate_norm, w, widths):
     """[silu(z0) x0 | the gate or the gated RMSNorm of y], (b, l, d_nonssm + dim) in y's dtype."""
     d_nonssm = widths[0]
     out = torch.empty((*y.shape[:2], d_nonssm + y.shape[2]), device=y.device, dtype=y.dtype)
     if d_nonssm:
         out[..., :d_nonssm] = _swiglu(z0, x0)
-    gate_norm.forward(y, z, out[..., d_nonssm:])
+    gate_norm.forward(y, z, w, out[..., d_nonssm:])
     return out
 
 
-def _rows_view(segs, t):
-    """segs.to_rows(t) as a view of t (writes into it land in t), or None where strides forbid one."""
+def _rows_view(t, per_row):
+    """_rows(t, per_row) as a view of t (writes into it land in t), or None where strides forbid one."""
     try:
-        return t.view(t.shape[0] * segs.per_row, t.shape[1] // segs.per_row, *t.shape[2:])
+        return t.view(t.shape[0] * per_row, t.shape[1] // per_row, *t.shape[2:])
     except RuntimeError:
         return None
 
 
-@torch.library.custom_op("mamba_cp::split_conv1d_scan_fwd", mutates_args=())
-def _split_conv1d_scan_fwd(zxbcdt: Tensor, conv_weight: Tensor, conv_bias: Optional[Tensor], dt_bias: Optional[Tensor],
-                           A: Tensor, D: Optional[Tensor], initial_states: Optional[Tensor],
-                           rmsnorm_weight: Optional[Tensor], outproj_weight: Optional[Tensor],
-                           outproj_bias: Optional[Tensor], seq_idx: Optional[Tensor], widths: list[int],
-                           core_opts: list[float], group_name: str, load_balancing: str, exchange: str,
-                           state_dtype: Optional[torch.dtype], agree: bool, eps: float, group_size: int, norm_before_gate: bool,
-                           permute: bool) -> list[Tensor]:
-    """[out, final state, y (b, l, dim) before the gate, the permuted xBC and dt rows (empty
-    unless permute), and the core's saved tensors]. core_opts: _core_numbers."""
-    core = _core_of(core_opts)
-    z0, x0, z, xBC, dt = zxbcdt.split(widths, dim=-1)
-    segs = _Segments(*_rank_and_world(_resolve_group(group_name)), load_balancing)
-    rows = segs.to_rows
-    if permute:
-        xBC, dt = (_permute(t, _resolve_group(group_name), load_balancing, True) for t in (xBC, dt))
-    # the plain gate, where out is y silu(z) alone in y's layout, rides on the output kernel's
-    # pass over y (one kernel and one read of y less); y is kept for the backward all the same
-    z_rows = _rows_view(segs, z) if rmsnorm_weight is None and widths[0] == 0 and not permute else None
-    y, final, *saved, gated = _conv1d_ssd_cp_fwd_op(
-        rows(xBC), rows(dt), conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx,
-        *core.core_args(group_name, load_balancing, exchange, state_dtype), agree,
-        None if z_rows is None else z_rows.unflatten(-1, (widths[4], -1)))
-    y = y.reshape(core.batch, -1, y.shape[2] * y.shape[3])                      # (b, l, dim)
-    if permute:
-        y = _permute(y, _resolve_group(group_name), load_balancing, False)
-    if z_rows is not None:
-        out = gated.reshape(y.shape)
+class MixerCall(NamedTuple):
+    """The tensors of one mamba_split_conv1d_scan_combined call, as its steps take them."""
+    zxbcdt: Tensor                      # (b, l, width) [z0 | x0 | z | xBC | dt], unit channel stride
+    conv_weight: Tensor                 # (conv_dim, d_conv)
+    conv_bias: Optional[Tensor]
+    dt_bias: Optional[Tensor]
+    A: Tensor
+    D: Optional[Tensor]
+    initial_states: Optional[Tensor]
+    rmsnorm_weight: Optional[Tensor]    # (dim,)
+    outproj_weight: Optional[Tensor]    # (d_out, d_nonssm + dim)
+    outproj_bias: Optional[Tensor]
+    seq_idx: Optional[Tensor]           # (rows, s) int32, one segment a row, in the computed layout
+
+
+# CoreOptions' fields, then zxbcdt's five widths, the norm's eps and group size, norm_before_gate,
+# and the caller's load_balancing (a permute layout moves the tokens first)
+MixerOptions = NamedTuple("MixerOptions", [*CoreOptions.__annotations__.items(), ("widths", tuple), ("eps", float),
+                                           ("group_size", int), ("norm_before_gate", bool), ("layout", str)])
+
+
+class _MixerPlan(NamedTuple):
+    options: MixerOptions
+    core: Plan
+    gate_norm: _GateNorm
+    permute: bool                       # the layout is a permute one, in a world of more than one
+    gate_in_output: bool                # the plain gate rides on the output kernel's pass over y
+
+
+def _mixer_plan(tensors, o, group=None):
+    m = MixerCall(*tensors)
+    per_row = 2 if o.load_balancing == "virtual" else 1
+    xBC, dt = m.zxbcdt.split(o.widths, dim=-1)[3:]
+    core = _core_plan(Call(_rows(xBC, per_row), _rows(dt, per_row), *m[1:7], m.seq_idx),
+                      CoreOptions(*o[:len(CoreOptions._fields)]), group)
+    norm, permute = m.rmsnorm_weight is not None, o.layout.startswith("permute") and core.world > 1
+    return _MixerPlan(o, core, _GateNorm(norm, o.eps, o.group_size, o.norm_before_gate), permute,
+                      not norm and o.widths[0] == 0 and not permute)
+
+
+def _mixer_forward(plan, *tensors):
+    """(out, the final state), and what the backward keeps: y (b, l, dim) before the gate, the
+    permuted xBC and dt rows (None unless permuted), and the core's Kept."""
+    m, o, core = MixerCall(*tensors), plan.options, plan.core
+    per_row = core.segments.per_row
+    z0, x0, z, xBC, dt = m.zxbcdt.split(o.widths, dim=-1)
+    if plan.permute:
+        xBC, dt = _permute(xBC, core.group, o.layout, True), _permute(dt, core.group, o.layout, True)
+    call = Call(_rows(xBC, per_row), _rows(dt, per_row), *m[1:7], m.seq_idx)
+    gate = None
+    z_rows = _rows_view(z, per_row) if plan.gate_in_output else None
+    if z_rows is not None:      # the gate written beside y by the output kernel: one kernel and one read of y less
+        z_rows = z_rows.unflatten(-1, (core.nheads, -1))
+        gate = (z_rows, torch.empty(z_rows.shape, device=z.device, dtype=xBC.dtype))
+    y, final, kept = method_forward(call, core, gate)
+    y = y.reshape(o.batch, -1, y.shape[2] * y.shape[3])                       # (b, l, dim)
+    if plan.permute:
+        y = _permute(y, core.group, o.layout, False)
+    if gate is not None:
+        out = gate[1].reshape(y.shape)
     else:
-        out = _split_output(y, z, z0, x0, _GateNorm(rmsnorm_weight, eps, group_size, norm_before_gate), widths)
-    if outproj_weight is not None:
-        out = F.linear(out.to(outproj_weight.dtype), outproj_weight, outproj_bias)
-    kept = (rows(xBC), rows(dt)) if permute else (zxbcdt.new_empty(0), zxbcdt.new_empty(0))
-    return [out, final, y, *kept, *saved]
+        out = _split_output(y, z, z0, x0, plan.gate_norm, m.rmsnorm_weight, o.widths)
+    if m.outproj_weight is not None:
+        out = F.linear(out.to(m.outproj_weight.dtype), m.outproj_weight, m.outproj_bias)
+    return (out, final), (y, *((call.xBC, call.dt) if plan.permute else (None, None)), *kept)
 
 
-@_split_conv1d_scan_fwd.register_fake
-def _(zxbcdt, conv_weight, conv_bias, dt_bias, A, D, initial_states, rmsnorm_weight, outproj_weight, outproj_bias,
-      seq_idx, widths, core_opts, group_name, load_balancing, exchange, state_dtype, agree, eps, group_size, norm_before_gate,
-      permute):
-    core = _core_of(core_opts)
-    segs = _Segments(*_rank_and_world(_resolve_group(group_name)), load_balancing)
-    b, l, _ = zxbcdt.shape
-    xBC, dt = (segs.to_rows(torch.empty((b, l, w), device=zxbcdt.device, dtype=zxbcdt.dtype)) for w in widths[3:])
-    y, final, *saved, _ = _conv1d_ssd_cp_fwd_fake(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states,
-                                                  seq_idx, *core.core_args(group_name, load_balancing, exchange,
-                                                                           state_dtype), agree, None)
-    d_out = outproj_weight.shape[0] if outproj_weight is not None else widths[0] + widths[2]
-    out_dtype = outproj_weight.dtype if outproj_weight is not None else zxbcdt.dtype
-    kept = (xBC, dt) if permute else (zxbcdt.new_empty(0), zxbcdt.new_empty(0))
-    return [torch.empty((b, l, d_out), device=zxbcdt.device, dtype=out_dtype), final,
-            torch.empty((b, l, widths[2]), device=zxbcdt.device, dtype=zxbcdt.dtype), *kept, *saved]
-
-
-@torch.library.custom_op("mamba_cp::split_conv1d_scan_bwd", mutates_args=())
-def _split_conv1d_scan_bwd(dout: Tensor, dfinal: Optional[Tensor], zxbcdt: Tensor, conv_weight: Tensor,
-                           conv_bias: Optional[Tensor], dt_bias: Optional[Tensor], A: Tensor, D: Optional[Tensor],
-                           initial_states: Optional[Tensor], rmsnorm_weight: Optional[Tensor],
-                           outproj_weight: Optional[Tensor], outproj_bias: Optional[Tensor], seq_idx: Optional[Tensor],
-                           y: Tensor, xBC_rows: Tensor, dt_rows: Tensor, halo: Tensor, halo_seq: Tensor,
-                           entries: Tensor, a_kept: Tensor, cont: Tensor, widths: list[int], core_opts: list[float],
-                           group_name: str, load_balancing: str, exchange: str, state_dtype: Optional[torch.dtype], eps: float,
-                           group_size: int, norm_before_gate: bool, permute: bool) -> list[Tensor]:
-    """[dzxbcdt, dconv_weight, dconv_bias, ddt_bias, dA, dD, dinitial_states, drmsnorm_weight,
-    doutproj_weight, doutproj_bias] (absent ones empty); dzxbcdt is one buffer, its channel
-    slices written in place (the gate's kernel writes dz there directly)."""
-    core = _core_of(core_opts)
-    segs = _Segments(*_rank_and_world(_resolve_group(group_name)), load_balancing)
-    dout = dout.contiguous()                       # the gate's kernels take unit channel strides
-    z0, x0, z, xBC, dt = zxbcdt.split(widths, dim=-1)
-    if not permute:
-        xBC_rows, dt_rows = segs.to_rows(xBC), segs.to_rows(dt)
-    gate_norm = _GateNorm(rmsnorm_weight, eps, group_size, norm_before_gate)
+def _mixer_backward(plan, grads, tensors, kept):
+    """The gradients of _mixer_forward, as a MixerCall; dzxbcdt is one buffer, its channel
+    slices written in place (the gate's kernel writes dz there directly, the core dxBC and ddt)."""
+    dout, dfinal = grads
+    m, o, core = MixerCall(*tensors), plan.options, plan.core
+    y, xBC_rows, dt_rows, *core_kept = kept
+    per_row, w = core.segments.per_row, m.outproj_weight
+    z0, x0, z, xBC, dt = m.zxbcdt.split(o.widths, dim=-1)
+    if dout is None:                                # only the final state reached the loss
+        width = o.widths[0] + o.widths[2] if w is None else w.shape[0]
+        dout = torch.zeros((*y.shape[:2], width), device=y.device, dtype=y.dtype if w is None else w.dtype)
+    dout = dout.contiguous()                        # the gate's kernels take unit channel strides
+    if not plan.permute:
+        xBC_rows, dt_rows = _rows(xBC, per_row), _rows(dt, per_row)
     dW = db = None
-    if outproj_weight is not None:
-        pre = _split_output(y, z, z0, x0, gate_norm, widths).to(outproj_weight.dtype)
-        dW = dout.flatten(0, 1).t().mm(pre.flatten(0, 1)).to(outproj_weight.dtype)
-        db = None if outproj_bias is None else dout.sum(dim=(0, 1)).to(outproj_bias.dtype)
-        dout = dout.matmul(outproj_weight)
-    dzxbcdt = torch.empty(zxbcdt.shape, device=zxbcdt.device, dtype=zxbcdt.dtype)
-    dz0, dx0, dz, dxBC_out, ddt_out = dzxbcdt.split(widths, dim=-1)
-    d_nonssm = widths[0]
+    if w is not None:
+        pre = _split_output(y, z, z0, x0, plan.gate_norm, m.rmsnorm_weight, o.widths).to(w.dtype)
+        dW = dout.flatten(0, 1).t().mm(pre.flatten(0, 1)).to(w.dtype)
+        db = None if m.outproj_bias is None else dout.sum(dim=(0, 1)).to(m.outproj_bias.dtype)
+        dout = dout.matmul(w)
+    dzxbcdt = torch.empty(m.zxbcdt.shape, device=m.zxbcdt.device, dtype=m.zxbcdt.dtype)
+    dz0, dx0, dz, dxBC_out, ddt_out = dzxbcdt.split(o.widths, dim=-1)
+    d_nonssm = o.widths[0]
     if d_nonssm:
-        for part, g in zip((dz0, dx0), _swiglu_grad(dout[..., :d_nonssm].float(), z0, x0)):
-            part.copy_(g)
-    dy, dw = gate_norm.backward(dout[..., d_nonssm:], y, z, dz)                # dz written into dzxbcdt
-    if permute:
-        dy = _permute(dy, _resolve_group(group_name), load_balancing, True)
-    dy = segs.to_rows(dy.unflatten(-1, (widths[4], -1)))
+        dz0_, dx0_ = _swiglu_grad(dout[..., :d_nonssm].float(), z0, x0)
+        dz0.copy_(dz0_)
+        dx0.copy_(dx0_)
+    dy, dw = plan.gate_norm.backward(dout[..., d_nonssm:], y, z, m.rmsnorm_weight, dz)   # dz written into dzxbcdt
+    if plan.permute:
+        dy = _permute(dy, core.group, o.layout, True)
+    dy = _rows(dy.unflatten(-1, (core.nheads, -1)), per_row)
     # the core writes dxBC and ddt into dzxbcdt, unless the rows travel (permute) or its
     # strides allow no per-segment view: then they are copied in once
-    into = (None, None) if permute else (_rows_view(segs, dxBC_out), _rows_view(segs, ddt_out))
-    grads = _core_backward(dy, dfinal, xBC_rows, dt_rows, conv_weight, conv_bias, dt_bias, A, D, initial_states,
-                           seq_idx, halo, halo_seq, entries, a_kept, cont,
-                           *core.core_args(group_name, load_balancing, exchange, state_dtype),
-                           dxBC_into=into[0], ddt_into=into[1])
-    dxBC, ddt, dconv_w, dconv_b, ddt_bias, dA, dD, dinit = grads
-    for rows_grad, view, out in ((dxBC, into[0], dxBC_out), (ddt, into[1], ddt_out)):
+    into = (None, None) if plan.permute else (_rows_view(dxBC_out, per_row), _rows_view(ddt_out, per_row))
+    g = method_backward(dy, dfinal, Call(xBC_rows, dt_rows, *m[1:7], m.seq_idx), Kept(*core_kept), core,
+                        dxBC=into[0], ddt=into[1])
+    for rows_grad, view, out in ((g.xBC, into[0], dxBC_out), (g.dt, into[1], ddt_out)):
         if view is None:
-            full = segs.from_rows(rows_grad, core.batch)
-            out.copy_(_permute(full, _resolve_group(group_name), load_balancing, False) if permute else full)
-    return [dzxbcdt, *(_empty_if_none(g, zxbcdt) for g in (dconv_w, dconv_b, ddt_bias, dA, dD, dinit)),
-            _empty_if_none(None if dw is None else dw.to(rmsnorm_weight.dtype), zxbcdt),
-            _empty_if_none(dW, zxbcdt), _empty_if_none(db, zxbcdt)]
+            full = core.segments.from_rows(rows_grad, o.batch)
+            out.copy_(_permute(full, core.group, o.layout, False) if plan.permute else full)
+    return MixerCall(dzxbcdt, g.conv_weight, g.conv_bias, g.dt_bias, g.A, g.D, g.initial_states,
+                     _as(dw, m.rmsnorm_weight), dW, db, None)
 
 
-@_split_conv1d_scan_bwd.register_fake
-def _(dout, dfinal, zxbcdt, conv_weight, conv_bias, dt_bias, A, D, initial_states, rmsnorm_weight, outproj_weight,
-      outproj_bias, seq_idx, y, xBC_rows, dt_rows, halo, halo_seq, entries, a_kept, cont, widths, core_opts, group_name,
-      load_balancing, exchange, state_dtype, eps, group_size, norm_before_gate, permute):
-    like = (zxbcdt, conv_weight, conv_bias, dt_bias, A, D, initial_states, rmsnorm_weight, outproj_weight, outproj_bias)
-    return [zxbcdt.new_empty(0) if t is None else torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in like]
+def _mixer_fake(o, zxbcdt, conv_weight, conv_bias, dt_bias, A, D, initial_states, rmsnorm_weight, outproj_weight,
+                outproj_bias, seq_idx):
+    b, l, _ = zxbcdt.shape
+    per_row = 2 if o.load_balancing == "virtual" else 1
+    xBC, dt = (zxbcdt.new_empty((b * per_row, l // per_row, width)) for width in o.widths[3:])
+    y, final, *kept = _core_fake(CoreOptions(*o[:len(CoreOptions._fields)]), xBC, dt, conv_weight, conv_bias, dt_bias,
+                                 A, D, initial_states, seq_idx)
+    width = outproj_weight.shape[0] if outproj_weight is not None else o.widths[0] + o.widths[2]
+    out = torch.empty((b, l, width), device=zxbcdt.device,
+                      dtype=outproj_weight.dtype if outproj_weight is not None else zxbcdt.dtype)
+    rows = [xBC, dt] if o.layout.startswith("permute") and _world_of(o.group) > 1 else [zxbcdt.new_empty(0)] * 2
+    return [out, final, zxbcdt.new_empty((b, l, o.widths[2])), *rows, *kept]
 
 
-class _SplitConv1dScanFn(torch.autograd.Function):
-    """zxbcdt (b, l, width) -> out (b, l, d_out), the final state (the two ops above)."""
+def _mixer_agrees(o, tensors):
+    """The ranks' agreement on a compiled mixer call, inside its forward op."""
+    m = MixerCall(*tensors)
+    _prepared(_call_key(o, *tensors), lambda: None, _resolve_group(o.group), _world_of(o.group), m.zxbcdt, m.seq_idx,
+              lambda: _signature(**_call_signature(Call(m.zxbcdt, None, *m[1:7], m.seq_idx), o.chunk_size, o.headdim,
+                                                   o.ngroups, o.load_balancing, False, o.summary_exchange)))
 
-    @staticmethod
-    def forward(ctx, zxbcdt, conv_weight, conv_bias, dt_bias, A, D, initial_states, rmsnorm_weight, outproj_weight,
-                outproj_bias, seq_idx, widths, core_opts, names, agree, epilogue_opts, permute):
-        out, final, *saved = _split_conv1d_scan_fwd(
-            zxbcdt, conv_weight, conv_bias, dt_bias, A, D, initial_states, rmsnorm_weight, outproj_weight,
-            outproj_bias, seq_idx, widths, core_opts, *names, agree, *epilogue_opts, permute)
-        ctx.save_for_backward(zxbcdt, conv_weight, conv_bias, dt_bias, A, D, initial_states, rmsnorm_weight,
-                              outproj_weight, outproj_bias, seq_idx, *saved)
-        ctx.args = (widths, core_opts, names, epilogue_opts, permute)
-        return out, final
 
-    @staticmethod
-    def backward(ctx, dout, dfinal):
-        widths, core_opts, names, epilogue_opts, permute = ctx.args
-        grads = _split_conv1d_scan_bwd(dout, dfinal, *ctx.saved_tensors, widths, core_opts, *names, *epilogue_opts,
-                                       permute)
-        return (*(_none_if_empty(g) for g in grads), *([None] * 7))
-
+MIXER = Steps(_mixer_forward, _mixer_backward)
+MIXER_OPS = _as_ops("mixer", MIXER, MixerOptions, _mixer_plan, 2, _mixer_fake, _mixer_agrees)
 
 def _split_widths(zxbcdt, conv1d_weight, A, D, headdim, ngroups):
     """(d_nonssm, d_nonssm, dim, conv_dim, nheads), headdim and dstate of a call, checked."""
@@ -3316,62 +3381,71 @@ def mamba_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias
     then y * silu(z) or the gated RMSNorm (groups of dim / ngroups channels); with
     return_final_states also the fp32 state after the whole global sequence. Gradient ownership
     and summary_exchange as in mamba_conv1d_ssd_cp: parameters get this rank's contribution."""
-    ref = zxbcdt if isinstance(zxbcdt, torch.Tensor) else torch.empty(0)
+    ref = zxbcdt if isinstance(zxbcdt, Tensor) else torch.empty(0)
     rank, world = _group_info(cp_group, ref)
-    found = {}
+    m = MixerCall(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, initial_states, rmsnorm_weight, outproj_weight,
+                  outproj_bias, seq_idx)
 
-    def check():
-        widths, found["headdim"] = _split_widths(zxbcdt, conv1d_weight, A, D, headdim, ngroups)
-        found["widths"] = widths
+    def options():                      # the local checks, then the call's options
+        widths, p = _split_widths(zxbcdt, conv1d_weight, A, D, headdim, ngroups)
         _check_split_options(widths, activation, rmsnorm_weight, rmsnorm_eps, outproj_weight, outproj_bias,
                              ngroups, zxbcdt)
-        _, _, z, xBC, dt = zxbcdt.split(widths, dim=-1)
-        _check_cp_inputs(xBC, dt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, found["headdim"], ngroups,
-                         seq_idx, initial_states, load_balancing, dt_limit, activation, state_dtype,
-                         summary_exchange)
+        _, _, _, xBC, dt = zxbcdt.split(widths, dim=-1)
+        _check_cp_inputs(Call(xBC, dt, *m[1:7], seq_idx), chunk_size, p, ngroups, load_balancing, dt_limit,
+                         activation, state_dtype, summary_exchange)
+        core = _core_options(zxbcdt.shape[0], widths[4], widths[3], conv1d_weight.shape[1], chunk_size, p, ngroups,
+                             dt_limit, activation, state_dtype, cp_group, world, load_balancing, summary_exchange)
+        return MixerOptions(*core, tuple(widths), float(rmsnorm_eps), widths[2] // ngroups, bool(norm_before_gate),
+                            load_balancing)
 
-    _validate_everywhere(check, cp_group, world, ref, **_call_signature(
-        zxbcdt, None, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, headdim, ngroups, seq_idx,
-        initial_states, load_balancing, return_final_states, summary_exchange))
-    widths, p = found["widths"], found["headdim"]
-    dstate = (widths[3] - widths[2]) // (2 * ngroups)
-    exchange = chosen_exchange(summary_exchange, world, load_balancing, zxbcdt.shape[0],
-                                (widths[4], p, dstate), widths[3], conv1d_weight.shape[1])
+    if torch.compiler.is_compiling():   # the ranks agree inside the forward op, when it runs
+        o = options()
+        steps, arg = MIXER_OPS, o
+    else:
+        key = _call_key(cp_group, *m, chunk_size, dt_limit, return_final_states, activation, rmsnorm_eps, headdim,
+                        ngroups, norm_before_gate, state_dtype, load_balancing, summary_exchange)
+        arg = _prepared(key, lambda: _mixer_plan(m, options(), cp_group), cp_group, world, ref, seq_idx,
+                        lambda: _signature(**_call_signature(Call(zxbcdt, None, *m[1:7], seq_idx), chunk_size, headdim,
+                                                             ngroups, load_balancing, return_final_states,
+                                                             summary_exchange)))
+        o, steps = arg.options, MIXER
     if zxbcdt.stride(-1) != 1:                     # the gate's kernels take unit channel strides
         zxbcdt = zxbcdt.contiguous()
     if seq_idx is not None:
         seq_idx = seq_idx.to(torch.int32)
-    permute = load_balancing.startswith("permute") and world > 1
-    segs = _Segments(rank, world, load_balancing)
-    if permute:
-        seq_idx = None if seq_idx is None else _permute_op(seq_idx, _group_name(cp_group), load_balancing, True)
-    core_opts = _core_numbers(_CoreOptions(zxbcdt.shape[0], chunk_size, p, ngroups, dt_limit[0], dt_limit[1],
-                                           activation is not None))
-    out, final = _SplitConv1dScanFn.apply(
-        zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, initial_states, rmsnorm_weight, outproj_weight,
-        outproj_bias, None if seq_idx is None else segs.to_rows(seq_idx).contiguous(), list(widths), core_opts,
-        (_group_name(cp_group), load_balancing, exchange, state_dtype), torch.compiler.is_compiling(),
-        (float(rmsnorm_eps), widths[2] // ngroups, bool(norm_before_gate)), permute)
+        if o.layout.startswith("permute") and world > 1:
+            seq_idx = _permute_op(seq_idx, o.group, o.layout, True)
+        seq_idx = _rows(seq_idx, 2 if o.load_balancing == "virtual" else 1).contiguous()
+    out, final = StatePassingFn.apply(steps, arg, zxbcdt, *m[1:10], seq_idx)
     return (out, final) if return_final_states else out
 
 
+
 # ---------------------------------------------------------------------------------------------
-# 16. The all-to-all baseline
-#    The head-parallel CP it replaces.
+# 15. The all-to-all baseline, and the bytes every path moves
+#    The head-parallel CP state passing replaces, and comm_bytes, the cost model's terms.
 # ---------------------------------------------------------------------------------------------
 
 
 @torch.library.custom_op("mamba_cp::all_to_all", mutates_args=())
 def _all_to_all_op(t: Tensor, group_name: str) -> Tensor:
-    """Equal-block all_to_all_single along dim 0."""
+    """Equal-block all_to_all_single along dim 0 (W blocks); its gradient is the same exchange."""
     out = torch.empty(t.shape, device=t.device, dtype=t.dtype)
     dist.all_to_all_single(out, t.contiguous(), group=_resolve_group(group_name))
     return out
 
 
 @_all_to_all_op.register_fake
-def _(t, group_name):
+def _all_to_all_fake(t, group_name):
     return torch.empty(t.shape, device=t.device, dtype=t.dtype)
+
+
+def _keep_group(ctx, inputs, output):
+    ctx.group_name = inputs[1]
+
+
+_all_to_all_op.register_autograd(lambda ctx, grad: (_all_to_all_op(grad, ctx.group_name), None),
+                                 setup_context=_keep_group)
 
 
 @torch.library.custom_op("mamba_cp::all_gather", mutates_args=())
@@ -3380,8 +3454,8 @@ def _all_gather_op(t: Tensor, group_name: str) -> Tensor:
 
 
 @_all_gather_op.register_fake
-def _(t, group_name):
-    return t.new_empty((dist.get_world_size(_resolve_group(group_name)), *t.shape))
+def _all_gather_fake(t, group_name):
+    return t.new_empty((_world_of(group_name), *t.shape))
 
 
 @torch.library.custom_op("mamba_cp::all_reduce", mutates_args=())
@@ -3392,37 +3466,30 @@ def _all_reduce_op(t: Tensor, group_name: str) -> Tensor:
 
 
 @_all_reduce_op.register_fake
-def _(t, group_name):
+def _all_reduce_fake(t, group_name):
     return torch.empty(t.shape, device=t.device, dtype=t.dtype)
 
 
-class _AllToAllFn(torch.autograd.Function):
-    """Equal-block all_to_all_single along dim 0 (W blocks); its gradient is the same exchange."""
-
-    @staticmethod
-    def forward(ctx, t, group):
-        ctx.group_name = _group_name(group)
-        return _all_to_all_op(t, ctx.group_name)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_to_all_op(grad, ctx.group_name), None
+@torch.library.custom_op("mamba_cp::gather_heads", mutates_args=())
+def _gather_heads_op(block: Tensor, group_name: str) -> Tensor:
+    """All-gather of per-rank head blocks (b, hW, p, n) into the replicated (b, h, p, n) final
+    state; every rank's copy receives gradient, so its gradient sums them and keeps this rank's block."""
+    return torch.cat(list(_all_gather(block.contiguous(), _resolve_group(group_name)).unbind(0)), dim=1)
 
 
-class _GatherHeadsFn(torch.autograd.Function):
-    """All-gather of per-rank head blocks into the replicated (b, h, p, n) final state; every
-    rank's copy receives gradient, so backward sums them and keeps this rank's block."""
+@_gather_heads_op.register_fake
+def _gather_heads_fake(block, group_name):
+    b, hw, p, n = block.shape
+    return block.new_empty((b, hw * _world_of(group_name), p, n))
 
-    @staticmethod
-    def forward(ctx, block, group, rank):
-        ctx.group_name, ctx.rank, ctx.world = _group_name(group), rank, dist.get_world_size(group)
-        every = _all_gather_op(block, ctx.group_name)                                   # (W, b, hW, p, n)
-        return torch.cat(list(every.unbind(0)), dim=1)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce_op(grad, ctx.group_name).chunk(ctx.world, dim=1)[ctx.rank], None, None
+def _gather_heads_backward(ctx, grad):
+    world = _world_of(ctx.group_name)
+    rank = dist.get_rank(_resolve_group(ctx.group_name))
+    return _all_reduce_op(grad, ctx.group_name).chunk(world, dim=1)[rank], None
 
+
+_gather_heads_op.register_autograd(_gather_heads_backward, setup_context=_keep_group)
 
 def _a2a_heads(nheads, ngroups, world, rank):
     """Heads of `rank` and, per local head, the group it reads. Groups are split across ranks
@@ -3440,7 +3507,7 @@ def _a2a_heads(nheads, ngroups, world, rank):
     return heads, groups
 
 
-# The bytes every path moves: the cost model's terms (section 9 says how they become time).
+# The bytes every path moves: the cost model's terms (section 8 says how they become time).
 # They live here, after the head split above, because the baseline's terms follow it.
 
 def _permuted_pieces(world):
@@ -3533,10 +3600,11 @@ def comm_bytes(path, world, L, batch, *, nheads, headdim, dstate, ngroups, d_con
     return _cost(terms)
 
 
-def _a2a_channels(cfg, heads, groups):
-    """Indices into the conv_dim channels [x | B | C] for these heads and (replicated) groups."""
-    p, n = cfg.headdim, cfg.dstate
-    hp, gn = cfg.nheads * p, cfg.ngroups * n
+def _a2a_channels(shape, heads, groups):
+    """Indices into the conv_dim channels [x | B | C] for these heads and (replicated) groups;
+    shape (nheads, headdim, ngroups, dstate)."""
+    nheads, p, ngroups, n = shape
+    hp, gn = nheads * p, ngroups * n
     x = [hh * p + i for hh in heads for i in range(p)]
     Bc = [hp + g * n + i for g in groups for i in range(n)]
     Cc = [hp + gn + g * n + i for g in groups for i in range(n)]
@@ -3548,24 +3616,24 @@ def _a2a_channels(cfg, heads, groups):
 _A2A_CHANNELS = {}
 
 
-def _a2a_channel_index(cfg, head_split, device):
-    key = (cfg.nheads, cfg.headdim, cfg.ngroups, cfg.dstate, cfg.world, str(device))
+def _a2a_channel_index(shape, head_split, device):
+    key = (shape, len(head_split), str(device))
     if key not in _A2A_CHANNELS:
-        _A2A_CHANNELS[key] = [torch.tensor(_a2a_channels(cfg, *heads_groups), device=device)
+        _A2A_CHANNELS[key] = [torch.tensor(_a2a_channels(shape, *heads_groups), device=device)
                               for heads_groups in head_split]
     return _A2A_CHANNELS[key]
 
 
-def _to_global_order(blocks, cfg):
-    """blocks (W, b, l_local, ...): every rank's local tokens -> (b, L, ...) in sequence order."""
-    layout = "none" if cfg.load_balancing == "none" else "virtual"                # input layouts
-    return unshard(list(blocks.unbind(0)), layout, dim=1)
+def _to_global_order(blocks, layout):
+    """blocks (W, b, l_local, ...): every rank's local tokens -> (b, L, ...) in sequence order.
+    layout: the caller's ("none", or a zigzag one)."""
+    return unshard(list(blocks.unbind(0)), "none" if layout == "none" else "virtual", dim=1)
 
 
-def _to_local_order(full, cfg):
+def _to_local_order(full, world, layout):
     """(b, L, ...) -> (W, b, l_local, ...): each rank's local tokens, in its layout."""
-    layout = "none" if cfg.load_balancing == "none" else "virtual"
-    return torch.stack([shard(full, r, cfg.world, layout, dim=1) for r in range(cfg.world)])
+    layout = "none" if layout == "none" else "virtual"
+    return torch.stack([shard(full, r, world, layout, dim=1) for r in range(world)])
 
 
 def mamba_conv1d_ssd_a2a(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size, *, headdim, ngroups,
@@ -3576,21 +3644,20 @@ def mamba_conv1d_ssd_a2a(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_s
     all-to-all gives every rank the whole sequence for nheads/W heads, it runs the single-device
     conv + SSD, and a second all-to-all returns the outputs to their tokens. Exists to be
     compared against. Requires nheads divisible by W."""
-    ref = xBC if isinstance(xBC, torch.Tensor) else torch.empty(0)
+    call = Call(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx)
+    ref = xBC if isinstance(xBC, Tensor) else torch.empty(0)
     rank, world = _group_info(cp_group, ref)
 
     def check():
-        _check_cp_inputs(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size, headdim, ngroups,
-                         seq_idx, initial_states, load_balancing, dt_limit, activation, state_dtype)
+        _check_cp_inputs(call, chunk_size, headdim, ngroups, load_balancing, dt_limit, activation, state_dtype)
         _expect(dt.shape[2] % world == 0, "dt", f"nheads={dt.shape[2]} with W={world}",
                 "nheads divisible by the CP world size (the all-to-all baseline splits heads)")
 
-    _validate_everywhere(check, cp_group, world, ref, **_call_signature(
-        xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size, headdim, ngroups, seq_idx, initial_states,
-        load_balancing, return_final_states))
-    nheads = dt.shape[2]
-    cfg = _CPConfig(xBC, dt, conv_weight, chunk_size, headdim, ngroups, cp_group, rank, world,
-                    load_balancing, dt_limit)
+    key = _call_key("a2a", cp_group, *call, chunk_size, headdim, ngroups, load_balancing, dt_limit,
+                    return_final_states, activation, state_dtype)
+    _prepared(key, check, cp_group, world, ref, seq_idx,
+              lambda: _signature(**_call_signature(call, chunk_size, headdim, ngroups, load_balancing,
+                                                   return_final_states)))
     if world == 1:
         return mamba_conv1d_ssd_cp(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_size, headdim=headdim,
                                    ngroups=ngroups, seq_idx=seq_idx, initial_states=initial_states,
@@ -3598,14 +3665,16 @@ def mamba_conv1d_ssd_a2a(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_s
                                    activation=activation, state_dtype=state_dtype)
 
     # forward all-to-all: block j of what this rank sends holds rank j's channels of its tokens
+    nheads, group_name = dt.shape[2], _group_name(cp_group)
+    shape = (nheads, headdim, ngroups, (xBC.shape[2] - nheads * headdim) // (2 * ngroups))
     head_split = [_a2a_heads(nheads, ngroups, world, r) for r in range(world)]
-    chan = _a2a_channel_index(cfg, head_split, xBC.device)
+    chan = _a2a_channel_index(shape, head_split, xBC.device)
     send_x = torch.stack([xBC.index_select(2, chan[r]) for r in range(world)])     # (W, b, l, c_loc)
     send_dt = torch.stack([dt[..., head_split[r][0][0]:head_split[r][0][-1] + 1] for r in range(world)])
-    xBC_mine = _to_global_order(_AllToAllFn.apply(send_x, cp_group), cfg)        # (b, L, c_loc)
-    dt_mine = _to_global_order(_AllToAllFn.apply(send_dt, cp_group), cfg)        # (b, L, hW)
-    seq_full = None if seq_idx is None else _to_global_order(_all_gather_op(seq_idx.to(torch.int32),
-                                                                            _group_name(cp_group)), cfg)
+    xBC_mine = _to_global_order(_all_to_all_op(send_x, group_name), load_balancing)      # (b, L, c_loc)
+    dt_mine = _to_global_order(_all_to_all_op(send_dt, group_name), load_balancing)      # (b, L, hW)
+    seq_full = None if seq_idx is None else _to_global_order(_all_gather_op(seq_idx.to(torch.int32), group_name),
+                                                             load_balancing)
 
     heads, groups = head_split[rank]
     h0, h1 = heads[0], heads[-1] + 1
@@ -3619,82 +3688,27 @@ def mamba_conv1d_ssd_a2a(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_s
         activation=activation, state_dtype=state_dtype)
 
     # backward all-to-all: block j of what this rank sends holds rank j's tokens of its heads
-    y = _AllToAllFn.apply(_to_local_order(y_mine, cfg), cp_group)                # (W, b, l, hW, p)
+    y = _all_to_all_op(_to_local_order(y_mine, world, load_balancing), group_name)  # (W, b, l, hW, p)
     y = torch.cat(list(y.unbind(0)), dim=2)                                        # (b, l, h, p)
     if not return_final_states:
         return y
-    return y, _GatherHeadsFn.apply(final_mine.contiguous(), cp_group, rank)
+    return y, _gather_heads_op(final_mine.contiguous(), group_name)
 
-
-# ---------------------------------------------------------------------------------------------
-# 17. Launch tuning: the GPU's choices
-#    set_tuning, and the table it chooses from.
-# ---------------------------------------------------------------------------------------------
-
-
-# The GPU's choices are the fastest measured on an H200 at the record shape (BENCHMARKS.md,
-# "Where the time goes", "The launch choices"); the interpreter's are Part I's (section 2).
-# What they trade:
-#   chunk_fwd, chunk_bwd  the (Q, Q) tiles live in registers.
-#   chunks_per_run        runs of this many chunks run the sequential state pass in parallel,
-#                         joined by the summary scan; the interpreter's tiny runs make the CPU
-#                         tests exercise that scan. On the GPU, runs of 16 chunks, doubled up to
-#   longest_run,          64 while the state pass keeps 512 programs (about one wave at 4 a
-#   state_wave            SM): longer runs were faster from 16384 tokens (fewer summaries),
-#                         shorter ones at 4096, where fewer programs would leave SMs idle.
-#   state_tile            the state passes split (p, n) into tiles of this width, one per program.
-#   heads_per_output      one head per output program runs more programs, which hides latency
-#                         better than a group's heads sharing C.B.
-#   launch                the chunk kernels are latency-bound chains of small products: what
-#                         pays is programs per SM, hence 4 warps and, where it buys a program
-#                         without costing more in spills, a register cap (maxnreg).
-#   conv_fwd, conv_bwd    on a GPU one strip a program: registers bound the loads in flight
-#                         (unroll of them per step). The interpreter pays per step: many strips.
-#   norm_bwd              the gated RMSNorm's backward holds several float32 tiles of a group's
-#                         channels and sums each row twice: one token row a tile (56 registers,
-#                         against 255 at eight) ran fastest from 16k tokens, more programs too.
-TUNED_KERNELS = ("cumsum", "state", "output", "bwd_group", "bwd_bc", "bwd_x")  # chunk kernels with launch options
-TUNINGS = {
-    "gpu": Tuning("gpu", chunk_fwd=64, chunk_bwd=64, chunks_per_run=16, longest_run=64, state_wave=512,
-                  state_tile=64, bwd_state_tiles=(64, 64, 64), heads_per_output=1,
-                  launch=dict(cumsum=dict(num_warps=1), state=dict(num_warps=4, num_stages=2),
-                              output=dict(num_warps=4, num_stages=1, maxnreg=168),
-                              bwd_group=dict(num_warps=4, num_stages=2), bwd_bc=dict(num_warps=4, num_stages=2),
-                              bwd_x=dict(num_warps=4, num_stages=1, maxnreg=128)),
-                  scan_block=1024, conv_fwd=ConvLaunch(1, 256, 128, 8, 2), conv_bwd=ConvLaunch(1, 128, 256, 8, 1),
-                  gate_tile=4096, gate_programs=4096,
-                  norm_bwd=NormLaunch(1, 4, 16384)),
-    "interpreter": _TUNING[0],
-}
-
-
-def set_tuning(choice):
-    """Make `choice` (a Tuning, or a name in TUNINGS) the one every launch uses; returns the
-    previous one. Tests pick the GPU's in the interpreter this way; bench.py its variants."""
-    if isinstance(choice, str) and choice not in TUNINGS or not isinstance(choice, (str, Tuning)):
-        raise ValueError(f"set_tuning: got {choice!r}, expected a Tuning or one of {sorted(TUNINGS)}")
-    previous = _TUNING[0]
-    _TUNING[0] = TUNINGS[choice] if isinstance(choice, str) else choice
-    return previous
-
-
-if not INTERPRET:
-    set_tuning("gpu")
 
 
 # ---------------------------------------------------------------------------------------------
-# 18. A worked example
+# 16. A worked example
 #    `python mamba_cp.py` runs two gloo ranks on this machine over a handful of tokens and
 #    prints each step of state passing, checked against the float64 oracle.
 # ---------------------------------------------------------------------------------------------
 
 
-def _worked_example(rank, world, port):
+def worked_example(group, say=print):
+    """Part I's steps by hand on this rank of a two-rank group (gloo, CPU tensors), then the same as
+    one differentiable call; returns {step: largest difference from the float64 oracle}."""
     import reference_ssd  # the oracle lives beside this file in the repository
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    torch.set_printoptions(precision=4, sci_mode=False)
-    say = (lambda *a: print(f"[rank {rank}]", *a, flush=True))
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     g = torch.Generator().manual_seed(0)
     b, L, h, p, n, d_conv = 1, 12, 1, 2, 2, 2                       # one head: x (p=2), state 2x2
     conv_dim = h * p + 2 * n
@@ -3702,32 +3716,38 @@ def _worked_example(rank, world, port):
     dt = torch.randn(b, L, h, generator=g) - 1.0
     w, bias = torch.randn(conv_dim, d_conv, generator=g) * 0.5, torch.zeros(conv_dim)
     dt_bias, A, D = torch.zeros(h), -torch.ones(h), torch.ones(h)
-    cfg = _CPConfig(xBC, dt, w, 16, p, 1, dist.group.WORLD, rank, world, "none", (0.0, float("inf")))
-    x_loc, dt_loc = shard(xBC, rank, world), shard(dt, rank, world)    # 6 tokens each
+    call = Call(shard(xBC, rank, world), shard(dt, rank, world), w, bias, dt_bias, A, D, None, None)  # 6 tokens each
+    plan = Plan(call, b, 16, p, 1, group=group)
+    y_ref, final_ref = reference_ssd.conv1d_ssd_reference(xBC, dt, w, bias, dt_bias, A, D, headdim=p, ngroups=1)
 
-    # 1. the conv, fed by the halo: the last d_conv - 1 pre-conv tokens of the previous rank
-    halo, _ = _exchange_halo(x_loc, None, cfg)
-    conv_out = _conv1d_fwd(x_loc, w, bias, halo)
-    x, B, C = _split_xBC(conv_out, cfg)
-    # 2. this rank's summary, from a zero entry state: S_out = a * S_in + S_ext
-    plan = _LaunchPlan(x, B, 16, dt_bias, True, (0.0, float("inf")), None)
-    inp = _SSDInputs(x, dt_loc, A, B, C, D, dt_bias, None)
-    summary = Summary(inp, plan)
+    # (1) the conv, fed by the halo: the last d_conv - 1 pre-conv tokens of the previous rank
+    halo, _ = exchange_halo(call.xBC, None, plan)
+    conv_out = _conv1d_fwd(call.xBC, w, bias, halo)
+    ssd = ssd_tensors(*split_xBC(conv_out, plan.fwd), call, plan.fwd)
+    # (2) this rank's summary, from a zero entry state: S_out = a * S_in + S_ext
+    summary = Summary(ssd, plan.fwd)
     S_ext, a = summary.affine()
     say(f"summary: a = {a.flatten().tolist()}, S_ext =\n{S_ext[0, 0]}")
-    # 3. all-gather the summaries and scan: S_in(0) = 0, S_in(1) = a_0 S_in(0) + S_ext(0)
-    entries, final, _, _ = _entries_by_all_gather(S_ext, a, None, None, cfg)
+    # (3) all-gather the summaries and scan: S_in(0) = 0, S_in(1) = a_0 S_in(0) + S_ext(0)
+    entries, final, _, _ = plan.exchange.entry_states(S_ext, a, None, None, plan)
     say(f"entry state after the scan =\n{entries[0, 0]}")
-    # 4. the outputs with the entry state folded in, against the oracle on the whole sequence
-    y, _ = ssd_output(inp, summary, entries)
-    y_ref, final_ref = reference_ssd.conv1d_ssd_reference(xBC, dt, w, bias, dt_bias, A, D, headdim=p, ngroups=1)
-    err = (y - shard(y_ref, rank, world)).abs().max().item()
-    say(f"y (this rank's 6 tokens) = {y.flatten(1).tolist()[0][:4]}...; max |y - oracle| = {err:.1e}; "
-        f"max |final - oracle| = {(final - final_ref).abs().max().item():.1e}")
-    # 5. the fused function (Part I's end) does all of the above, and the backward; mamba_conv1d_ssd_cp
-    #    is it with the production extras of Part II
-    y_fused, _ = _conv1d_ssd_cp(x_loc, dt_loc, w, bias, dt_bias, A, D, 16, p, 1, dist.group.WORLD)
-    say(f"_conv1d_ssd_cp gives the same y: {torch.equal(y_fused, y)}")
+    # (4) the outputs with the entry state folded in, against the oracle on the whole sequence
+    y, _ = ssd_output(ssd, summary, entries)
+    errors = {"y by hand": (y - shard(y_ref, rank, world)).abs().max().item(),
+              "final state": (final - final_ref).abs().max().item()}
+    say(f"y (this rank's 6 tokens) = {y.flatten(1).tolist()[0][:4]}...; max |y - oracle| = {errors['y by hand']:.1e}; "
+        f"max |final - oracle| = {errors['final state']:.1e}")
+    # all of it, and the backward, is one call of StatePassingFn, as every public entry runs it
+    y_fused, _ = StatePassingFn.apply(METHOD, plan, *call)
+    errors["y of StatePassingFn"] = (y_fused - shard(y_ref, rank, world)).abs().max().item()
+    say(f"StatePassingFn gives the same y: {torch.equal(y_fused, y)}")
+    return errors
+
+
+def _worked_example_rank(rank, world, port):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.set_printoptions(precision=4, sci_mode=False)
+    worked_example(dist.group.WORLD, say=lambda *a: print(f"[rank {rank}]", *a, flush=True))
     dist.destroy_process_group()
 
 
@@ -3740,4 +3760,4 @@ if __name__ == "__main__":
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         free_port = s.getsockname()[1]
-    mp.spawn(_worked_example, args=(2, free_port), nprocs=2)
+    mp.spawn(_worked_example_rank, args=(2, free_port), nprocs=2)

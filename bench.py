@@ -22,14 +22,15 @@ zigzag halves as two segments); "+scan": summaries by prefix scan, not all-gathe
 / path. A path that raises is reported and the others run; a failure on some ranks only ends at
 --timeout.
 
-Timing: eager = a synchronize (and a barrier) outside, CUDA events around one call, p50 over
---iters after --warmup, each iteration at its slowest rank: what a training step sees, host
-latency included. graph = the call captured once into a CUDA graph (collectives included) and
-its replays timed alike: the GPU alone. Peak memory: over one call, inputs included. On CPU the
-kernels run in the Triton interpreter at a small float32 shape, by wall clock, without graphs,
-copy floor or peak memory: that checks the script and says nothing about a GPU. Tables go to
-stdout with one `RESULT {json}` line per measurement, progress to stderr. --launch and
---kernel-chunk time a variant of the Tuning in use. Developer instruments live in tools/.
+Timing: eager = a synchronize (under torchrun a barrier) outside, CUDA events around one call,
+p50 over --iters after --warmup (under torchrun of each iteration's slowest rank): what a training
+step sees, host latency included. graph = the call captured once into a CUDA graph (collectives
+included) and its replays timed alike: the GPU alone. Peak memory: over one call, inputs included.
+On CPU the kernels run in the Triton interpreter at a small float32 shape, by wall clock, without
+graphs, copy floor or peak memory: that checks the script, not a GPU. Tables go to stdout, each
+after its `RESULT {json}` line, progress to stderr. --launch and --kernel-chunk time a variant of
+the Tuning in use. Developer instruments (per-kernel times, SASS counts, a revision against this
+tree) are in tools/.
 """
 
 import argparse
@@ -54,7 +55,6 @@ CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 DISTRIBUTED = int(os.environ.get("WORLD_SIZE", "1")) > 1     # torchrun with 2 or more ranks
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 COPY_REPS = 10  # back-to-back copies per timed sample of the copy floor
 MIB = 2 ** 20
 # "a2a" first: the speedup baseline. A state-passing path is its load_balancing with summaries and
@@ -112,7 +112,7 @@ def fmt(v, spec=".3f", unit=""):
 
 
 def graphed(v, spec=".3f", unit=""):
-    """" (graph v)" beside an eager figure on a GPU; nothing on CPU, which has no graphs."""
+    """The graph's figure beside an eager one, on a GPU; nothing on CPU, which has no graphs."""
     return f" (graph {fmt(v, spec, unit)})" if CUDA else ""
 
 
@@ -345,7 +345,7 @@ def peak_mib(fn):
 def copy_floor_ms(nbytes, iters, warmup):
     """p50 time of one device-to-device copy of nbytes, COPY_REPS back-to-back a sample so that
     launch gaps do not count."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    src = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE)
     dst = torch.empty_like(src)
 
     def copies():
@@ -358,34 +358,28 @@ def copy_floor_ms(nbytes, iters, warmup):
 # ---- one device: the SSD, then the CP core and the mixer entry in a world of one ----------------------------
 
 
-def measure(name, step, args, graph_errors):
-    """(eager ms, graph ms, peak MiB, MiB allocated before) of step. The peak is taken before any
-    graph exists: a graph's memory pool would count in it."""
-    ms = p50_ms(step, args.iters, args.warmup)
-    if not CUDA:
-        return ms, None, None, None
-    peak, base = peak_mib(step)
-    return ms, None if args.no_graph else graph_ms(name, step, args, graph_errors), peak, base
-
-
 def bench_ssd(args, L):
     """The SSD at L tokens: forward and forward+backward, eager and graphed, the peak memory of
-    the last, and the copy floor. Returns the RESULT dict."""
+    forward+backward (or of the forward alone), and the copy floor. Returns the RESULT dict."""
     inp, grad = make_ssd_inputs(args, L)
     fwd, fwdbwd = make_steps(ssd_call, inp, grad, args)
+    steps = {"fwd": fwd} if args.fwd_only else {"fwd": fwd, "fwdbwd": fwdbwd}
     r = dict(bench="ssd_single_device", L=L, **config(args), **dict.fromkeys((
-        "fwd_ms", "fwdbwd_ms", "fwd_graph_ms", "fwdbwd_graph_ms", "peak_mib", "base_mib", "peak_of", "error")))
+        "fwd_ms", "fwdbwd_ms", "fwd_graph_ms", "fwdbwd_graph_ms", "peak_mib", "base_mib", "peak_of")))
     r["copy_bytes"] = sum(inp[k].nbytes for k in ("x", "B", "C", "dt", "x"))   # x, B, C, dt read, y written
-    graph_errors = []
-    for phase, step in ({"fwd": fwd} if args.fwd_only else {"fwd": fwd, "fwdbwd": fwdbwd}).items():
+    errors, graph_errors = [], []
+    for phase, step in steps.items():
         try:
-            r[f"{phase}_ms"], r[f"{phase}_graph_ms"], r["peak_mib"], r["base_mib"] = measure(phase, step, args,
-                                                                                           graph_errors)
-            r["peak_of"] = phase
+            r[f"{phase}_ms"] = p50_ms(step, args.iters, args.warmup)
+            if CUDA:
+                r["peak_mib"], r["base_mib"], r["peak_of"] = *peak_mib(step), phase
         except Exception as e:  # noqa: BLE001 - a failing backward must not hide the forward's numbers
-            r["error"] = f"{phase}: {short_error(e)}"
-            log(f"SSD L={L}: {r['error']}")
-    r["graph_error"] = "; ".join(graph_errors) or None
+            errors.append(f"{phase}: {short_error(e)}")
+            log(f"SSD L={L}: {errors[-1]}")
+    for phase, step in steps.items():    # after the peaks: a graph's memory pool would count in them
+        if CUDA and not args.no_graph and r[f"{phase}_ms"] is not None:
+            r[f"{phase}_graph_ms"] = graph_ms(phase, step, args, graph_errors)
+    r["error"], r["graph_error"] = "; ".join(errors) or None, "; ".join(graph_errors) or None
     r["copy_floor_ms"] = copy_floor_ms(r["copy_bytes"], args.iters, args.warmup) if CUDA else None
     r["fwd_over_floor"] = ratio(r["fwd_ms"], r["copy_floor_ms"])
     r["fwd_graph_over_floor"] = ratio(r["fwd_graph_ms"], r["copy_floor_ms"])
@@ -415,9 +409,15 @@ LOCAL_RATIOS = (("cp", "unfused"), ("unfused", "ssd"), ("cp", "ssd"), ("split", 
 
 
 def measure_call(name, call, inputs, args, graph_errors):
-    """measure() of call on inputs: forward+backward, or the forward with --fwd-only."""
+    """(eager ms, graph ms, peak MiB) of call on inputs: forward+backward, or the forward with
+    --fwd-only. The peak is taken before the graph exists: its memory pool would count."""
     fwd, fwdbwd = make_steps(call, *inputs, args)
-    return measure(name, fwd if args.fwd_only else fwdbwd, args, graph_errors)[:3]
+    step = fwd if args.fwd_only else fwdbwd
+    ms = p50_ms(step, args.iters, args.warmup)
+    if not CUDA:
+        return ms, None, None
+    peak = peak_mib(step)[0]
+    return ms, None if args.no_graph else graph_ms(name, step, args, graph_errors), peak
 
 
 def bench_local(args, L, sweep):
@@ -463,11 +463,11 @@ def human_local(r):
 # ---- communication: bytes from the shapes, and the exchange model's times -----------------------------------
 
 
-def path_bytes(path, W, L, batch, shape, dtype_bytes):
+def path_bytes(path, W, L, batch, shape, dtype):
     """mamba_cp.comm_bytes of a path (its docstring states every term); None where the path
     cannot run (a2a with nheads not divisible by W; L not divisible by 2W)."""
     layout, exchange = layout_of(path)
-    return mamba_cp.comm_bytes("a2a" if path == "a2a" else layout, W, L, batch, dtype_bytes=dtype_bytes,
+    return mamba_cp.comm_bytes("a2a" if path == "a2a" else layout, W, L, batch, dtype_bytes=DTYPES[dtype].itemsize,
                                summary_exchange=exchange, **shape._asdict())
 
 
@@ -486,7 +486,7 @@ def report_comm_table(args):
     shape or, with --comm-shape record, the record shape."""
     record = args.comm_shape == "record"
     shape, dtype, batch = (RECORD_SHAPE, RECORD_DTYPE, 1) if record else (shape_of(args), args.dtype, args.batch)
-    costs = {(path, W, L): path_bytes(path, W, L, batch, shape, DTYPE_BYTES[dtype])
+    costs = {(path, W, L): path_bytes(path, W, L, batch, shape, dtype)
              for W in COMM_WORLDS for L in COMM_LENGTHS for path in args.paths}
     print("RESULT " + json.dumps(dict(bench="comm_bytes", batch=batch, dtype=dtype, **shape._asdict(),
                                       columns=["path", "W", "L", "fwd_bytes", "bwd_bytes"],
@@ -551,7 +551,7 @@ def report_model_table(links, local_length):
         previous, rows = mamba_cp.set_link_model(link), []
         try:
             for W in MODEL_WORLDS:
-                costs = [path_bytes(p, W, W * local_length, batch, shape, DTYPE_BYTES[dtype]) for p in MODEL_PATHS]
+                costs = [path_bytes(p, W, W * local_length, batch, shape, dtype) for p in MODEL_PATHS]
                 ms = [None if c is None else mamba_cp.modelled_seconds(c, link) * 1e3 for c in costs]
                 rows.append((W, ms, mamba_cp.chosen_exchange("auto", W, "virtual", batch, state, conv_dim(shape),
                                                              shape.d_conv)))
@@ -604,10 +604,9 @@ def sync_barrier(device):
     """All ranks line up, outside any timed region."""
     if CUDA:
         torch.cuda.synchronize()
-        dist.barrier(device_ids=[torch.cuda.current_device()])
+    dist.barrier(device_ids=[torch.cuda.current_device()] if CUDA else None)
+    if CUDA:
         torch.cuda.synchronize()
-    else:
-        dist.barrier()
 
 
 def agreed_error(error, device):
@@ -632,9 +631,8 @@ def time_distributed(step, args, device, label, rank):
     slowest rank's time, and a stop on every rank at once when any raised. Returns (times, error)."""
     error, times = None, []
     for i in range(args.warmup + args.iters):
-        if rank == 0 and i in (0, args.warmup):
-            log(f"[rank 0] {label}: " + (f"warm-up ({args.warmup}) ..." if i < args.warmup else
-                                         f"timing {args.iters} iters ..."))
+        if rank == 0 and i == 0:
+            log(f"[rank 0] {label}: {args.warmup} warm-up and {args.iters} timed calls ...")
         sync_barrier(device)
         try:
             ms = call_ms(step)
@@ -655,7 +653,7 @@ FUNCTIONS = dict(core=("mamba_conv1d_ssd_a2a", "mamba_conv1d_ssd_cp"),   # by --
 
 def bench_cp_path(args, path, L, rank, world, device):
     """One path at global length L on every rank; returns the RESULT dict (rank 0's is printed)."""
-    c = path_bytes(path, world, L, args.batch, shape_of(args), DTYPE_BYTES[args.dtype])
+    c = path_bytes(path, world, L, args.batch, shape_of(args), args.dtype)
     r = dict(bench="cp_paths", path=path, input_layout="contiguous" if input_layout(path) == "none" else "zigzag",
              load_balancing=layout_of(path)[0], summary_exchange=None if path == "a2a" else layout_of(path)[1],
              function=FUNCTIONS[args.entry][path != "a2a"], entry=args.entry, W=world, L=L, L_local=L // world,
@@ -666,8 +664,6 @@ def bench_cp_path(args, path, L, rank, world, device):
     r["timing"] += "_rank_max"
     label, step, error = f"{path} L={L}", None, None
     try:
-        if rank == 0:
-            log(f"[rank 0] {label}: building inputs ({L // world} tokens a rank) ...")
         make, call = ((make_gated_local, entry_call) if args.entry == "mixer" else (make_cp_local, core_call))
         steps = make_steps(functools.partial(call, path=path), *make(args, L, rank, world, input_layout(path)),
                            args, dist.group.WORLD)
@@ -809,26 +805,10 @@ def main_single(args):
         free()
         print("RESULT " + json.dumps(sweep[-1]))
         print(human_ssd(sweep[-1]), flush=True)
-        if args.profile and CUDA:
-            profile_kernels(args, L)
     for L in args.local_length:
         r = bench_local(args, L, sweep)
         print("RESULT " + json.dumps(r))
         print(human_local(r), flush=True)
-
-
-def profile_kernels(args, L, iters=5):
-    """--profile: per-kernel GPU time of the SSD's forward and forward+backward, summed over
-    iters calls after one untimed call (torch.profiler's table)."""
-    from torch.profiler import ProfilerActivity, profile
-    for phase, fn in zip(("fwd", "fwdbwd"), make_steps(ssd_call, *make_ssd_inputs(args, L), args)):
-        fn()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(iters):
-                fn()
-            torch.cuda.synchronize()
-        print(f"\n# profile L={L} {phase}, {iters} calls:")
-        print(prof.key_averages().table(sort_by="device_time_total", row_limit=20))
 
 
 def main_hybrid(args):
@@ -893,13 +873,9 @@ def parse_args(argv=None):
     ap.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated CP paths, of {','.join(PATHS)}")
     ap.add_argument("--fwd-only", action="store_true", help="skip the backward")
     ap.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph replays")
-    ap.add_argument("--profile", action="store_true", help="one device: per-kernel GPU times at each length")
-    ap.add_argument("--comm-shape", choices=("run", "record"), default="run",
-                    help="the shape of the bytes table: this run's (default) or the record shape")
-    ap.add_argument("--model-local-length", dest="model_local_length", type=int, default=16384,
-                    help="--model: tokens a rank (default 16384)")
-    ap.add_argument("--timeout", type=int, default=600,
-                    help="torchrun: the process group's timeout in seconds (a failure on some ranks only ends there)")
+    ap.add_argument("--comm-shape", choices=("run", "record"), default="run", help="the bytes table's shape")
+    ap.add_argument("--model-local-length", type=int, default=16384, help="--model: tokens a rank")
+    ap.add_argument("--timeout", type=int, default=600, help="torchrun: the process group's timeout, seconds")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--launch", metavar="JSON", help="tuning: kernels' launch options, e.g. "
                     f"'{{\"bwd_x\": {{\"num_warps\": 4}}}}' (kernels: {', '.join(mamba_cp.TUNED_KERNELS)}; GPU only)")

@@ -82,13 +82,13 @@ def measure(args, L, modules):
     for tag, module in modules:
         for (call, phase), fn in common.steps(module, args, L, device).items():
             r[f"{call}_{phase}_{tag}_ms"] = p50_ms(fn, args.iters, args.warmup)
+            if CUDA and phase == "fwdbwd":   # before the graph: its memory pool would count
+                r[f"{call}_peak_mib_{tag}"] = peak_mib(fn)
             if CUDA and not args.no_graph:
                 try:
                     r[f"{call}_{phase}_{tag}_graph_ms"] = graph_p50_ms(fn, args.iters, args.warmup)
                 except Exception as e:  # noqa: BLE001 - report, keep timing
                     r["graph_error"] = f"{call} {phase} {tag}: {type(e).__name__}: {str(e).splitlines()[0]}"[:300]
-            if CUDA and phase == "fwdbwd":
-                r[f"{call}_peak_mib_{tag}"] = peak_mib(fn)
         gc.collect()
     for key in [k for k in r if k.endswith("_before_ms") or k.endswith("_before_graph_ms")]:
         after = r.get(key.replace("_before", "_after"))
@@ -96,8 +96,8 @@ def measure(args, L, modules):
     return r
 
 
-def fmt(v):
-    return "n/a" if v is None else f"{v:.3f}"
+def fmt(v, spec=".3f"):
+    return "n/a" if v is None else f"{v:{spec}}"
 
 
 def report(r, graphs):
@@ -105,11 +105,11 @@ def report(r, graphs):
         cells = []
         for phase in ("fwd", "fwdbwd"):
             cell = (f"{phase} {fmt(r[f'{call}_{phase}_before_ms'])} / {fmt(r[f'{call}_{phase}_after_ms'])} ms "
-                    f"= {r[f'{call}_{phase}_speedup']:.2f}x")
+                    f"= {fmt(r[f'{call}_{phase}_speedup'], '.2f')}x")
             if graphs:
                 cell += (f" (graph {fmt(r.get(f'{call}_{phase}_before_graph_ms'))} / "
                          f"{fmt(r.get(f'{call}_{phase}_after_graph_ms'))} = "
-                         f"{fmt(r.get(f'{call}_{phase}_graph_speedup'))}x)")
+                         f"{fmt(r.get(f'{call}_{phase}_graph_speedup'), '.2f')}x)")
             cells.append(cell)
         if CUDA:
             cells.append(f"peak {r[f'{call}_peak_mib_before']:.0f} / {r[f'{call}_peak_mib_after']:.0f} MiB")

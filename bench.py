@@ -573,9 +573,8 @@ def main_model(args):
     mamba_cp.LINKS' assumed ones."""
     links = {}
     if DISTRIBUTED:
-        rank, world, device = init_distributed(args)
-        if world >= 2:
-            links[f"measured ({'NCCL' if CUDA else 'gloo'}, ranks 0-1)"] = measure_link(device)
+        rank, _, device = init_distributed(args)
+        links[f"measured ({'NCCL' if CUDA else 'gloo'}, ranks 0-1)"] = measure_link(device)
         sync_barrier(device)
         dist.destroy_process_group()
         if rank != 0:

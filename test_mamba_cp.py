@@ -1023,12 +1023,12 @@ def test_runs_lengthen_while_the_gpu_stays_busy(tuned):
 
 
 def test_every_kernel_compiles_for_the_gpu():
-    """The interpreter runs code the GPU's compiler would refuse: `bench.py --sass` compiles every
+    """The interpreter runs code the GPU's compiler would refuse: `tools/sass.py` compiles every
     kernel of the SSD and of the mixer entry, forward and backward, for sm_90 under the GPU's
     tuning, on this machine, at an awkward bf16 shape (6 heads of 24 in 3 groups, dstate 20, 1100
     tokens: masked tiles, two runs, so the summary scan too), and reads each one's registers."""
     here = os.path.dirname(os.path.abspath(__file__))
-    run = subprocess.run([sys.executable, os.path.join(here, "bench.py"), "--sass", "--lengths", "1100", "--nheads",
+    run = subprocess.run([sys.executable, os.path.join(here, "tools", "sass.py"), "--lengths", "1100", "--nheads",
                           "6", "--headdim", "24", "--ngroups", "3", "--dstate", "20"],
                          cwd=here, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]

@@ -1,0 +1,144 @@
+"""This tree's SSD (mamba_chunk_scan_combined) and mixer entry (mamba_split_conv1d_scan_combined,
+z gate) timed against mamba_cp.py as committed at git revision REV (or in the file REV, for a
+machine without the history), both imported in one process and run in turn on the same inputs.
+
+    python tools/against.py REV [--lengths 4096,16384,65536] [--iters 20] [--warmup 5] [shape flags]
+
+Forward (under no_grad) and forward+backward (autograd.grad into every input), each timed eager
+(CUDA events around one call after a synchronize) and, on a GPU, as CUDA-graph replays; p50 over
+--iters after --warmup. Printed: before (REV) / after (this tree) and their ratio ("speedup",
+above 1 when this tree is faster), on a GPU the peak memory of forward+backward, and one
+`RESULT {json}` line per length. On CPU the kernels run in the Triton interpreter at a small float32 shape,
+timed by wall clock: that checks the script, not the speed.
+
+A developer instrument: it imports an old revision of the module beside this one (its custom ops
+renamed). The project never imports it.
+"""
+
+import argparse
+import gc
+import json
+import statistics
+import time
+
+import common
+import mamba_cp  # before anything that imports triton: it picks the interpreter when CUDA is absent
+import torch
+
+CUDA = torch.cuda.is_available()
+CPU_SHAPE = dict(nheads=4, headdim=16, ngroups=2, dstate=16, d_conv=4, chunk=16, dtype="fp32", lengths="64,128")
+GPU_SHAPE = dict(common.RECORD, lengths="4096,16384,65536")
+
+
+def p50_ms(fn, iters, warmup):
+    """p50 of one call: CUDA events after a synchronize on a GPU, wall clock on CPU."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if CUDA:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def graph_p50_ms(fn, iters, warmup):
+    """fn captured into a CUDA graph (warm-up on a side stream first), its replays timed."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(max(1, warmup)):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return p50_ms(graph.replay, iters, warmup)
+
+
+def peak_mib(fn):
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() / 2 ** 20
+
+
+def measure(args, L, modules):
+    """{"{call}_{phase}_{tag}_ms": ..., graph and peak alike} for each (tag, module) in turn."""
+    r = dict(bench="against", rev=args.rev, L=L, batch=args.batch, dtype=args.dtype, nheads=args.nheads,
+             headdim=args.headdim, ngroups=args.ngroups, dstate=args.dstate, chunk=args.chunk, graph_error=None)
+    device = "cuda" if CUDA else "cpu"
+    for tag, module in modules:
+        for (call, phase), fn in common.steps(module, args, L, device).items():
+            r[f"{call}_{phase}_{tag}_ms"] = p50_ms(fn, args.iters, args.warmup)
+            if CUDA and phase == "fwdbwd":   # before the graph: its memory pool would count
+                r[f"{call}_peak_mib_{tag}"] = peak_mib(fn)
+            if CUDA and not args.no_graph:
+                try:
+                    r[f"{call}_{phase}_{tag}_graph_ms"] = graph_p50_ms(fn, args.iters, args.warmup)
+                except Exception as e:  # noqa: BLE001 - report, keep timing
+                    r["graph_error"] = f"{call} {phase} {tag}: {type(e).__name__}: {str(e).splitlines()[0]}"[:300]
+        gc.collect()
+    for key in [k for k in r if k.endswith("_before_ms") or k.endswith("_before_graph_ms")]:
+        after = r.get(key.replace("_before", "_after"))
+        r[key.replace("_before", "").replace("_ms", "_speedup")] = r[key] / after if after else None
+    return r
+
+
+def fmt(v, spec=".3f"):
+    return "n/a" if v is None else f"{v:{spec}}"
+
+
+def report(r, graphs):
+    for call in ("ssd", "entry"):
+        cells = []
+        for phase in ("fwd", "fwdbwd"):
+            cell = (f"{phase} {fmt(r[f'{call}_{phase}_before_ms'])} / {fmt(r[f'{call}_{phase}_after_ms'])} ms "
+                    f"= {fmt(r[f'{call}_{phase}_speedup'], '.2f')}x")
+            if graphs:
+                cell += (f" (graph {fmt(r.get(f'{call}_{phase}_before_graph_ms'))} / "
+                         f"{fmt(r.get(f'{call}_{phase}_after_graph_ms'))} = "
+                         f"{fmt(r.get(f'{call}_{phase}_graph_speedup'), '.2f')}x)")
+            cells.append(cell)
+        if CUDA:
+            cells.append(f"peak {r[f'{call}_peak_mib_before']:.0f} / {r[f'{call}_peak_mib_after']:.0f} MiB")
+        print(f"L={r['L']:>7} {call:>5}: " + ", ".join(cells))
+    if r["graph_error"]:
+        print(f"  [graph error: {r['graph_error']}]")
+
+
+def main():
+    defaults = GPU_SHAPE if CUDA else CPU_SHAPE
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("rev", metavar="REV", help="git revision (or file) of the mamba_cp.py to time against")
+    ap.add_argument("--iters", type=int, default=20 if CUDA else 2)
+    ap.add_argument("--warmup", type=int, default=5 if CUDA else 1)
+    ap.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph replays")
+    common.add_shape_flags(ap, defaults)
+    args = ap.parse_args()
+    modules = (("before", common.load_revision(args.rev)), ("after", mamba_cp))
+    graphs = CUDA and not args.no_graph
+    print(f"# before = mamba_cp.py at {args.rev}, after = this tree's; one process, "
+          f"{torch.cuda.get_device_name() if CUDA else 'CPU: Triton interpreter, wall clock, NOT a GPU timing'}; "
+          f"{args.dtype}, batch {args.batch}, nheads {args.nheads} headdim {args.headdim} ngroups {args.ngroups} "
+          f"dstate {args.dstate} chunk {args.chunk}; ms p50 of {args.iters} after {args.warmup} warm-up, "
+          f"before / after = speedup" + (" (CUDA graph)" if graphs else ""), flush=True)
+    for L in args.lengths:
+        r = measure(args, L, modules)
+        print("RESULT " + json.dumps(r))
+        report(r, graphs)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""Every kernel of the SSD (mamba_chunk_scan_combined) and of the mixer entry
+(mamba_split_conv1d_scan_combined, z gate), forward and backward, compiled (never run) for one
+GPU arch, on any machine, a GPU's or not; per kernel its registers, stack bytes (spills) and SASS
+instructions, and one `RESULT {json}` line.
+
+    python tools/sass.py [--arch 90] [--against REV] [--lengths 16384] [shape flags] [--fwd-only]
+
+How: Triton's driver is replaced by a stand-in that reports a GPU of compute capability ARCH, and
+every kernel launch becomes its compile (Triton's warm-up path), so the public functions run on
+CPU tensors and compile what they would launch (what they return is garbage); the counts are
+read with the cuobjdump that ships with Triton. With --against REV, mamba_cp.py at git revision
+REV (or the file REV) is compiled too: rows "before" (REV) and "after" (this tree).
+
+A developer instrument: it reaches into Triton's runtime (driver.set_active, JITFunction.run).
+The project never imports it.
+"""
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import tempfile
+
+os.environ["TRITON_INTERPRET"] = "0"     # a compile for a GPU, never the interpreter: before mamba_cp's import
+import common  # noqa: E402 - puts the repository root on sys.path
+import mamba_cp  # noqa: E402
+import torch  # noqa: E402
+
+
+class CompileOnly:
+    """Triton's active driver replaced by this stand-in of a GPU of compute capability `arch`, and
+    JITFunction.run by its warm-up (compile, no launch); `compiled` gathers what was compiled."""
+
+    def __init__(self, arch):
+        from triton.backends.compiler import GPUTarget
+        self.target, self.compiled = GPUTarget("cuda", arch, 32), {}
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+    def __enter__(self):
+        from triton.runtime import driver
+        from triton.runtime.jit import JITFunction
+        self.run, compiled = JITFunction.run, self.compiled
+
+        def compile_only(fn, *a, grid, warmup, **kw):
+            kernel = self.run(fn, *a, grid=grid, warmup=True, **kw)
+            compiled.setdefault(id(kernel), (fn.fn.__name__, kernel))
+            return kernel
+        driver.set_active(self)
+        JITFunction.run = compile_only
+        return self
+
+    def __exit__(self, *exc):
+        from triton.runtime import driver
+        from triton.runtime.jit import JITFunction
+        JITFunction.run = self.run
+        try:
+            driver.reset_active()
+        except RuntimeError:        # a machine without a GPU driver has no default to go back to
+            pass
+
+
+def sass_counts(kernel):
+    """(registers, stack bytes a thread, SASS instructions) of a compiled kernel."""
+    tool = os.path.join(os.path.dirname(mamba_cp.triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage, sass = (subprocess.run([tool, flag, f.name], capture_output=True, text=True, check=True).stdout
+                       for flag in ("-res-usage", "-sass"))
+    regs, stack = re.search(r"REG:(\d+) STACK:(\d+)", usage).groups()
+    return int(regs), int(stack), len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+\S", sass, re.M))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", type=int, default=90, help="compute capability (default 90: the H100 and H200)")
+    ap.add_argument("--against", metavar="REV", help="also compile mamba_cp.py at git revision REV (or the file REV)")
+    ap.add_argument("--fwd-only", action="store_true", help="compile the forward kernels only")
+    common.add_shape_flags(ap, common.RECORD)
+    args = ap.parse_args()
+    L = args.lengths[0]
+    modules = [("", mamba_cp)]          # a label only where there is something to tell apart
+    if args.against:
+        modules = [("before", common.load_revision(args.against)), ("after", mamba_cp)]
+    phase = "fwd" if args.fwd_only else "fwdbwd"
+    print(f"# kernels compiled for sm_{args.arch} (triton {mamba_cp.triton.__version__}), not run; "
+          f"nheads={args.nheads} headdim={args.headdim} ngroups={args.ngroups} dstate={args.dstate} "
+          f"chunk={args.chunk} batch={args.batch} L={L} dtype={args.dtype}, {phase}"
+          + (f"; before = {args.against}, after = this tree" if args.against else ""), flush=True)
+    with CompileOnly(args.arch) as stand_in:
+        for label, module in modules:
+            calls = common.steps(module, args, L, "cpu")
+            for call in ("ssd", "entry"):
+                stand_in.compiled.clear()
+                calls[call, phase]()
+                for name, kernel in stand_in.compiled.values():
+                    regs, stack, count = sass_counts(kernel)
+                    r = dict(bench="sass", call=call, kernel=name, arch=args.arch, L=L, dtype=args.dtype,
+                             registers=regs, stack_bytes=stack, instructions=count)
+                    if label:
+                        r["module"] = label
+                    print((f"{label:>6} " if label else "") + f"{call:>5} {name:<28} {regs:>4} registers "
+                          f"{stack:>5} stack bytes {count:>6} instructions")
+                    print("RESULT " + json.dumps(r), flush=True)
+
+
+if __name__ == "__main__":
+    main()

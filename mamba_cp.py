@@ -92,8 +92,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-if not torch.cuda.is_available():  # no GPU: the kernels run in Triton's interpreter
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+if not torch.cuda.is_available() and not os.environ.get("TRITON_INTERPRET"):  # no GPU: Triton's interpreter
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402

@@ -995,6 +995,29 @@ def test_awkward_shapes(shape):
                  FP32_BOUND)
 
 
+_TRITON_FIRST = """
+import triton  # first, as transformers' model classes import it
+import torch, mamba_cp, reference_ssd
+assert mamba_cp.INTERPRET
+g = torch.Generator().manual_seed(0)
+x, dt = torch.randn(1, 40, 2, 8, generator=g), torch.rand(1, 40, 2, generator=g) * 0.2
+A, B, C = -torch.rand(2, generator=g), torch.randn(1, 40, 1, 8, generator=g), torch.randn(1, 40, 1, 8, generator=g)
+y = mamba_cp.mamba_chunk_scan_combined(x, dt, A, B, C, 16)
+want = reference_ssd.ssd_reference(x, dt, A, B, C)[0]
+assert ((y.double() - want).norm() / want.norm()).item() < 1e-5
+"""
+
+
+@pytest.mark.skipif(CUDA, reason="the interpreter is chosen only where CUDA is absent")
+def test_import_order_does_not_matter():
+    """Triton imported before mamba_cp on a machine without CUDA: the kernels still run in the
+    interpreter (triton's own @jit functions are handed to it), against the oracle."""
+    run = subprocess.run([sys.executable, "-c", _TRITON_FIRST], capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.abspath(__file__)),
+                         env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+    assert run.returncode == 0, run.stderr[-2000:]
+
+
 def test_set_tuning_refuses_unknown_names():
     with pytest.raises(ValueError, match="expected a Tuning or one of"):
         mamba_cp.set_tuning("h100")

@@ -7,7 +7,7 @@ The SSD recurrence, per batch row and head (README "The recurrence"):
 
 Any causal piece of the sequence maps the state entering it to the state leaving it affinely,
 S_out = a * S_in + S_ext, with S_ext its exit state from a zero entry and a its decay. So each
-rank summarises its segment as (S_ext, a), the summaries are exchanged, an exclusive scan over
+rank summarises its segment as (S_ext, a), the summaries travel between ranks, an exclusive scan over
 them gives every rank the true state entering its segment, and each rank computes its outputs
 from that state. Only the summaries, whose size does not grow with the sequence, and a conv
 halo of d_conv - 1 tokens cross between ranks (README "The affine state summary").
@@ -17,7 +17,7 @@ W ranks simulated in one process. Its steps, and where each runs here (method_fo
 method_backward, section 1, call them in this order):
 
   listing step                                      runs in (section)
-  (1) rank r holds a causal segment; its conv       exchange_halo (6), _conv1d_fwd (2)
+  (1) rank r holds a causal segment; its conv       receive_halo (6), _conv1d_fwd (2)
       needs the d_conv - 1 tokens before it
   (2) each segment's summary (a, S_ext)             ssd_tensors (3), Summary (4)
   (3) the exclusive scan over the segments          AllGatherExchange.entry_states (6), scan_summaries (4)
@@ -61,9 +61,9 @@ Words, one meaning each:
             run's edge to a chunk's: gamma, rho), 0 where a document starts inside the span.
   entry     the state entering a chunk, run or segment; backward, its exit gradient is the
             gradient arriving at its end.
-  slot      a chunk's or run's index in the per-chunk and per-run buffers: b * nchunks + c, b * nruns + r.
+  slot      a chunk's, run's or segment's index in the buffers of each: b * nchunks + c, b * nruns + r, ...
   ids       document ids: seq_idx's values, one per token, non-decreasing along the global row.
-  exchange  how summaries, their gradients and halos travel between ranks: an object with four
+  exchange  how summaries, their gradients and halos travel between ranks: an object with three
             methods, AllGatherExchange (section 6) or PrefixScanExchange (section 8), chosen per
             call by the option summary_exchange.
   halo      the last d_conv - 1 pre-conv tokens of the segment before, which a segment's conv reads.
@@ -119,7 +119,6 @@ if INTERPRET:
     _interpret_triton_language()
 
 
-
 # =============================================================================================
 # PART I. THE METHOD
 # Sections 1 to 7: what a newcomer reads. Nothing here uses a name from Part II.
@@ -149,7 +148,7 @@ class Call(NamedTuple):
 
 class Kept(NamedTuple):
     """What the forward keeps for the backward, besides the Call; none of it grows with the
-    sequence. None where absent: a single segment in all exchanges nothing and keeps nothing."""
+    sequence. None where absent: a single segment in all sends nothing and keeps nothing."""
     halo: Optional[Tensor]             # (rows, d_conv - 1, conv_dim) the tokens before each segment
     halo_seq: Optional[Tensor]         # (rows, d_conv - 1) their document ids
     entries: Optional[Tensor]          # (rows, h, p, n) fp32: each segment's true entry state
@@ -161,8 +160,8 @@ def method_forward(call, plan, gate=None):
     """The forward of a Call under its Plan: y (rows, s, h, p), the global sequence's final state
     (batch, h, p, n) fp32, and Kept. gate None, or (z, out), both (rows, s, h, p): y silu(z) is
     written into out too, in the output kernel's pass over y."""
-    alone = plan.segments.count == 1     # a world of one, contiguous: nothing before it, nothing to exchange
-    halo, halo_seq = (None, None) if alone else exchange_halo(call.xBC, call.seq_idx, plan)          # (1)
+    alone = plan.segments.count == 1     # a world of one, contiguous: nothing before it, nothing to send
+    halo, halo_seq = (None, None) if alone else receive_halo(call.xBC, call.seq_idx, plan)          # (1)
     conv_out = _conv1d_fwd(call.xBC, call.conv_weight, call.conv_bias, halo, call.seq_idx, halo_seq,
                            silu=plan.silu)                                                          # (1)
     ssd = ssd_tensors(*split_xBC(conv_out, plan.fwd), call, plan.fwd)   # x, B, C; dt' and cs formed once
@@ -183,7 +182,7 @@ def method_backward(dy, dfinal, call, kept, plan, dxBC=None, ddt=None):
 
     The conv and the state passes are recomputed, not kept (they grow with the sequence); the
     backward state pass gives G, the pull of a segment's outputs on its entry, which is known
-    before the gradient at its exit; G's exchange runs while the forward state pass is
+    before the gradient at its exit; G travels while the forward state pass is
     recomputed; one chunk backward writes dx, dB, dC straight into the conv backward's input."""
     alone = plan.segments.count == 1
     conv_out = _conv1d_fwd(call.xBC, call.conv_weight, call.conv_bias, kept.halo, call.seq_idx, kept.halo_seq,
@@ -262,7 +261,6 @@ def _method_backward_step(plan, grads, call, kept):
 METHOD = Steps(_method_forward_step, _method_backward_step)
 
 
-
 # ---------------------------------------------------------------------------------------------
 # 2. The causal conv1d
 #    Step (1): each segment's depthwise causal conv1d + bias + SiLU, its halo before it
@@ -281,20 +279,15 @@ METHOD = Steps(_method_forward_step, _method_backward_step)
 # so one pass over tokens s of [halo, xBC] gives all three; du at s < 0 is the halo's gradient,
 # which the caller sends back to the halo's owner.
 #
-# Both kernels walk the tokens in order, one per step. A register tile cannot be shifted by
-# tokens, so what a token needs from its neighbours is carried from step to step: the u of the
-# d-1 tokens before it (the window) and, backward, the partial du of those tokens, to which token
-# t's g adds its share; the oldest is then complete and stored. So u and dout are loaded once per
-# token, but for d-1 tokens at each end of a strip. A program walks one strip on a GPU, or many
-# side by side as one tile in the interpreter, which pays per step. No atomics: dweight and dbias
-# are per-program partial sums, summed by torch in a fixed order. Offsets are int64 (2^20 tokens
-# x 8k channels, in any layout).
+# Both kernels walk the tokens in order, one per step: a register tile cannot be shifted by
+# tokens, so the u of the d-1 tokens before (the window) and, backward, their partial du are
+# carried from step to step. A program walks one strip on a GPU, many side by side as one tile in
+# the interpreter (which pays per step). No atomics: dweight and dbias are per-program partial
+# sums, summed by torch in a fixed order. Offsets are int64.
 # ---------------------------------------------------------------------------------------------
 
-# Conv pieces: a program's channels and operands, document ids and u of a step's tokens, the
-# pre-activation. A kernel gathers its operands once into tuples: xs, u's two sources (the
-# shard, then the halo before it: base pointer, channel offsets, token stride of each); w, the
-# channels' tap weights; seqs, the document ids of both.
+# A conv kernel gathers its operands once into tuples: xs, u's two sources (the shard, then the
+# halo: base pointer, channel offsets, token stride of each); w, the taps; seqs, the ids of both.
 
 
 @triton.jit
@@ -362,10 +355,8 @@ def _preact(w, bias, win, docs, u, doc, TAPS: tl.constexpr, HAS_SEQ: tl.constexp
 
 @triton.jit
 def _sigmoid(p, FAST: tl.constexpr):
-    """sigmoid(p), float32. FAST (compiled kernels only: the interpreter runs no PTX): the GPU's
-    approximate 2^x and 1/x with subnormals flushed, a few ulp off and exactly 0 or 1 at the
-    ends: four instructions where tl.sigmoid's IEEE-careful ones take eleven, in kernels whose
-    instruction issue, not memory, sets their pace."""
+    """sigmoid(p), float32. FAST (compiled only: the interpreter runs no PTX): the GPU's approximate
+    2^x and 1/x, a few ulp off: four instructions for tl.sigmoid's eleven, in issue-bound kernels."""
     if FAST:
         e = tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [p * -1.4426950408889634],
                                       dtype=tl.float32, is_pure=True, pack=1)
@@ -411,9 +402,8 @@ def _conv_fwd_kernel(
 
 @functools.lru_cache(maxsize=None)
 def _conv_launch(tokens, dim, batch, launch, has_bias, has_halo, has_seq, silu):
-    """A conv launch over `tokens` tokens of `dim` channels, launch a ConvLaunch (section 7): its
-    grid, tokens per strip S, and constexprs: the tuning's strips and channel tile, no larger than
-    the tensor needs. Cached: a pure function of integers, looked up on every launch."""
+    """A conv launch over `tokens` tokens of `dim` channels (launch: a ConvLaunch): its grid, tokens
+    per strip S, and constexprs, no larger than the tensor needs. Cached: it runs every launch."""
     M, BC = launch.strips, min(launch.channels, max(16, _next_pow2(dim)))
     S = max(1, min(launch.tokens, _cdiv(tokens, M)))
     flags = dict(M=M, BC=BC, U=launch.unroll, num_warps=launch.warps, HAS_BIAS=has_bias, HAS_HALO=has_halo,
@@ -451,11 +441,9 @@ def _conv_bwd_kernel(
 ):
     """M strips of S du tokens each of tokens s of [halo, xBC] (from s = -SHIFT; SHIFT is TAPS-1
     with a halo), BC channels, one batch row: du per token (into dx, or dhalo for s < 0), and the
-    dweight, dbias of the g tokens it owns, summed into this program's partial rows (TAPS rows of
-    dweight, then dbias's). Step t
-    computes g[t] and hands its share to the du of tokens t-TAPS+1 .. t (`part`), the oldest then
-    complete. A strip's steps run from TAPS-1 tokens before its first du token (the window's
-    fill) to TAPS-1 past its last (whose g complete it; they count in the next strip's dweight)."""
+    dweight, dbias of the g tokens it owns in this program's partial rows. Step t computes g[t]
+    and hands its share to the du of tokens t-TAPS+1 .. t (`part`), the oldest then complete; a
+    strip's steps run from TAPS-1 tokens before its first du token to TAPS-1 past its last."""
     bb, offs_c, mask_c, xs, w, bias, seqs = _conv_program(
         x_ptr, stride_x, halo_ptr, stride_h, w_ptr, stride_w, bias_ptr, stride_bias, seq_ptr, stride_s, hseq_ptr,
         stride_hs, dim, BC, TAPS, HAS_BIAS)
@@ -550,7 +538,6 @@ def _conv1d_bwd(dout, xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=
     return dx, dhalo, dweight, dbias
 
 
-
 # ---------------------------------------------------------------------------------------------
 # 3. dt and the decays of one chunk
 #    The SSD's tensors; dt' and the chunks' cumulative sums, formed once per call; and the
@@ -621,9 +608,8 @@ def _chunk_dt(dts, b, h, t, seqlen, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.c
     return dt, dt * tl.load(dts.A + h).to(tl.float32), tl.where(valid, slope, 0.0)
 
 
-# dt' and cs (the cumsum of dt'*A) are formed once per call, into a (b * nchunks, h, 3, Q) buffer
-# that every chunk kernel reads: formed in a kernel, they would be repeated per head and program,
-# on (Q,) vectors Triton replicates across the threads of a product's tile.
+# dt' and cs (the cumsum of dt'*A) are formed once per call, into a buffer every chunk kernel
+# reads: formed in each, they would be repeated per head and program, on replicated vectors.
 
 @triton.jit
 def _cums_row(cums, slot, h, nheads, Q: tl.constexpr):
@@ -659,7 +645,6 @@ def _dt_cumsums(dt, dt_bias, A, plan):
         plan.dts(dt, dt_bias, A), out, plan.seqlen, plan.nheads, Q=plan.Q, BH=plan.cumsum_heads,
         **plan.launch.get("cumsum", {}), **plan.dt_flags)
     return out
-
 
 
 @triton.jit
@@ -726,7 +711,6 @@ def _selected_exp(keep, log_v):
     return tl.where(keep, tl.exp(log_v.to(tl.float32)), 0.0)
 
 
-
 # ---------------------------------------------------------------------------------------------
 # 4. The forward: state pass, summary scan, outputs
 #    Steps (2) to (4) on one GPU (README "The chunked form", "The affine state summary"). Each
@@ -747,10 +731,9 @@ def _state_pass_kernel(
     per-head operand, g the per-group one). Forward (x, B): chunks in order, V the state
     entering a chunk, w_j = w_dec_j dt'_j. REVERSE (dy, C): chunks last to first, V the gradient
     arriving at a chunk's exit, w_i = e_i. Also store per chunk the decay from the run's edge
-    (gamma(c) from the run's entry to c's; rho(c) from c's exit to the run's), and at the end the
-    run's summary: what is left (S_ext, or G, the pull of its outputs on its entry) and its
-    decay a. The scan over summaries then gives each run's entry S_entry, and chunk c's true
-    entry state is states(c) + gamma(c) S_entry (exit gradient: dstates(c) + rho(c) dS_exit)."""
+    (gamma(c) from its entry to c's; rho(c) from c's exit to its exit), and the run's summary:
+    what is left (S_ext, or G, the pull of its outputs on its entry) and its decay a. Chunk c's
+    true entry state is then states(c) + gamma(c) S_entry (exit gradient: dstates(c) + rho(c) dS_exit)."""
     pid, pid_bh = tl.program_id(0), tl.program_id(1)    # runs x p-tiles x n-tiles, batch x heads
     n_tiles = n_p_tiles * n_n_tiles
     run, pid_p, pid_n = pid // n_tiles, (pid % n_tiles) // n_n_tiles, pid % n_n_tiles
@@ -864,11 +847,9 @@ def scan_summaries(src, a, start=None, cont=None, reverse=False):
     return out, end
 
 
-# The buffers that give every chunk's true entry state (or exit gradient), chunk c of run r's
-# being  stored(c) + decay(c) * run(r): what a state pass stored from a zero run entry (exit),
-# (b, nchunks, h, p, n); the decay from the run's entry to c's (gamma; backward, from c's exit
-# to the run's: rho), (b, nchunks, h) fp32; the runs' entry states (exit gradients),
-# (b, nruns, h, p, n) fp32, or a stand-in where zero.
+# What gives every chunk's true entry state (exit gradient), stored(c) + decay(c) * run(r): what a
+# state pass stored from a zero run entry (exit), (b, nchunks, h, p, n); gamma (rho), (b, nchunks,
+# h) fp32; the runs' entry states (exit gradients), (b, nruns, h, p, n) fp32, or a stand-in.
 _ChunkEdge = collections.namedtuple("_ChunkEdge", "stored decay run")
 
 @triton.jit
@@ -1011,7 +992,6 @@ def ssd_output(ssd, summary, entry=None, y=None, need_exit=False, gate=None):
     return y, exit_
 
 
-
 # ---------------------------------------------------------------------------------------------
 # 5. The backward: the state pass reversed, chunk gradients
 #    README "Backward". Each kernel is followed by its launcher; GradPass and ssd_grads run them.
@@ -1021,7 +1001,7 @@ def ssd_output(ssd, summary, entry=None, y=None, need_exit=False, gate=None):
 class GradPass:
     """A sequence's reverse state pass from a zero gradient at its exit: the chunks' exit
     gradients, and G (b, h, p, n), the pull of its outputs on its entry state. G is known
-    before the gradient at the exit is (it is what a CP rank exchanges in backward)."""
+    before the gradient at the exit is (it is what a CP rank sends in backward)."""
 
     def __init__(self, dy, ssd, plan):
         self.dstates, self.rho, self.run_G, self.run_a = _state_pass(dy, ssd.C, ssd, plan, True)
@@ -1329,16 +1309,12 @@ def ssd_grads(ssd, summary, grad_pass, dy, entry=None, dexit=None, dx=None, dB=N
     return (*grads, dentry)
 
 
-
 # ---------------------------------------------------------------------------------------------
 # 6. Segments, and their exchange by all-gather
 #    Which causal segments of the global sequence a rank holds (README "Layouts"), and how the
 #    conv halos, the summaries and their gradients travel between them: steps (1) and (3)
 #    (README "The exclusive scan over summaries").
 # ---------------------------------------------------------------------------------------------
-
-
-LAYOUTS = ("none", "virtual", "permute_p2p", "permute_a2a")
 
 
 def _pieces(rank, world, load_balancing):
@@ -1365,9 +1341,6 @@ class Segments:
     def to_rows(self, t):
         """(b, per_row * s, ...) -> (b * per_row, s, ...): one row per segment."""
         return t.reshape(t.shape[0] * self.per_row, t.shape[1] // self.per_row, *t.shape[2:])
-
-    def from_rows(self, t, batch):
-        return t.reshape(batch, t.shape[0] // batch * t.shape[1], *t.shape[2:])
 
     def gather_order(self, gathered, batch):
         """Stack per-rank, per-local-segment tensors (world, batch * per_row, ...) into global
@@ -1410,7 +1383,7 @@ def _unpack(buf, shapes_dtypes):
     return out
 
 
-def exchange_halo(xBC, seq_idx, plan):
+def receive_halo(xBC, seq_idx, plan):
     """Each segment's conv halo: the last d_conv-1 pre-conv tokens of the segment before it in
     the global sequence (zeros before segment 0), and their document ids. xBC (rows, s, dim).
     Returns halo (rows, d-1, dim) and halo_seq (rows, d-1) int32 or None."""
@@ -1441,15 +1414,14 @@ def _document_flags(first, last):
 
 
 class AllGatherExchange:
-    """summary_exchange="all_gather": every rank receives every segment's summary (and, in the
-    backward, every G) and scans them itself; a halo comes from an all-gather of every
-    segment's tail. Another exchange has the same three methods (section 8)."""
+    """summary_exchange="all_gather": every rank receives every segment's summary (backward, every
+    G) and scans them itself; halos come from an all-gather too. PrefixScanExchange (section 8)
+    has the same three methods."""
 
     @staticmethod
     def neighbours(blocks, plan, later):
         """Each segment's row of blocks (rows, numel) handed to the segment after it (later) or
-        before it in the global sequence, zeros at the sequence's ends: every rank gathers every
-        segment's block and keeps its neighbours'. Returns (rows, numel)."""
+        before it, zeros at the sequence's ends: every rank gathers all and keeps its neighbours'."""
         every = _all_gather(blocks, plan.group) if plan.world > 1 else blocks[None]
         glob = plan.segments.gather_order(every, plan.batch)                          # (b, K, numel)
         zero = torch.zeros_like(glob[:, :1])
@@ -1497,7 +1469,6 @@ class AllGatherExchange:
         return plan.segments.own(dexit_all), dinit, done
 
 
-
 # ---------------------------------------------------------------------------------------------
 # 7. Launch plumbing: tiles, tuning, the plan
 #    Where a kernel's tiles live in memory; the launch choices; what a call derives once.
@@ -1505,14 +1476,11 @@ class AllGatherExchange:
 
 
 # A caller's tensor comes with its strides as one named tuple (Triton specialises a tuple's
-# fields as it does scalars: a unit stride still vectorises): x, y (batch, token, head, headdim);
-# B, C (batch, token, group, dstate); dt; dt's gradient (batch, token, head); seq_idx; D (head,
-# headdim: a (nheads,) D has p = 0); the conv's xBC and halo (batch, token, channel) and weight
-# (channel, tap). An absent tensor's strides are zeros (its pointer is a stand-in the kernel
-# never reads). The module's own buffers are contiguous, and the kernels compute their offsets
-# from the sizes. The model's sizes (heads, groups, headdim, dstate, state tiles) are
-# constexprs in the chunk kernels, which drops whole tiles' masks and the indexing's divisions;
-# the call's (batch, length, chunks, runs) stay run-time values, so lengths share the kernels.
+# fields like scalars: a unit stride still vectorises), by its dims: batch, token, head, headdim,
+# group, dstate, channel, tap; an absent tensor's are zeros (its pointer, a stand-in, is never
+# read). The module's own buffers are contiguous: the kernels compute their offsets from sizes.
+# The model's sizes are constexprs in the chunk kernels (whole tiles lose their masks, indexing
+# its divisions); the call's batch, length, chunks and runs stay run-time values.
 _BLHP = collections.namedtuple("_BLHP", "b l h p")
 _BLGN = collections.namedtuple("_BLGN", "b l g n")
 _BL = collections.namedtuple("_BL", "b l")
@@ -1619,23 +1587,11 @@ class Tuning:
     norm_bwd: NormLaunch                # the gated RMSNorm's backward
 
 
-# The interpreter's choices are small, so that CPU tests walk every loop (its tiny runs make
-# them exercise the runs' scan). The GPU's are the fastest measured on an H200 at the record
-# shape (BENCHMARKS.md, "Where the time goes", "The launch choices"). What they trade:
-#   chunk_fwd, chunk_bwd  the (Q, Q) tiles live in registers.
-#   chunks_per_run,       runs of 16 chunks run the sequential state pass in parallel, joined by
-#   longest_run,          the summary scan, doubled up to 64 while the state pass keeps 512
-#   state_wave            programs (about one wave at 4 an SM): longer runs were faster from 16384
-#                         tokens (fewer summaries), shorter ones at 4096.
-#   state_tile            the state passes split (p, n) into tiles of this width, one per program.
-#   heads_per_output      one head per output program runs more programs, which hides latency
-#                         better than a group's heads sharing C.B.
-#   launch                the chunk kernels are latency-bound chains of small products: what
-#                         pays is programs per SM, hence 4 warps and, where it buys a program
-#                         without costing more in spills, a register cap (maxnreg).
-#   conv_fwd, conv_bwd    on a GPU one strip a program: registers bound the loads in flight
-#                         (unroll of them per step). The interpreter pays per step: many strips.
-#   norm_bwd              one token row a tile (56 registers, against 255 at eight) ran fastest.
+# The interpreter's choices are small, so that CPU tests walk every loop (tiny runs: the runs'
+# scan too). The GPU's were the fastest measured on an H200 at the record shape (BENCHMARKS.md,
+# "The launch choices"): the chunk kernels are latency-bound chains of small products, so what
+# pays is programs per SM (4 warps, one head per output program, register caps where they buy a
+# program); runs of 16 chunks, doubled up to 64 while the state pass keeps 512 programs.
 TUNED_KERNELS = ("cumsum", "state", "output", "bwd_group", "bwd_bc", "bwd_x")  # chunk kernels with launch options
 TUNINGS = {
     "interpreter": Tuning("interpreter", chunk_fwd=64, chunk_bwd=64, chunks_per_run=2, longest_run=2, state_wave=1,
@@ -1738,7 +1694,6 @@ class Plan:
         t, shape = tuning(), (rows, s, self.nheads, headdim, ngroups, self.dstate)
         self.fwd, self.bwd = (LaunchPlan(shape, call.xBC.dtype, min(chunk_size, q), call.dt_bias, True, dt_limit,
                                          call.seq_idx, state_dtype) for q in (t.chunk_fwd, t.chunk_bwd))
-
 
 
 # =============================================================================================
@@ -1978,7 +1933,6 @@ class PrefixScanExchange:
         return (*_exit_grads_by_prefix_scan(G, dfinal, a_kept, cont, plan), meanwhile())
 
 
-
 # Which exchange: a latency-bandwidth model of the link, one cost model for every path. A message
 # of m bytes costs alpha + beta * m; a cost is a list of terms, each its bytes and its messages
 # in sequence (an all-gather W - 1 ring steps, a prefix round or a neighbour's message 1, a
@@ -2086,7 +2040,6 @@ def chosen_exchange(choice, world, load_balancing, batch, state_shape, conv_dim,
 
 # The exchanges by summary_exchange name ("auto" is resolved by chosen_exchange)
 EXCHANGES = {"all_gather": AllGatherExchange, "scan": PrefixScanExchange}
-
 
 
 # ---------------------------------------------------------------------------------------------
@@ -2459,12 +2412,14 @@ def _agreement_ints():
     return len(values) + 2
 
 
-
 # ---------------------------------------------------------------------------------------------
 # 10. Shard, unshard, and the permute layouts
 #    A full sequence's shards in a layout, and load_balancing="permute_p2p" and "permute_a2a": tokens
 #    moved to the contiguous layout and back.
 # ---------------------------------------------------------------------------------------------
+
+
+LAYOUTS = ("none", "virtual", "permute_p2p", "permute_a2a")
 
 def shard(x_full, rank, world, load_balancing="none", dim=1):
     """This rank's local shard of a full-sequence tensor, in the given layout."""
@@ -2585,7 +2540,6 @@ def _permute_backward(ctx, grad):
 _permute_op.register_autograd(_permute_backward, setup_context=_permute_keep)
 
 
-
 # ---------------------------------------------------------------------------------------------
 # 11. The compile layer and the public CP function: mamba_conv1d_ssd_cp
 # ---------------------------------------------------------------------------------------------
@@ -2635,7 +2589,10 @@ def _as_ops(name, steps, options, plan_of, outputs, fake_forward, agree):
                                [_none_if_empty(k) for k in kept])
         return [_empty_if_none(g, tensors[0]) for g in grads]
 
-    def fake_backward(grads, tensors, kept, *opts):
+    def forward_fake(tensors, *opts):
+        return fake_forward(options(*opts), *tensors)
+
+    def backward_fake(grads, tensors, kept, *opts):
         return [torch.empty_like(t) if t is not None and t.is_floating_point() else tensors[0].new_empty(0)
                 for t in tensors]
 
@@ -2643,8 +2600,8 @@ def _as_ops(name, steps, options, plan_of, outputs, fake_forward, agree):
                                   schema=f"(Tensor?[] tensors, {fields}) -> Tensor[]")
     bwd = torch.library.custom_op(f"mamba_cp::{name}_bwd", backward, mutates_args=(),
                                   schema=f"(Tensor?[] grads, Tensor?[] tensors, Tensor[] kept, {fields}) -> Tensor[]")
-    fwd.register_fake(lambda tensors, *opts: fake_forward(options(*opts), *tensors))
-    bwd.register_fake(fake_backward)
+    fwd.register_fake(forward_fake)
+    bwd.register_fake(backward_fake)
 
     def op_forward(opts, *tensors):
         out = fwd(list(tensors), *opts)
@@ -2791,7 +2748,6 @@ def mamba_conv1d_ssd_cp(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_si
     return (y, final) if return_final_states else y
 
 
-
 # ---------------------------------------------------------------------------------------------
 # 12. The gate and the gated RMSNorm
 #    y * silu(z), or the gated RMSNorm, as the mixer entry and the single-device function apply it.
@@ -2923,7 +2879,6 @@ class _GateNorm(NamedTuple):
 
 
 _Z_GATE = _GateNorm(False, 0.0, 0, True)   # the plain gate y * silu(z), also mamba_chunk_scan_combined's
-
 
 
 # ---------------------------------------------------------------------------------------------
@@ -3150,7 +3105,6 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     return out[0] if len(out) == 1 else out
 
 
-
 # ---------------------------------------------------------------------------------------------
 # 14. The mixer entry: mamba_split_conv1d_scan_combined
 #    mamba_ssm's fused entry, the one Mamba2 mixers call.
@@ -3296,7 +3250,7 @@ def _mixer_backward(plan, grads, tensors, kept):
                         dxBC=into[0], ddt=into[1])
     for rows_grad, view, out in ((g.xBC, into[0], dxBC_out), (g.dt, into[1], ddt_out)):
         if view is None:
-            full = core.segments.from_rows(rows_grad, o.batch)
+            full = rows_grad.reshape(o.batch, -1, *rows_grad.shape[2:])
             out.copy_(_permute(full, core.group, o.layout, False) if plan.permute else full)
     return MixerCall(dzxbcdt, g.conv_weight, g.conv_bias, g.dt_bias, g.A, g.D, g.initial_states,
                      _as(dw, m.rmsnorm_weight), dW, db, None)
@@ -3420,7 +3374,6 @@ def mamba_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias
     return (out, final) if return_final_states else out
 
 
-
 # ---------------------------------------------------------------------------------------------
 # 15. The all-to-all baseline, and the bytes every path moves
 #    The head-parallel CP state passing replaces, and comm_bytes, the cost model's terms.
@@ -3429,7 +3382,7 @@ def mamba_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias
 
 @torch.library.custom_op("mamba_cp::all_to_all", mutates_args=())
 def _all_to_all_op(t: Tensor, group_name: str) -> Tensor:
-    """Equal-block all_to_all_single along dim 0 (W blocks); its gradient is the same exchange."""
+    """Equal-block all_to_all_single along dim 0 (W blocks); its gradient is the same all-to-all."""
     out = torch.empty(t.shape, device=t.device, dtype=t.dtype)
     dist.all_to_all_single(out, t.contiguous(), group=_resolve_group(group_name))
     return out
@@ -3521,7 +3474,7 @@ def _permuted_pieces(world):
 def comm_bytes(path, world, L, batch, *, nheads, headdim, dstate, ngroups, d_conv, dtype_bytes,
                summary_exchange="all_gather", documents=False):
     """Bytes one rank receives from the other ranks, per layer call, forward and backward, as
-    this module moves them (for every exchange here a rank sends as much as it receives; where
+    this module moves them (on every path here a rank sends as much as it receives; where
     ranks differ, the busiest rank). path: "a2a" (mamba_conv1d_ssd_a2a) or the load_balancing of
     mamba_conv1d_ssd_cp, whose summaries go by summary_exchange ("all_gather" or "scan"); world
     W, global length L. Returns dict(fwd=, bwd=, terms={name: bytes}, latencies={name: messages
@@ -3534,8 +3487,8 @@ def comm_bytes(path, world, L, batch, *, nheads, headdim, dstate, ngroups, d_con
     of a block of B bytes per rank makes each rank receive (W-1) * B, in W-1 ring steps.
     `documents` adds the seq_idx terms (int32 ids). In a world of one every term is 0.
 
-    Every path, forward: the input check's all-gather ("validation"), the int64 values each rank
-    contributes to the agreement on the inputs (_agreement_ints, 71 today): (W-1) * 71 * 8.
+    Every path, forward: the input check's all-gather ("validation") of the int64 values each rank
+    contributes to the agreement on the inputs (_agreement_ints of them): (W-1) * _agreement_ints() * 8.
 
     State passing, "none" (k = 1 segment per rank) and "virtual" (k = 2), rows = b*k, with the
     summaries all-gathered:
@@ -3695,7 +3648,6 @@ def mamba_conv1d_ssd_a2a(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_s
     return y, _gather_heads_op(final_mine.contiguous(), group_name)
 
 
-
 # ---------------------------------------------------------------------------------------------
 # 16. A worked example
 #    `python mamba_cp.py` runs two gloo ranks on this machine over a handful of tokens and
@@ -3721,7 +3673,7 @@ def worked_example(group, say=print):
     y_ref, final_ref = reference_ssd.conv1d_ssd_reference(xBC, dt, w, bias, dt_bias, A, D, headdim=p, ngroups=1)
 
     # (1) the conv, fed by the halo: the last d_conv - 1 pre-conv tokens of the previous rank
-    halo, _ = exchange_halo(call.xBC, None, plan)
+    halo, _ = receive_halo(call.xBC, None, plan)
     conv_out = _conv1d_fwd(call.xBC, w, bias, halo)
     ssd = ssd_tensors(*split_xBC(conv_out, plan.fwd), call, plan.fwd)
     # (2) this rank's summary, from a zero entry state: S_out = a * S_in + S_ext

@@ -16,16 +16,16 @@ tests in the order of mamba_cp.py's sections, the torchrun mode last.
     Helpers: one call against the oracle
     Helpers: the process harness (@check, world_check; main runs the same checks)
     The oracle checks itself
-    mamba_cp sections 1-4 and 14: the single-device SSD, forward and backward
-    mamba_cp section 10: bad input
-    mamba_cp sections 5, 6, 9 and 11: layouts and communication
-    mamba_cp section 7: the causal conv1d
-    mamba_cp sections 8, 12 and 16: the fused conv1d + SSD under CP, and the all-to-all baseline
-    mamba_cp sections 13 and 15: mamba_split_conv1d_scan_combined
+    mamba_cp sections 3-5, 7 and 13: the single-device SSD, forward and backward
+    mamba_cp section 9: bad input
+    mamba_cp sections 6, 8 and 10: layouts and communication
+    mamba_cp section 2: the causal conv1d
+    mamba_cp sections 1, 11 and 15: the fused conv1d + SSD under CP, and the all-to-all baseline
+    mamba_cp sections 12 and 14: mamba_split_conv1d_scan_combined
     torch.compile
     Vendoring: a tiny mixer trained under CP; Hugging Face transformers
     GPU only
-    The module reads in the order the method runs (its docstring's map)
+    The module reads in the order the method runs; Part I runs alone; the worked example
     torchrun --nproc_per_node=N test_mamba_cp.py
 """
 
@@ -964,8 +964,8 @@ def test_state_passing_reference_world_range():
 
 
 # ---------------------------------------------------------------------------------------------
-# mamba_cp sections 1-4 and 14: the single-device SSD against the oracle, forward and backward
-# (section 2's tuning too)
+# mamba_cp sections 3-5, 7 and 13: the single-device SSD against the oracle, forward and backward
+# (section 7's tuning too)
 # ---------------------------------------------------------------------------------------------
 
 OPTIONS = {
@@ -1248,7 +1248,7 @@ def test_varlen_states_have_no_backward():
 
 
 # ---------------------------------------------------------------------------------------------
-# mamba_cp section 10: bad input, a ValueError naming the argument
+# mamba_cp section 9: bad input, a ValueError naming the argument
 # ---------------------------------------------------------------------------------------------
 
 def _bad_cases():
@@ -1307,12 +1307,11 @@ def test_bad_input_raises(case):
 
 
 # ---------------------------------------------------------------------------------------------
-# mamba_cp sections 5, 6, 9 and 11: layouts and communication. The layouts by hand; the zigzag
-# permutation each way (a case of the fused core's check); the prefix scan over ranks (summary_exchange="scan")
-# alone, on random summaries of every global segment: against the float64 recurrence
-# (forward) and its autograd (backward), and bitwise against the same compositions in the
-# same order in one process. Then the whole fused core with both exchanges, every layout,
-# against the oracle and against each other; and bad calls refused on every rank.
+# mamba_cp sections 6, 8 and 10: layouts and communication. The layouts by hand; the zigzag
+# permutation each way; the prefix scan over ranks (summary_exchange="scan") alone, on random
+# summaries of every global segment, against the float64 recurrence (forward) and its autograd
+# (backward); the cost model against bytes worked by hand. Then the whole fused core with both
+# exchanges, every layout, each against the oracle; and bad calls refused on every rank.
 # ---------------------------------------------------------------------------------------------
 
 def test_layouts_by_hand():
@@ -1650,7 +1649,7 @@ def test_eager_cp_calls_make_no_host_sync_gpu():
 
 
 # ---------------------------------------------------------------------------------------------
-# mamba_cp section 7: the causal conv1d with its halo, against causal_conv1d_reference. The
+# mamba_cp section 2: the causal conv1d with its halo, against causal_conv1d_reference. The
 # reference has no halo: it runs on [halo, xBC] (ids [halo_seq, seq_idx]) and its first d-1
 # outputs are dropped; the halo's gradient is the gradient w.r.t. those first d-1 rows.
 # ---------------------------------------------------------------------------------------------
@@ -1806,7 +1805,7 @@ def test_conv_bad_inputs():
 
 
 # ---------------------------------------------------------------------------------------------
-# mamba_cp sections 8, 12 and 16: the fused conv1d + SSD with context parallelism, and the
+# mamba_cp sections 1, 11 and 15: the fused conv1d + SSD with context parallelism, and the
 # all-to-all baseline, rank by rank against the oracle on the full sequence. Every rank builds
 # the full inputs from one seed, runs the float64 oracle on the whole sequence, and compares
 # its local output shard, its local input gradients, and the parameter gradients summed over
@@ -1889,7 +1888,7 @@ def test_cp_against_oracle(world):
 
 
 # ---------------------------------------------------------------------------------------------
-# mamba_cp sections 13 and 15: mamba_split_conv1d_scan_combined. zxbcdt = [z0 | x0 | z | xBC | dt] in,
+# mamba_cp sections 12 and 14: mamba_split_conv1d_scan_combined. zxbcdt = [z0 | x0 | z | xBC | dt] in,
 # the gated (or gated-RMSNorm'd, optionally out-projected) output out, against the float64
 # oracle on the whole sequence, rank by rank.
 # ---------------------------------------------------------------------------------------------
@@ -2976,7 +2975,7 @@ def test_cuda_graph_capture_single_device():
 
 
 # ---------------------------------------------------------------------------------------------
-# The module reads in the order the method runs
+# The module reads in the order the method runs; Part I runs alone; the worked example
 # ---------------------------------------------------------------------------------------------
 
 

@@ -430,6 +430,7 @@ def _conv1d_fwd(xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=None, 
         _BLC(*out.stride()), TAPS=d, **flags)
     return out
 
+
 @triton.jit
 def _conv_bwd_kernel(
     dout_ptr, x_ptr, w_ptr, bias_ptr, halo_ptr, seq_ptr, hseq_ptr,
@@ -572,6 +573,7 @@ def ssd_tensors(x, B, C, call, plan):
     those fields), with dt' and the chunks' cumulative sums formed once: every kernel reads them."""
     return SSD(x, call.dt, call.A, B, C, call.D, call.dt_bias, call.seq_idx,
                _dt_cumsums(call.dt, call.dt_bias, call.A, plan))
+
 
 @triton.jit
 def _softplus(v):
@@ -794,6 +796,7 @@ def _state_pass(head_in, group_in, ssd, plan, reverse):
         **plan.launch.get("state", {}), **plan.flags)
     return per_chunk, decay, left, a
 
+
 @triton.jit
 def _summary_scan_kernel(
     src_ptr, a_ptr, cont_ptr, start_ptr, out_ptr, end_ptr, count, nheads, size,
@@ -851,6 +854,7 @@ def scan_summaries(src, a, start=None, cont=None, reverse=False):
 # state pass stored from a zero run entry (exit), (b, nchunks, h, p, n); gamma (rho), (b, nchunks,
 # h) fp32; the runs' entry states (exit gradients), (b, nruns, h, p, n) fp32, or a stand-in.
 _ChunkEdge = collections.namedtuple("_ChunkEdge", "stored decay run")
+
 
 @triton.jit
 def _true_chunk_edge(edge, chunk_slot, run_slot, h, offs_p, offs_n, mask_pn, nheads, headdim, dstate,
@@ -1352,6 +1356,7 @@ class Segments:
         """This rank's segments of a (batch, count, ...) tensor, as rows (batch * per_row, ...)."""
         own = torch.stack([t_global[:, k] for k in self.held], dim=1)  # no index tensor: graph-capturable
         return own.reshape(own.shape[0] * own.shape[1], *own.shape[2:])
+
 
 def _all_gather(t, cp_group, async_op=False):
     """All-gather of a contiguous tensor into (world, *t.shape); with async_op the Work too."""
@@ -2062,6 +2067,7 @@ def _check_layout(load_balancing):
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _INTS = (torch.int32, torch.int64)
 
+
 def _check_tensor(t, name, shape, ref, *, dtypes=None, allow_none=True):
     """Shape (None entries are free), device of `ref`, floating dtype (or one of `dtypes`)."""
     if t is None:
@@ -2193,6 +2199,7 @@ _STATE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64)
 _ACTIVATIONS = ("silu", "swish", None)
 
+
 def _check_cp_inputs(call, chunk_size, headdim, ngroups, load_balancing, dt_limit, activation="silu", state_dtype=None,
                      summary_exchange="auto"):
     """The local checks of a CP call (a Call in the caller's layout, any values at all)."""
@@ -2239,6 +2246,7 @@ def _check_cp_inputs(call, chunk_size, headdim, ngroups, load_balancing, dt_limi
     _expect(seg >= max(1, d_conv - 1), "xBC", f"segments of {seg} tokens",
             f"at least d_conv - 1 = {d_conv - 1} tokens per segment (the conv halo comes from one neighbour)")
 
+
 def _signature(**tensors_and_options):
     """A fixed-length integer description of every argument (-1 where absent), for _agree."""
     values, names = [], []
@@ -2253,6 +2261,7 @@ def _signature(**tensors_and_options):
             values.append(int(v))
             names.append(name)
     return values, names
+
 
 def _call_signature(call, chunk_size, headdim, ngroups, load_balancing, return_final_states, summary_exchange="auto"):
     """What the ranks agree on (for _signature): a Call's tensors, any values at all, and the options."""
@@ -2316,6 +2325,7 @@ def set_input_checks(mode):
     _expect(mode in ("first", "always"), "mode", repr(mode), "'first' or 'always'")
     previous, _CHECKS["mode"] = _CHECKS["mode"], mode
     return previous
+
 
 def _raise_disagreement(every, names, local_error):
     """The host's reading of the gathered (world, len(names) + 2) verdicts."""
@@ -2420,6 +2430,7 @@ def _agreement_ints():
 
 
 LAYOUTS = ("none", "virtual", "permute_p2p", "permute_a2a")
+
 
 def shard(x_full, rank, world, load_balancing="none", dim=1):
     """This rank's local shard of a full-sequence tensor, in the given layout."""
@@ -2957,6 +2968,7 @@ def document_end_states(ssd, summary, cu_seqlens, entry=None):
         **plan.dt_flags)
     return out
 
+
 def _flat_heads(t):
     """(b, l, h, p) as (b, l, h*p) with a unit channel stride, as the gate's kernels read it (a
     view where the strides allow one)."""
@@ -3055,6 +3067,7 @@ def _scan_fake(o, x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seq
 SCAN = Steps(_scan_forward, _scan_backward)
 SCAN_OPS = _as_ops("chunk_scan", SCAN, ScanOptions, _scan_plan, 3, _scan_fake, lambda o, tensors: None)
 
+
 def _check_varlen(cu_seqlens, return_varlen_states, seq_idx, x):
     """cu_seqlens (num_docs + 1,) in one batch row, with seq_idx (their values: in the op)."""
     _expect(cu_seqlens is not None or not return_varlen_states, "cu_seqlens", "None with return_varlen_states=True",
@@ -3066,6 +3079,7 @@ def _check_varlen(cu_seqlens, return_varlen_states, seq_idx, x):
     _expect(x.shape[0] == 1, "x", f"batch {x.shape[0]} with cu_seqlens", "batch 1 (cu_seqlens packs the documents "
             "into one row)")
     _expect(seq_idx is not None, "seq_idx", "None with cu_seqlens", "the documents of cu_seqlens as ids (1, seqlen)")
+
 
 def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
                               initial_states=None, seq_idx=None, cu_seqlens=None, dt_softplus=False,
@@ -3281,6 +3295,7 @@ def _mixer_agrees(o, tensors):
 MIXER = Steps(_mixer_forward, _mixer_backward)
 MIXER_OPS = _as_ops("mixer", MIXER, MixerOptions, _mixer_plan, 2, _mixer_fake, _mixer_agrees)
 
+
 def _split_widths(zxbcdt, conv1d_weight, A, D, headdim, ngroups):
     """(d_nonssm, d_nonssm, dim, conv_dim, nheads), headdim and dstate of a call, checked."""
     _expect(isinstance(zxbcdt, torch.Tensor) and zxbcdt.dim() == 3, "zxbcdt",
@@ -3443,6 +3458,7 @@ def _gather_heads_backward(ctx, grad):
 
 
 _gather_heads_op.register_autograd(_gather_heads_backward, setup_context=_keep_group)
+
 
 def _a2a_heads(nheads, ngroups, world, rank):
     """Heads of `rank` and, per local head, the group it reads. Groups are split across ranks

@@ -2351,7 +2351,7 @@ def _agree(key, signature, local_error, seq_idx, group, device):
     difference raises the same ValueError on every rank (on a key's first call; later, the
     device-side assert above); a rank that rejected its inputs raises its own error and the
     others say which rank stopped them. group None: a world of one, nothing gathered."""
-    expected = _AGREED.get(key)            # what every rank sends when all is well
+    expected = _AGREED.get(key) if key is not None else None       # what every rank sends when all is well
     read = _CHECKS["mode"] == "always" or local_error is not None or expected is None
     if read:
         values, names = signature()
@@ -2368,9 +2368,10 @@ def _agree(key, signature, local_error, seq_idx, group, device):
                             "or a seq_idx steps down (set_input_checks('always') names it)")
         return
     _raise_disagreement(every.cpu(), names, local_error)
-    if len(_AGREED) >= 1024:
-        _AGREED.clear()
-    _AGREED[key] = torch.tensor(values + [0, 0], dtype=torch.int64, device=device)
+    if key is not None:
+        if len(_AGREED) >= 1024:
+            _AGREED.clear()
+        _AGREED[key] = torch.tensor(values + [0, 0], dtype=torch.int64, device=device)
 
 
 def _call_key(*args):

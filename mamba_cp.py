@@ -426,7 +426,8 @@ def _conv1d_fwd(xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=None, 
         xBC, weight, xBC if bias is None else bias, xBC if halo is None else halo, xBC if seq_idx is None else seq_idx,
         xBC if halo_seq is None else halo_seq, out, l, dim, S, _BLC(*xBC.stride()), _CK(*weight.stride()),
         0 if bias is None else bias.stride(0), _ZERO_BLC if halo is None else _BLC(*halo.stride()),
-        _ZERO_BL if seq_idx is None else _BL(*seq_idx.stride()), _ZERO_BL if halo_seq is None else _BL(*halo_seq.stride()),
+        _ZERO_BL if seq_idx is None else _BL(*seq_idx.stride()),
+        _ZERO_BL if halo_seq is None else _BL(*halo_seq.stride()),
         _BLC(*out.stride()), TAPS=d, **flags)
     return out
 
@@ -531,7 +532,8 @@ def _conv1d_bwd(dout, xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=
         dx, parts if dhalo is None else dhalo, parts,
         l, dim, S, _BLC(*dout.stride()), _BLC(*xBC.stride()), _CK(*weight.stride()),
         0 if bias is None else bias.stride(0), _ZERO_BLC if halo is None else _BLC(*halo.stride()),
-        _ZERO_BL if seq_idx is None else _BL(*seq_idx.stride()), _ZERO_BL if halo_seq is None else _BL(*halo_seq.stride()),
+        _ZERO_BL if seq_idx is None else _BL(*seq_idx.stride()),
+        _ZERO_BL if halo_seq is None else _BL(*halo_seq.stride()),
         _BLC(*dx.stride()), TAPS=d, SHIFT=shift, NEED_DHALO=need_dhalo, **flags)
     sums = parts.sum(dim=(0, 1))                                                 # (d [+ 1], dim)
     dweight = sums[:d].t().contiguous()                                          # (dim, d)
@@ -1394,7 +1396,8 @@ def receive_halo(xBC, seq_idx, plan):
     Returns halo (rows, d-1, dim) and halo_seq (rows, d-1) int32 or None."""
     d1 = plan.d_conv - 1
     tail = xBC[:, xBC.shape[1] - d1:]                                              # (rows, d-1, dim)
-    buf = _pack(xBC.shape[0], tail) if seq_idx is None else _pack(xBC.shape[0], tail, seq_idx[:, seq_idx.shape[1] - d1:])
+    parts = (tail,) if seq_idx is None else (tail, seq_idx[:, seq_idx.shape[1] - d1:])
+    buf = _pack(xBC.shape[0], *parts)
     before = plan.exchange.neighbours(buf, plan, later=True)                       # (rows, numel)
     if seq_idx is None:
         return before.reshape(xBC.shape[0], d1, xBC.shape[2]).to(xBC.dtype), None
@@ -1868,7 +1871,8 @@ def _entries_by_prefix_scan(S_ext, a, seq_idx, initial_states, plan):
                 else (m.first == prefix.last).float())
         entries.append(cont[:, None, None, None] * _applied(prefix, init))
         conts.append(cont)
-    return _stacked_rows(entries, plan), _applied(total, init), a, None if seq_idx is None else _stacked_rows(conts, plan)
+    conts = None if seq_idx is None else _stacked_rows(conts, plan)
+    return _stacked_rows(entries, plan), _applied(total, init), a, conts
 
 
 def _exit_grads_by_prefix_scan(G, dfinal, a, cont, plan):
@@ -2670,14 +2674,15 @@ def _core_fake(o, xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states
     h, p = dt.shape[2], o.headdim
     n = (conv_dim - h * p) // (2 * o.ngroups)
     count = (2 if o.load_balancing == "virtual" else 1) * _world_of(o.group)
-    f32, none = dict(device=xBC.device, dtype=torch.float32), xBC.new_empty(0)
-    kept = [none] * 5                               # a single segment keeps nothing
+    f32 = dict(device=xBC.device, dtype=torch.float32)
+    kept = [xBC.new_empty(0) for _ in range(5)]     # a single segment keeps nothing
     if count > 1:
         scan, docs = o.summary_exchange == "scan", seq_idx is not None
         kept = [xBC.new_empty((rows, conv_weight.shape[1] - 1, conv_dim)),
-                torch.empty((rows, conv_weight.shape[1] - 1), device=xBC.device, dtype=torch.int32) if docs else none,
+                torch.empty((rows, conv_weight.shape[1] - 1), device=xBC.device, dtype=torch.int32) if docs
+                else xBC.new_empty(0),
                 torch.empty((rows, h, p, n), **f32), torch.empty((rows, h) if scan else (o.batch, count, h), **f32),
-                torch.empty((rows,) if scan else (o.batch, count), **f32) if docs else none]
+                torch.empty((rows,) if scan else (o.batch, count), **f32) if docs else xBC.new_empty(0)]
     return [xBC.new_empty((rows, s, h, p)), torch.empty((o.batch, h, p, n), **f32), *kept]
 
 
@@ -3057,9 +3062,9 @@ def _scan_backward(plan, grads, tensors, kept):
 
 def _scan_fake(o, x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens):
     b, _, h, p = x.shape
-    f32, none = dict(device=x.device, dtype=torch.float32), x.new_empty(0)
-    return [torch.empty_like(x), torch.empty((b, h, p, B.shape[3]), **f32) if o.need_final else none,
-            torch.empty((cu_seqlens.shape[0] - 1, h, p, B.shape[3]), **f32) if o.need_doc_states else none,
+    f32 = dict(device=x.device, dtype=torch.float32)
+    return [torch.empty_like(x), torch.empty((b, h, p, B.shape[3]), **f32) if o.need_final else x.new_empty(0),
+            torch.empty((cu_seqlens.shape[0] - 1, h, p, B.shape[3]), **f32) if o.need_doc_states else x.new_empty(0),
             *([] if z is None else [torch.empty_like(x)])]
 
 
@@ -3281,7 +3286,8 @@ def _mixer_fake(o, zxbcdt, conv_weight, conv_bias, dt_bias, A, D, initial_states
     width = outproj_weight.shape[0] if outproj_weight is not None else o.widths[0] + o.widths[2]
     out = torch.empty((b, l, width), device=zxbcdt.device,
                       dtype=outproj_weight.dtype if outproj_weight is not None else zxbcdt.dtype)
-    rows = [xBC, dt] if o.layout.startswith("permute") and _world_of(o.group) > 1 else [zxbcdt.new_empty(0)] * 2
+    permuted = o.layout.startswith("permute") and _world_of(o.group) > 1
+    rows = [xBC, dt] if permuted else [zxbcdt.new_empty(0), zxbcdt.new_empty(0)]
     return [out, final, zxbcdt.new_empty((b, l, o.widths[2])), *rows, *kept]
 
 

@@ -1344,10 +1344,6 @@ class Segments:
         self.where = {k: (r, j) for r in range(world) for j, k in enumerate(_pieces(r, world, layout)[0])}
         self.order = [self.where[k] for k in range(self.count)]        # (rank, local index) by position
 
-    def to_rows(self, t):
-        """(b, per_row * s, ...) -> (b * per_row, s, ...): one row per segment."""
-        return t.reshape(t.shape[0] * self.per_row, t.shape[1] // self.per_row, *t.shape[2:])
-
     def gather_order(self, gathered, batch):
         """Stack per-rank, per-local-segment tensors (world, batch * per_row, ...) into global
         segment order (batch, count, ...)."""
@@ -1700,8 +1696,10 @@ class Plan:
         self.dstate = (conv_dim - self.nheads * headdim) // (2 * ngroups)
         self.state_shape = (self.nheads, headdim, self.dstate)
         t, shape = tuning(), (rows, s, self.nheads, headdim, ngroups, self.dstate)
-        self.fwd, self.bwd = (LaunchPlan(shape, call.xBC.dtype, min(chunk_size, q), call.dt_bias, True, dt_limit,
-                                         call.seq_idx, state_dtype) for q in (t.chunk_fwd, t.chunk_bwd))
+        self.fwd = LaunchPlan(shape, call.xBC.dtype, min(chunk_size, t.chunk_fwd), call.dt_bias, True, dt_limit,
+                              call.seq_idx, state_dtype)
+        self.bwd = self.fwd if t.chunk_bwd == t.chunk_fwd else LaunchPlan(
+            shape, call.xBC.dtype, min(chunk_size, t.chunk_bwd), call.dt_bias, True, dt_limit, call.seq_idx, state_dtype)
 
 
 # =============================================================================================

@@ -2316,6 +2316,7 @@ _CHECKS = {"mode": "first", "world_of_one": False}    # world_of_one: gather in 
 _AGREED = {}                                          # call key -> what every rank sends when all is well
 _PREPARED = {}                                        # call key -> its first call's results (_prepared)
 _GROUPS = {}                                          # (group, on a GPU) -> (rank, world), checked
+_PIECE_ORDERS = {}                                    # (world, layout, device) -> _piece_order's
 
 
 def set_input_checks(mode):
@@ -2329,7 +2330,7 @@ def set_input_checks(mode):
     return previous
 
 
-def _raise_disagreement(every, names, local_error):
+def _raise_disagreement(every, names, local_error, group):
     """The host's reading of the gathered (world, len(names) + 2) verdicts."""
     for i, name in enumerate(names):
         values = every[:, i].tolist()
@@ -2342,17 +2343,62 @@ def _raise_disagreement(every, names, local_error):
         raise ValueError(f"inputs: got a ValueError on rank(s) {rejected} of cp_group, expected valid inputs "
                          "on every rank (all ranks stop before any collective that could hang)")
     decreasing = [r for r, flag in enumerate(every[:, -1].tolist()) if flag]
-    _expect(not decreasing, "seq_idx", f"a decreasing step on rank(s) {decreasing} of cp_group",
-            "non-decreasing document ids along each row")
+    where = "" if group is None else f" on rank(s) {decreasing} of cp_group"
+    _expect(not decreasing, "seq_idx", "a decreasing step" + where, "non-decreasing document ids along each row")
 
 
-def _agree(key, signature, local_error, seq_idx, group, device):
+def _piece_order(world, layout, device):
+    """The pieces of the sequence in global order, as (rank, local piece) pairs, and as an index
+    into the ranks' pieces stacked rank by rank (cached: the eager path builds it once)."""
+    found = _PIECE_ORDERS.get((world, layout, device))
+    if found is None:
+        held = [_pieces(r, world, layout)[0] for r in range(world)]
+        order = sorted(((r, j) for r in range(world) for j in range(len(held[r]))), key=lambda rj: held[rj[0]][rj[1]])
+        found = _PIECE_ORDERS[(world, layout, device)] = (
+            order, torch.tensor([r * len(held[r]) + j for r, j in order], device=device))
+    return found
+
+
+def _boundary_steps(seq_idx, layout, group):
+    """Whether seq_idx steps down where one piece of the sequence ends and the next begins:
+    (b, pieces - 1) bool in global order, the same on every rank, with each piece's first and
+    last ids (b, pieces, 2) and its (rank, local piece). seq_idx (b, l) in the layout. A rank
+    alone cannot see its neighbours' ids, so each sends the ends of its pieces. None where the
+    sequence is one piece."""
+    world = 1 if group is None else dist.get_world_size(group)
+    pieces = _pieces(0, world, layout)[1] // world                     # per rank: 1, or 2 (zigzag)
+    if pieces * world == 1:
+        return None
+    s = seq_idx.reshape(seq_idx.shape[0], pieces, -1)                  # (b, pieces, l / pieces)
+    ends = (s[..., ::s.shape[-1] - 1] if s.shape[-1] > 1 else torch.cat([s, s], dim=-1)).to(torch.int64)
+    every = _all_gather(ends, group) if world > 1 else ends[None]     # (W, b, pieces, 2)
+    order, index = _piece_order(world, layout, every.device)
+    glob = every.transpose(0, 1).reshape(ends.shape[0], -1, 2).index_select(1, index)   # (b, pieces * W, 2)
+    return glob[:, 1:, 0] < glob[:, :-1, 1], glob, order
+
+
+def _raise_boundary_step(down, glob, order):
+    """The host's reading of _boundary_steps: a ValueError naming the first step down."""
+    if not bool(down.any()):
+        return
+    row, k = (int(i) for i in down.nonzero()[0])
+    (a, _), (b, _) = order[k], order[k + 1]
+    between = f"ranks {a} and {b} of cp_group" if a != b else f"the two pieces held by rank {a}"
+    raise ValueError(f"seq_idx: got a decreasing step where the sequence passes between {between} (row {row}: "
+                     f"document {int(glob[row, k, 1])}, then {int(glob[row, k + 1, 0])}), expected document ids "
+                     "numbered over the whole sequence, non-decreasing across the ranks (shard the global "
+                     "ids, as shard_batch does; ids counted per shard mean other documents)")
+
+
+def _agree(key, signature, local_error, seq_idx, layout, group, device):
     """Every rank checks that all ranks called with the same shapes and options, that none
     rejected its own inputs, and that no seq_idx steps down: one all-gather of a fixed-size
-    integer vector (signature()'s values, then those two verdicts), so a mismatch cannot hang. A
-    difference raises the same ValueError on every rank (on a key's first call; later, the
-    device-side assert above); a rank that rejected its inputs raises its own error and the
-    others say which rank stopped them. group None: a world of one, nothing gathered."""
+    integer vector (signature()'s values, then those two verdicts), so a mismatch cannot hang,
+    and, with seq_idx over several pieces, a second of each piece's first and last ids, sent
+    only once the first has agreed on their shapes. A difference raises the same ValueError on
+    every rank (on a key's first call; later, the device-side assert above); a rank that
+    rejected its inputs raises its own error and the others say which rank stopped them. group
+    None: a world of one, nothing gathered."""
     expected = _AGREED.get(key) if key is not None else None       # what every rank sends when all is well
     read = _CHECKS["mode"] == "always" or local_error is not None or expected is None
     if read:
@@ -2368,8 +2414,16 @@ def _agree(key, signature, local_error, seq_idx, group, device):
         torch._assert_async((every == expected).all(),
                             "mamba_cp: the ranks of cp_group were called with different shapes or options, "
                             "or a seq_idx steps down (set_input_checks('always') names it)")
+        steps = None if seq_idx is None else _boundary_steps(seq_idx, layout, group)
+        if steps is not None:
+            torch._assert_async(~steps[0].any(), "mamba_cp: seq_idx steps down between two ranks' pieces of the "
+                                "sequence (set_input_checks('always') names them)")
         return
-    _raise_disagreement(every.cpu(), names, local_error)
+    _raise_disagreement(every.cpu(), names, local_error, group)
+    steps = None if seq_idx is None else _boundary_steps(seq_idx, layout, group)
+    if steps is not None:
+        down, glob, order = steps
+        _raise_boundary_step(down.cpu(), glob.cpu(), order)
     if key is not None:
         if len(_AGREED) >= 1024:
             _AGREED.clear()
@@ -2388,13 +2442,14 @@ def _call_key(*args):
     return key
 
 
-def _prepared(key, prepare, cp_group, world, ref, seq_idx, signature):
+def _prepared(key, prepare, cp_group, world, ref, seq_idx, layout, signature):
     """What prepare() derives from a call: it runs the call's local checks (a ValueError on bad
     input) and returns what the call needs (its plan, its options). It runs on the first call of
     a key and is looked up after (under the same tuning and link model): checks that passed for a
     key cannot fail for it again. Then, outside CUDA-graph capture and compilation, every rank
     agrees with the others (_agree) before anything else is sent; a world of one checks only
-    seq_idx's order. signature(): _signature's (values, names), asked for only where read."""
+    seq_idx's order. seq_idx (b, l) in the layout `layout`; signature(): _signature's (values,
+    names), asked for only where read."""
     hit = _PREPARED.get(key) if key is not None else None
     found, error = None, None
     if hit is not None and hit[1] is tuning() and hit[2] is _LINK[0]:
@@ -2408,7 +2463,7 @@ def _prepared(key, prepare, cp_group, world, ref, seq_idx, signature):
         group = cp_group if world > 1 or (_CHECKS["world_of_one"] and cp_group is not None) else None
         seq = seq_idx if error is None else None
         if group is not None or seq is not None:    # a world of one without documents: nothing to agree
-            _agree(key, signature, error, seq, group, ref.device)
+            _agree(key, signature, error, seq, layout, group, ref.device)
     if error is not None:
         raise error
     if key is not None and (hit is None or hit[0] is not found):
@@ -2688,7 +2743,8 @@ def _core_agrees(o, tensors):
     """The ranks' agreement on a compiled core call, inside its forward op."""
     call = Call(*tensors)
     group = _resolve_group(o.group)
-    _prepared(_call_key(o, *tensors), lambda: None, group, _world_of(o.group), call.xBC, call.seq_idx,
+    seq_idx = None if call.seq_idx is None else call.seq_idx.reshape(o.batch, -1)   # the rows back to (b, l)
+    _prepared(_call_key(o, *tensors), lambda: None, group, _world_of(o.group), call.xBC, seq_idx, o.load_balancing,
               lambda: _signature(**_call_signature(call, o.chunk_size, o.headdim, o.ngroups, o.load_balancing, False,
                                                    o.summary_exchange)))
 
@@ -2748,8 +2804,9 @@ def mamba_conv1d_ssd_cp(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_si
             return o, _core_plan(_segment_rows(call, 2 if o.load_balancing == "virtual" else 1), o, cp_group)
         key = _call_key(cp_group, *call, chunk_size, headdim, ngroups, load_balancing, dt_limit, return_final_states,
                         activation, state_dtype, summary_exchange)
-        o, plan = _prepared(key, prepare, cp_group, world, ref, seq_idx, lambda: _signature(**_call_signature(
-            call, chunk_size, headdim, ngroups, load_balancing, return_final_states, summary_exchange)))
+        o, plan = _prepared(key, prepare, cp_group, world, ref, seq_idx, load_balancing,
+                            lambda: _signature(**_call_signature(call, chunk_size, headdim, ngroups, load_balancing,
+                                                                 return_final_states, summary_exchange)))
         steps, arg = METHOD, plan
     permuted = load_balancing.startswith("permute") and world > 1
     if permuted:
@@ -3115,7 +3172,7 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
         key = _call_key(*call, chunk_size, dt_softplus, dt_limit, return_final_states, return_varlen_states,
                         state_dtype)
         steps, arg = SCAN, _prepared(key, lambda: _scan_plan(call, options()), None, 1,
-                                     x if isinstance(x, Tensor) else torch.empty(0), None, None)
+                                     x if isinstance(x, Tensor) else torch.empty(0), None, "none", None)
     if seq_idx is not None:
         call = call._replace(seq_idx=seq_idx.to(torch.int32))
     y, final, doc_states = StatePassingFn.apply(steps, arg, *call)
@@ -3292,9 +3349,11 @@ def _mixer_fake(o, zxbcdt, conv_weight, conv_bias, dt_bias, A, D, initial_states
 def _mixer_agrees(o, tensors):
     """The ranks' agreement on a compiled mixer call, inside its forward op."""
     m = MixerCall(*tensors)
-    _prepared(_call_key(o, *tensors), lambda: None, _resolve_group(o.group), _world_of(o.group), m.zxbcdt, m.seq_idx,
-              lambda: _signature(**_call_signature(Call(m.zxbcdt, None, *m[1:7], m.seq_idx), o.chunk_size, o.headdim,
-                                                   o.ngroups, o.load_balancing, False, o.summary_exchange)))
+    seq_idx = None if m.seq_idx is None else m.seq_idx.reshape(o.batch, -1)          # the rows back to (b, l)
+    _prepared(_call_key(o, *tensors), lambda: None, _resolve_group(o.group), _world_of(o.group), m.zxbcdt, seq_idx,
+              o.load_balancing, lambda: _signature(**_call_signature(
+                  Call(m.zxbcdt, None, *m[1:7], m.seq_idx), o.chunk_size, o.headdim, o.ngroups, o.load_balancing,
+                  False, o.summary_exchange)))
 
 
 MIXER = Steps(_mixer_forward, _mixer_backward)
@@ -3379,9 +3438,9 @@ def mamba_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias
         key = _call_key(cp_group, *m, chunk_size, dt_limit, return_final_states, activation, rmsnorm_eps, headdim,
                         ngroups, norm_before_gate, state_dtype, load_balancing, summary_exchange)
         arg = _prepared(key, lambda: _mixer_plan(m, options(), cp_group), cp_group, world, ref, seq_idx,
-                        lambda: _signature(**_call_signature(Call(zxbcdt, None, *m[1:7], seq_idx), chunk_size, headdim,
-                                                             ngroups, load_balancing, return_final_states,
-                                                             summary_exchange)))
+                        load_balancing, lambda: _signature(**_call_signature(
+                            Call(zxbcdt, None, *m[1:7], seq_idx), chunk_size, headdim, ngroups, load_balancing,
+                            return_final_states, summary_exchange)))
         o, steps = arg.options, MIXER
     if zxbcdt.stride(-1) != 1:                     # the gate's kernels take unit channel strides
         zxbcdt = zxbcdt.contiguous()
@@ -3509,7 +3568,9 @@ def comm_bytes(path, world, L, batch, *, nheads, headdim, dstate, ngroups, d_con
     `documents` adds the seq_idx terms (int32 ids). In a world of one every term is 0.
 
     Every path, forward: the input check's all-gather ("validation") of the int64 values each rank
-    contributes to the agreement on the inputs (_agreement_ints of them): (W-1) * _agreement_ints() * 8.
+    contributes to the agreement on the inputs (_agreement_ints of them): (W-1) * _agreement_ints() * 8;
+    with documents a second, of the first and last id of each of the caller's k pieces per row
+    (int64): (W-1) * b * k * 2 * 8 (k = 2 for the zigzag layouts, 1 for "none" and "a2a").
 
     State passing, "none" (k = 1 segment per rank) and "virtual" (k = 2), rows = b*k, with the
     summaries all-gathered:
@@ -3554,6 +3615,9 @@ def comm_bytes(path, world, L, batch, *, nheads, headdim, dstate, ngroups, d_con
         return None
     o, ids, cd = world - 1, int(documents), h * p + 2 * g * n
     terms = [("fwd", "validation all-gather", o * _agreement_ints() * 8, o)]
+    if documents:
+        pieces = 1 if path in ("none", "a2a") else 2
+        terms.append(("fwd", "seq_idx ends all-gather", o * batch * pieces * 2 * 8, o))
     if path == "a2a":
         hw, gr, l = h // world, len(_a2a_heads(h, g, world, 0)[1]), L // world
         for side, d in (("fwd", ""), ("bwd", "d")):
@@ -3632,7 +3696,7 @@ def mamba_conv1d_ssd_a2a(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_s
     else:
         key = _call_key("a2a", cp_group, *call, chunk_size, headdim, ngroups, load_balancing, dt_limit,
                         return_final_states, activation, state_dtype)
-        _prepared(key, check, cp_group, world, ref, seq_idx,
+        _prepared(key, check, cp_group, world, ref, seq_idx, load_balancing,
                   lambda: _signature(**_call_signature(call, chunk_size, headdim, ngroups, load_balancing,
                                                        return_final_states)))
     if world == 1:

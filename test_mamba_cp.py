@@ -1467,6 +1467,10 @@ def test_exchange_cost_model():
             terms = dict(terms, **want[("none", 4, "all_gather")])
         assert {k: (v, c["latencies"][k]) for k, v in c["terms"].items()} == terms, (path, c)
         assert c["fwd"] + c["bwd"] == sum(v for v, _ in terms.values()) + (W - 1) * 8 * mamba_cp._agreement_ints()
+    for path, pieces in (("none", 1), ("virtual", 2), ("a2a", 1)):          # documents: their ends gathered too
+        c = bill(path, 2, documents=True)
+        assert (c["terms"]["fwd: seq_idx ends all-gather"], c["latencies"]["fwd: seq_idx ends all-gather"]) == \
+            (pieces * 2 * 8, 1), (path, c)
     assert bill("a2a", 4) is None and mamba_cp.comm_bytes("none", 4, 12, 1, **tiny) is None   # h % W, L % 2W
     cost = dict(terms={"fwd: a": 100, "bwd: b": 10}, latencies={"fwd: a": 3, "bwd: b": 1})
     assert mamba_cp.modelled_seconds(cost, mamba_cp.LinkModel(alpha=1.0, beta=0.5)) == 3 + 50 + 1 + 5
@@ -1522,6 +1526,16 @@ def cp_bad_input_messages(rank, world, group, device):
                   initial_states=kw["initial_states"], **({} if exchange is None else dict(summary_exchange=exchange)))
 
     xBC, dt = local["xBC"], local["dt"]
+    per_shard = (torch.arange(xBC.shape[1]) // 5).int().expand(2, -1)          # documents 0, 0, ... 2 on every rank
+    split, split_opts = split_inputs(SPLIT_SMALL._replace(seqlen=12).per_world(world), 0, norm=True)
+    split = {k: mamba_cp.shard(v, rank, world, "virtual") if k == "zxbcdt" else v for k, v in split.items()}
+
+    def split_call(seq_idx):
+        return mamba_cp.mamba_split_conv1d_scan_combined(**dict(split, seq_idx=seq_idx), **split_opts,
+                                                         cp_group=group, load_balancing="virtual")
+    per_shard_calls = {"none": lambda: call(seq_idx=per_shard), "virtual": lambda: call(layout="virtual",
+                                                                                       seq_idx=per_shard),
+                       "mixer entry, virtual": lambda: split_call(per_shard)}
     cases = {   # case: (the argument the message must name, the call)
         # rank 0 holds one token more than the others
         "shapes differ across ranks": ("xBC.shape[1]", lambda: call(xBC=xBC if rank else torch.cat([xBC, xBC[:, :1]], 1),
@@ -1537,12 +1551,16 @@ def cp_bad_input_messages(rank, world, group, device):
         "a2a: nheads not divisible by W": ("dt", lambda: call(fn=mamba_cp.mamba_conv1d_ssd_a2a)),
         # every rank learns of rank 0's decreasing ids in the agreement step
         "seq_idx decreasing on one rank": ("seq_idx", lambda: call(seq_idx=bad_seq)),
+        # ids numbered per shard (the usual mistake): non-decreasing on each rank, stepping down
+        # where one rank's piece of the sequence ends and the next rank's begins
+        **{f"seq_idx per shard, {where}": ("seq_idx", fn) for where, fn in per_shard_calls.items()},
     }
     good_seq = torch.zeros_like(xBC[..., 0], dtype=torch.int32)
     bad_seq = good_seq if rank else -torch.arange(xBC.shape[1], dtype=torch.int32).expand(2, -1)
     steady = {  # after a good call of each signature: the device-side check (ValueError on a rank whose signature is new)
         "later call: shapes differ across ranks": cases["shapes differ across ranks"],
         "later call: seq_idx decreasing on one rank": ("seq_idx", lambda: call(seq_idx=bad_seq)),
+        **{f"later call: seq_idx per shard, {where}": ("seq_idx", fn) for where, fn in per_shard_calls.items()},
     }
     def run(fn):
         try:
@@ -1557,6 +1575,8 @@ def cp_bad_input_messages(rank, world, group, device):
     try:                                                   # the control: these arguments unchanged run
         call()
         call(seq_idx=good_seq)
+        call(layout="virtual", seq_idx=good_seq)
+        split_call(good_seq)
         out["a good call"] = ("", "no error")
     except Exception as e:  # noqa: BLE001
         out["a good call"] = ("", f"{type(e).__name__}: {e}"[:300])
@@ -1584,6 +1604,11 @@ def test_cp_bad_input_raises_on_every_rank():
         if case == "a good call":
             assert all(m == "no error" for m in seen), seen
             continue
+        if "per shard" in case:              # named on the first call, on the device later, on every rank
+            want = "RuntimeError: mamba_cp: seq_idx steps down between two ranks' pieces" if case.startswith(
+                "later") else "ValueError: seq_idx: got a decreasing step where the sequence passes between ranks 0 and 1"
+            assert all(m.startswith(want) for m in seen), f"{case}: {seen}"
+            continue
         if case.startswith("later call"):
             assert all(m.startswith(("RuntimeError: mamba_cp: the ranks", f"ValueError: {argument}: got "))
                        for argument, m in (r[case] for r in messages)), f"{case}: {seen}"
@@ -1592,7 +1617,6 @@ def test_cp_bad_input_raises_on_every_rank():
         assert all(m.startswith(f"ValueError: {argument}: got ") for argument, m in (r[case] for r in messages)), \
             f"{case}: {seen}"
         assert len(set(seen)) == 1, f"{case}: ranks disagree: {seen}"
-
 
 
 @gpu
@@ -1969,6 +1993,12 @@ def test_split_conv1d_scan_bad_inputs():
     for name, change in cases.items():
         with pytest.raises(ValueError, match=rf"^{name}: got .*, expected "):
             mamba_cp.mamba_split_conv1d_scan_combined(**dict(call, **change))
+    l = full["zxbcdt"].shape[1]                      # a single device has no cp_group to blame
+    for layout in ("none", "virtual"):               # virtual: the step down where the two halves meet
+        with pytest.raises(ValueError, match=r"^seq_idx: got a decreasing step, expected non-decreasing"):
+            mamba_cp.mamba_split_conv1d_scan_combined(**dict(call, seq_idx=(torch.arange(l, device=DEVICE) < l // 2)
+                                                             .int().expand(2, -1).contiguous(),
+                                                             load_balancing=layout))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3241,5 +3241,247 @@ def main():
     sys.exit(1 if failed or not passed else 0)
 
 
+
+# ---------------------------------------------------------------------------------------------
+# Training under CP: checkpointing, accumulation, FSDP2 bf16, and examples/train_cp.py. What a
+# trainer adds around enable_cp, each at W = 2 on gloo against transformers' unsharded model
+# (hf_reference's arithmetic: each packed document alone, the batch's count of predicted tokens
+# as divisor); then the example trainer, its cp 2 losses against its own cp 1 run and a resumed
+# run against an uninterrupted one, through torchrun.
+# ---------------------------------------------------------------------------------------------
+
+# HF_TRAINED's Bamba (a Mamba2 layer, then a grouped-query rotary attention layer) with its mixer
+# in 2 heads of 32 channels and one B/C group: the interpreter runs a program per head, so this
+# halves the time of each step (the 8-head, 2-group mixer is trained in the sections above)
+TRAINED = ("BambaForCausalLM", "BambaConfig", dict(HF_TRAINED["BambaForCausalLM"][1], mamba_n_heads=2,
+                                                   mamba_d_head=32, mamba_n_groups=1))
+TRAIN_STEPS = 2
+# what each case adds to enable_cp: the checkpointing (transformers' switch, reentrant or not;
+# torch.utils.checkpoint around each decoder layer's forward), FSDP2 over the 2 ranks (dp 1 x
+# cp 2), the micro-batches of each optimizer step (each a row of the batch), a bf16 policy
+TRAIN_CASES = {
+    "hf_checkpointing_reentrant": dict(checkpointing="hf_reentrant"),
+    "hf_checkpointing": dict(checkpointing="hf"),
+    "fsdp2_layer_checkpoint_accumulation": dict(fsdp=True, checkpointing="layer", micro_batches=2),
+    "fsdp2_bf16": dict(fsdp=True, bf16=True),
+}
+
+
+def trained_model(dtype=torch.float32):
+    import transformers
+    name, config_name, options = TRAINED
+    torch.manual_seed(0)
+    return getattr(transformers, name)(getattr(transformers, config_name)(**options)).to(dtype)
+
+
+def training_reference(cast=None, steps=TRAIN_STEPS):
+    """transformers' own path on the whole packed batch, hf_reference's arithmetic, float32
+    parameters and AdamW; with cast (a dtype), each step's forward and backward run on a copy of
+    the parameters in that dtype and the gradients return in float32, as FSDP2's param_dtype
+    does. Losses per step, the first step's gradients, the parameters after the last."""
+    import copy
+    model = trained_model()
+    ids, positions = hf_batch(model.config.vocab_size, True)
+    docs = hf_documents(ids, positions)
+    items = sum(b - a - 1 for _, a, b in docs)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        run = model if cast is None else copy.deepcopy(model).to(cast)
+        total = 0.0
+        for row, a, b in docs:
+            doc = ids[row:row + 1, a:b]
+            loss = run(input_ids=doc, labels=doc, num_items_in_batch=items).loss
+            loss.backward()
+            total += loss.item()
+        if cast is not None:
+            for p, q in zip(model.parameters(), run.parameters()):
+                p.grad = q.grad.float()
+        if not losses:
+            grads = _grads(model)
+        losses.append(total)
+        opt.step()
+    return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _float32_kernels(kernel):
+    """mamba_cp's fused mixer call with its bf16 tensors handed over in float32 and its output
+    returned in the input's dtype: on a CPU the Triton interpreter computes bf16 arithmetic
+    wrongly (it loads, stores and converts bf16 correctly, but adds, multiplies and tl.dot's
+    bf16 values as if they were their 16-bit patterns), so the bf16 case's kernels see float32
+    there; everything else of the model runs in bf16."""
+    def call(*args, **kwargs):
+        up = lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 else t   # noqa: E731
+        return kernel(*map(up, args), **{k: up(v) for k, v in kwargs.items()}).to(args[0].dtype)
+    return call
+
+
+def training_run(rank, world, group, case, meshes, steps=TRAIN_STEPS):
+    """One case of TRAIN_CASES on this rank: enable_cp ("virtual"), the case's additions, AdamW
+    over the packed 2 x 44 batch. Global losses per step, the first step's gradients, the full
+    parameters after the last, and for the bf16 case what the policy did."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    cp = _example()
+    opts = TRAIN_CASES[case]
+    model = trained_model()
+    ids, positions = hf_batch(model.config.vocab_size, True)
+    items = sum(b - a - 1 for _, a, b in hf_documents(ids, positions))
+    cp_group = meshes[0].get_group("cp") if opts.get("fsdp") else group
+    model = cp.enable_cp(model, cp_group, "virtual")
+    ckpt = opts.get("checkpointing")
+    if ckpt in ("hf", "hf_reentrant"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": ckpt == "hf_reentrant"})
+    elif ckpt == "layer":
+        for layer in model.model.layers:
+            layer.forward = functools.partial(torch.utils.checkpoint.checkpoint, layer.forward, use_reentrant=False)
+    policy = {}
+    if opts.get("bf16"):
+        policy = dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    if opts.get("fsdp"):
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=meshes[1], **policy)
+        fully_shard(model, mesh=meshes[1], **policy)
+    seen = {}
+
+    def dtypes_in_forward(module, args):          # after FSDP2's own hook: the parameters the layer computes with
+        seen.setdefault("forward_dtypes", sorted({str(p.dtype) for p in module.parameters()}))
+    model.model.layers[0].register_forward_pre_hook(dtypes_in_forward)
+    calls = [0]                                   # the mixer's forwards: one per micro-batch, two when recomputed
+    cp._mamba2_mixers(model)[0].register_forward_pre_hook(lambda module, args: calls.__setitem__(0, calls[0] + 1))
+    micro = opts.get("micro_batches", 1)
+    rows = [slice(i * 2 // micro, (i + 1) * 2 // micro) for i in range(micro)]
+    batches = [cp.shard_batch(ids[r], ids[r], rank, world, "virtual", position_ids=positions[r]) for r in rows]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    kernel = mamba_cp.mamba_split_conv1d_scan_combined
+    if opts.get("bf16") and mamba_cp.INTERPRET:
+        mamba_cp.mamba_split_conv1d_scan_combined = _float32_kernels(kernel)
+    try:
+        for _ in range(steps):
+            opt.zero_grad()
+            total = torch.zeros(())
+            for i, batch in enumerate(batches):
+                if opts.get("fsdp"):
+                    model.set_requires_gradient_sync(i == micro - 1)     # reduce-scatter once per step
+                loss = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], seq_idx=batch["seq_idx"],
+                             labels=batch["shift_labels"], shift_labels=batch["shift_labels"],
+                             num_items_in_batch=items, use_cache=False).loss   # a cache would be refilled on recompute
+                (loss * (world if opts.get("fsdp") else 1)).backward()   # FSDP2 averages over its 2 ranks
+                total += loss.detach().float()
+            if not opts.get("fsdp"):
+                cp.all_reduce_grads(model, group)
+            dist.all_reduce(total, group=group)
+            if not losses:
+                grads = _grads(model)
+                if opts.get("bf16"):
+                    whole = torch.cat([p.grad.full_tensor().flatten() for p in model.parameters()])
+                    seen["grad_dtypes"] = sorted({str(p.grad.dtype) for p in model.parameters()})
+                    # summed in float32: a sum of the ranks' bf16 gradients is mostly not a bf16 number
+                    seen["grads_off_bf16"] = (whole != whole.bfloat16().float()).double().mean().item()
+            losses.append(total.item())
+            opt.step()
+    finally:
+        mamba_cp.mamba_split_conv1d_scan_combined = kernel
+    seen["mixer_calls_per_micro_batch"] = calls[0] / (steps * micro)
+    if opts.get("bf16"):
+        seen["master_dtypes"] = sorted({str(p.dtype) for p in model.parameters()}
+                                       | {str(s["exp_avg"].dtype) for s in opt.state.values()})
+    params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+              for n, p in model.named_parameters()}
+    return losses, grads, params, seen
+
+
+def training_figures(run, want):
+    """(losses, first gradients, parameters) of a run against another's: relative errors."""
+    (losses, grads, params), (w_losses, w_grads, w_params) = run, want
+    return dict(losses=[abs(a - b) / abs(b) for a, b in zip(losses, w_losses)], grads=rel_rms(grads, w_grads),
+                params=rel_rms(torch.cat([params[n].flatten() for n in w_params]),
+                               torch.cat([w_params[n].flatten() for n in w_params])))
+
+
+def training_features(rank, world, group, device):
+    """Every case of TRAIN_CASES at W = 2; rank 0 computes the float32 reference while rank 1
+    computes the bf16-cast one, and each hands its to the other. Per case, on every rank (the
+    runs' losses are all-reduced and their gradients and parameters gathered whole): the run's
+    figures, their errors against the float32 reference, and for the bf16 case also against the
+    bf16-cast reference, whose own errors against float32 stand beside them."""
+    from torch.distributed.device_mesh import init_device_mesh
+    meshes = (init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "cp")), init_device_mesh("cpu", (world,)))
+    out = {}
+    for case in TRAIN_CASES:
+        started = time.process_time()
+        losses, grads, params, seen = training_run(rank, world, group, case, meshes)
+        out[case] = dict(losses=losses, grads=grads, params=params, seen=seen, seconds=time.process_time() - started)
+    started = time.monotonic()
+    refs = [training_reference(None if rank == 0 else torch.bfloat16)] if rank < 2 else [None]
+    got = [None, None]
+    for src in (0, 1):
+        box = refs if rank == src else [None]
+        dist.broadcast_object_list(box, src=src, group=group)
+        got[src] = box[0]
+    single, cast = got
+    result = {"reference seconds": time.monotonic() - started}
+    for case, r in out.items():
+        run = (r["losses"], r["grads"], r["params"])
+        figures = dict(cp=r["losses"], single=single[0], seconds=r["seconds"], seen=r["seen"],
+                       against_single=training_figures(run, single))
+        if TRAIN_CASES[case].get("bf16"):
+            figures.update(cast=cast[0], against_cast=training_figures(run, cast),
+                           cast_against_single=training_figures(cast, single))
+        result[case] = figures
+    return result
+
+
+def assert_training(result):
+    """training_features' figures of one rank: printed, then each case within its bound."""
+    for case, r in result.items():
+        if not isinstance(r, dict):
+            continue
+        errs = r["against_single"]
+        print(f"{case}: CP losses {r['cp']}, unsharded {r['single']}; against the unsharded float32 run: losses "
+              f"{max(errs['losses']):.1e}, first gradients {errs['grads']:.1e}, parameters {errs['params']:.1e}; "
+              f"{r['seen']}; {r['seconds']:.1f} CPU s on rank 0")
+        assert len(r["cp"]) == TRAIN_STEPS and r["cp"][-1] < r["cp"][0], f"{case}: the loss must fall ({r['cp']})"
+        opts = TRAIN_CASES[case]
+        recomputed = 2.0 if opts.get("checkpointing") else 1.0
+        assert r["seen"]["mixer_calls_per_micro_batch"] == recomputed, f"{case}: {r['seen']}"
+        if not opts.get("bf16"):
+            assert max(errs["losses"]) <= HF_BOUND and errs["grads"] <= HF_BOUND and errs["params"] <= HF_BOUND, \
+                f"{case}: {errs}"
+            continue
+        cast, own = r["against_cast"], r["cast_against_single"]
+        print(f"{case}: against the unsharded model under the same bf16 cast: losses {max(cast['losses']):.1e}, "
+              f"first gradients {cast['grads']:.1e}, parameters {cast['params']:.1e}; that run against float32: "
+              f"losses {max(own['losses']):.1e}, first gradients {own['grads']:.1e}, parameters {own['params']:.1e}")
+        assert max(cast["losses"]) <= BF16_BOUND and cast["grads"] <= BF16_BOUND and cast["params"] <= BF16_BOUND, \
+            f"{case}: against the bf16-cast unsharded run {cast}"
+        assert errs["grads"] <= 2 * own["grads"], f"{case}: CP's bf16 gradients {errs['grads']:.2e} from float32's, " \
+            f"transformers' own bf16 {own['grads']:.2e}"
+        seen = r["seen"]
+        assert seen["forward_dtypes"] == ["torch.bfloat16"], seen          # param_dtype: bf16 compute
+        assert seen["grad_dtypes"] == seen["master_dtypes"] == ["torch.float32"], seen   # float32 shards, AdamW
+        assert seen["grads_off_bf16"] > 0.25, seen                          # reduce_dtype: summed in float32
+
+
+@needs_transformers
+def test_training_under_cp():
+    """W = 2, Bamba (TRAINED) on the packed 2 x 44 batch, 2 AdamW steps per case (TRAIN_CASES):
+    transformers' activation checkpointing switch, reentrant and not; torch.utils.checkpoint
+    around each decoder layer under FSDP2 with two micro-batches per step; FSDP2 with a bf16
+    MixedPrecisionPolicy. Losses per step, the first step's gradients and the parameters after
+    the last against transformers' unsharded model: float32 cases within HF_BOUND; the bf16
+    case within BF16_BOUND of the unsharded model run under the same bf16 cast (bf16 keeps 8
+    significant bits: 2^-8 = 3.9e-3 per rounding; that run's own gradients are ~7e-3 from
+    float32's), its gradients no further from float32's than twice that run's, and the policy
+    seen at work: bf16 parameters in the forward, float32 shards, AdamW state and reduction
+    (the gradients the reduce-scatter sums from the ranks' bf16 ones are mostly not bf16
+    numbers). The checkpointed cases run each mixer twice per micro-batch (the recompute)."""
+    ranks = world_results(2, "training_features", timeout=900)
+    assert set(ranks[0]) == set(TRAIN_CASES) | {"reference seconds"}, ranks[0]
+    for result in ranks:
+        assert_training(result)
+
+
 if __name__ == "__main__":
     main()

@@ -3483,5 +3483,90 @@ def test_training_under_cp():
         assert_training(result)
 
 
+
+# the trainer on the tests' size: 2 steps of 2 rows of 32 tokens (synthetic documents of 8 to 48
+# tokens, so rows and rank boundaries cut through them), a save after every step
+TRAINER = os.path.join(EXAMPLES, "train_cp.py")
+TRAINER_ARGS = ("--config", "tiny", "--cp", "2", "--steps", "2", "--seq-len", "32", "--batch", "2", "--save-every", "1")
+
+
+# each rank imports this file first, for its interpreter patch (_interpreter_patches_language_once:
+# the same arithmetic, bit for bit, in half the time), then runs the trainer as torchrun would
+_TRAINER_RANK = """
+import runpy, sys
+sys.path[:0] = [{root!r}, {examples!r}]
+import test_mamba_cp
+sys.argv = [{trainer!r}] + sys.argv[1:]
+runpy.run_path({trainer!r}, run_name="__main__")
+"""
+
+
+def run_trainer(*args, timeout=600):
+    """torchrun --nproc_per_node=2 examples/train_cp.py *args on CPUs (gloo), its process group
+    killed past `timeout` seconds: its stdout."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")   # gloo ranks: the interpreter
+    rank = _TRAINER_RANK.format(root=os.path.dirname(EXAMPLES), examples=EXAMPLES, trainer=TRAINER)
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             "--no-python", sys.executable, "-c", rank, *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        out, err = proc.communicate()
+        raise AssertionError(f"train_cp.py {' '.join(args)}: timed out after {timeout} s\n{out[-2000:]}{err[-2000:]}")
+    assert proc.returncode == 0, f"train_cp.py {' '.join(args)} failed:\n{out[-3000:]}\n{err[-3000:]}"
+    print(out)
+    return out
+
+
+def _saved(path):
+    """A torch.distributed.checkpoint save, read whole in this process: {name: value}, the
+    model's and optimizer's tensors by their names."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    dcp_to_torch_save(path, path + ".pt")
+    flat = {}
+
+    def walk(prefix, value):
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}.{k}", v)
+        elif isinstance(value, (list, tuple)):
+            for k, v in enumerate(value):
+                walk(f"{prefix}.{k}", v)
+        else:
+            flat[prefix] = value
+    walk("", torch.load(path + ".pt", weights_only=False))
+    return flat
+
+
+@needs_transformers
+def test_train_cp_parity_and_resume(tmp_path):
+    """examples/train_cp.py through torchrun on 2 gloo ranks (tiny GraniteMoeHybrid, synthetic
+    packed documents, per-layer activation checkpointing, FSDP2, AdamW): --parity's cp 2 losses
+    against its cp 1 run (dp 2) on the same data within HF_BOUND at each step; then a run
+    resumed from the save after step 1 prints step 2's loss as the uninterrupted run did (9
+    digits: float32's every bit), and its save after step 2 (model, AdamW state, step and data
+    position) equals the uninterrupted run's, bit for bit."""
+    why = _interpreter_fails_here()
+    if why:
+        pytest.skip(f"the gloo ranks need the Triton interpreter, which fails here: {why}")
+    first, again = str(tmp_path / "first"), str(tmp_path / "again")
+    out = run_trainer(*TRAINER_ARGS, "--parity", "--checkpoint-dir", first)
+    parity = [line.split(" | ") for line in out.splitlines() if line.startswith("parity: ") and "|" in line][1:]
+    assert [int(row[0].split()[-1]) for row in parity] == [1, 2], out
+    for step, cp2, cp1, _ in parity:
+        assert abs(float(cp2) - float(cp1)) <= HF_BOUND * abs(float(cp1)), (step, cp2, cp1)
+    resumed = run_trainer(*TRAINER_ARGS, "--checkpoint-dir", again, "--resume", os.path.join(first, "step-000001"))
+    steps = [line.split(" | ")[:2] for line in resumed.splitlines() if line.startswith("step ")]
+    assert steps == [["step 2/2", f"loss {parity[1][1]}"]], (steps, parity)
+    want, got = _saved(os.path.join(first, "step-000002")), _saved(os.path.join(again, "step-000002"))
+    assert set(got) == set(want) and {"step", "data"} <= {k.strip(".") for k in want}, sorted(want)
+    differ = [k for k in want if not (torch.equal(got[k], want[k]) if isinstance(want[k], torch.Tensor)
+                                      else got[k] == want[k])]
+    assert not differ, f"the resumed run's save differs from the uninterrupted run's: {differ}"
+    print(f"resumed step 2: {steps[0][1]}, uninterrupted {parity[1][1]}; {len(want)} saved values identical")
+
+
 if __name__ == "__main__":
     main()

@@ -11,9 +11,11 @@
 
     python examples/hybrid_bench.py step [--layers 10] [--lengths 4096,16384] [--paths ours,transformers]
                                          [--world 8 --global-length 131072]
-        One training step (forward+backward, no optimizer) of a GraniteMoeHybridForCausalLM of
-        granite-4.0-h-tiny's size class (GRANITE_4_H_TINY: its widths, heads, experts and layer
-        pattern, cut to the first --layers of its 40 layers; random init), bf16, batch 1, on
+                                         [--checkpointing none|layer|hf] [--optimizer none|adamw]
+        One training step (forward+backward; with --optimizer adamw, AdamW's step too) of a
+        GraniteMoeHybridForCausalLM of granite-4.0-h-tiny's size class (GRANITE_4_H_TINY: its
+        widths, heads, experts and layer pattern, cut to the first --layers of its 40 layers;
+        random init), bf16, batch 1, on
         one GPU: tokens/s, peak memory, and time per layer kind (Mamba2, attention, MoE with its
         shared MLP, the rest), each kind timed alone, forward+backward, on the inputs the model
         hands it, times its count. Paths: "ours" (enable_cp in a world of one), "transformers"
@@ -23,12 +25,19 @@
         what the all-gather returns (here the rank's own, repeated: the same arithmetic), the
         Mamba2 mixers run in a world of one on the rank's tokens (the exchange of one state
         summary and conv halo per layer not run), and the communication is modelled (K and V
-        all-gathered forward and reduce-scattered backward at --link-gbps).
+        all-gathered forward and reduce-scattered backward at --link-gbps). --checkpointing
+        recomputes each decoder layer in the backward as examples/train_cp.py does ("layer":
+        torch.utils.checkpoint around each layer's forward; "hf": transformers' switch, not
+        reentrant); --optimizer adamw adds AdamW's step and zero_grad to every step (its states
+        are in the parameters' dtype, bf16: a trainer with float32 master weights holds 8 bytes
+        more per parameter, over its FSDP2 shards). The step's time and peak memory include
+        them; the layer kinds are timed without them, so "rest" holds the recompute and AdamW.
 
 Prints one `RESULT {json}` line per case and a table last.
 """
 
 import argparse
+import functools
 import gc
 import importlib.util
 import json
@@ -217,12 +226,28 @@ def kind_step(call, args, kwargs):
     return run
 
 
-def step_case(model, ids, iters, warmup, label, **extra):
-    """One step's time, tokens/s, peak memory, and each kind's time; an out-of-memory is reported."""
+def prepare_training(model, checkpointing, optimizer):
+    """What a trainer adds (examples/train_cp.py): activation checkpointing of every decoder
+    layer ("layer": torch.utils.checkpoint around its forward; "hf": transformers' switch), and
+    AdamW (returned; None for "none")."""
+    if checkpointing == "layer":
+        for layer in model.model.layers:
+            layer.forward = functools.partial(torch.utils.checkpoint.checkpoint, layer.forward, use_reentrant=False)
+    elif checkpointing == "hf":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return torch.optim.AdamW(model.parameters(), lr=1e-5) if optimizer == "adamw" else None
+
+
+def step_case(model, ids, iters, warmup, label, optim=None, **extra):
+    """One step's time, tokens/s, peak memory, and each kind's time; an out-of-memory is reported.
+    With an optimizer, the step ends with its step and zero_grad."""
     r = dict(bench="hybrid_step", path=label, tokens=ids.shape[1], layers=len(model.model.layers), **extra)
     try:
         def step():
-            model(input_ids=ids, labels=ids).loss.backward()
+            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+            if optim is not None:
+                optim.step()
+                optim.zero_grad(set_to_none=True)
         r["step_ms"] = time_ms(step, iters, warmup)
         model.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
@@ -269,6 +294,7 @@ def main_step(args):
     import transformers_cp as cp
     device = args.device
     rows = []
+    training = dict(checkpointing=args.checkpointing, optimizer=args.optimizer)
     for L in args.lengths:
         ids = torch.randint(0, GRANITE_4_H_TINY["vocab_size"], (1, L), generator=torch.Generator().manual_seed(L))
         ids = ids.to(device)
@@ -276,12 +302,13 @@ def main_step(args):
             model = granite_tiny(args.layers, device)
             if path == "ours":
                 cp.enable_cp(model, None)
-            r = step_case(model, ids, args.iters, args.warmup, path, transformers=transformers.__version__,
+            optimizer = prepare_training(model, args.checkpointing, args.optimizer)
+            r = step_case(model, ids, args.iters, args.warmup, path, optimizer, transformers=transformers.__version__,
                           mamba_ssm=importlib.util.find_spec("mamba_ssm") is not None,
-                          experts=getattr(model.config, "_experts_implementation", None))
+                          experts=getattr(model.config, "_experts_implementation", None), **training)
             print("RESULT " + json.dumps(r), flush=True)
             rows.append(r)
-            del model
+            del model, optimizer
             gc.collect()
             torch.cuda.empty_cache()
     if args.world > 1:
@@ -296,15 +323,18 @@ def main_step(args):
         cfg = model.config
         kv_bytes = 2 * (args.world - 1) * l * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 2
         comm_ms = 2 * kv_bytes / (args.link_gbps * 1e9) * 1e3 * len(layer_kinds(model)["attention"])
-        r = step_case(model, ids, args.iters, args.warmup, f"ours_rank_of_{args.world}", global_tokens=args.global_length,
-                      rank=args.rank, modelled_comm_ms=comm_ms, link_gbps=args.link_gbps)
+        optimizer = prepare_training(model, args.checkpointing, args.optimizer)
+        r = step_case(model, ids, args.iters, args.warmup, f"ours_rank_of_{args.world}", optimizer,
+                      global_tokens=args.global_length, rank=args.rank, modelled_comm_ms=comm_ms,
+                      link_gbps=args.link_gbps, **training)
         if "step_ms" in r:
             r["tokens_per_s_per_gpu_with_comm"] = l / (r["step_ms"] + comm_ms) * 1e3
         print("RESULT " + json.dumps(r), flush=True)
         rows.append(r)
+    step = "fwd+bwd" + ("+AdamW" if args.optimizer == "adamw" else "")
     print(f"\nGraniteMoeHybrid of granite-4.0-h-tiny's size class, first {args.layers} of 40 layers, bf16, batch 1, "
-          f"one step (fwd+bwd); {torch.cuda.get_device_name()}, torch {torch.__version__}, transformers "
-          f"{transformers.__version__}")
+          f"one step ({step}; activation checkpointing: {args.checkpointing}); {torch.cuda.get_device_name()}, "
+          f"torch {torch.__version__}, transformers {transformers.__version__}")
     print("(rest: the step less the kinds timed alone, which can overlap it by a few ms; a rank of W: its tokens, "
           "modelled K/V communication added to tokens/s)")
     print("| path | tokens | step ms | comm ms (modelled) | tokens/s | peak GiB | Mamba2 ms | attention ms | MoE ms | "
@@ -344,6 +374,11 @@ def parse_args(argv=None):
                     help="modelled all-gather / reduce-scatter bandwidth per GPU, GB/s")
     st.add_argument("--paths", default="ours,transformers", type=lambda s: s.split(","),
                     help="of ours, transformers: the paths timed at each of --lengths")
+    st.add_argument("--checkpointing", default="none", choices=("none", "layer", "hf"),
+                    help="activation checkpointing of every decoder layer: torch.utils.checkpoint around its "
+                         "forward (layer, as examples/train_cp.py), or transformers' switch (hf), not reentrant")
+    st.add_argument("--optimizer", default="none", choices=("none", "adamw"),
+                    help="adamw: AdamW's step and zero_grad end every timed step (states in bf16)")
     st.add_argument("--device", default="cuda")
     st.add_argument("--iters", type=int, default=5)
     st.add_argument("--warmup", type=int, default=2)

@@ -59,18 +59,26 @@ SIZES = {
 }
 
 
-def build_model(args):
+def build_model(args, device):
     """A CausalLM in float32 (FSDP2 keeps these as the master weights), the same on every rank."""
     torch.manual_seed(args.seed)
     if os.path.isdir(args.config):
         if glob.glob(os.path.join(args.config, "*.safetensors")) or glob.glob(os.path.join(args.config, "*.bin")):
-            return transformers.AutoModelForCausalLM.from_pretrained(args.config, torch_dtype=torch.float32)
-        return transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(args.config))
-    options = dict(SIZES[args.config])
-    if args.layers:
-        options["layer_types"] = options["layer_types"][:args.layers]
-    options.update(num_hidden_layers=len(options["layer_types"]), use_cache=False)
-    return transformers.GraniteMoeHybridForCausalLM(transformers.GraniteMoeHybridConfig(**options))
+            model = transformers.AutoModelForCausalLM.from_pretrained(args.config, dtype=torch.float32).to(device)
+        else:                                                      # a config.json alone: random init
+            with torch.device(device):
+                model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(
+                    args.config), dtype=torch.float32)
+    else:
+        options = dict(SIZES[args.config])
+        if args.layers:
+            options["layer_types"] = options["layer_types"][:args.layers]
+        options.update(num_hidden_layers=len(options["layer_types"]), use_cache=False)
+        with torch.device(device):
+            model = transformers.GraniteMoeHybridForCausalLM(transformers.GraniteMoeHybridConfig(**options))
+    if not hasattr(model, "model"):      # Mamba2ForCausalLM: its mixers see no seq_idx before transformers 5.25
+        sys.exit(f"{type(model).__name__}: train_cp.py packs documents, which need a hybrid (examples/README.md)")
+    return model
 
 
 class Corpus:
@@ -137,7 +145,8 @@ def train(args, cp, device, save=True):
     world = dist.get_world_size()
     dp = world // cp
     mesh = init_device_mesh(device.type, (dp, cp), mesh_dim_names=("dp", "cp"))
-    model = build_model(args).to(device)
+    model = build_model(args, device)
+    name = type(model).__name__
     model = enable_cp(model, mesh.get_group("cp"), args.layout)
     if args.checkpointing == "hf":                                # transformers' switch
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -164,9 +173,9 @@ def train(args, cp, device, save=True):
         say(f"resumed from {path}: step {step}, data position {position}")
     per_micro = args.batch // (dp * args.accum)               # rows of one micro-batch on one dp rank
     dp_rank, cp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("cp")
-    say(f"{type(model).__name__} ({args.config}): {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M "
-        f"parameters; {world} ranks = dp {dp} x cp {cp} ({args.layout}), {device.type}; batch {args.batch} x "
-        f"{args.seq_len} tokens in {args.accum} micro-batches, checkpointing {args.checkpointing}, {args.dtype}")
+    say(f"{name} ({args.config}): {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; {world} "
+        f"ranks = dp {dp} x cp {cp} ({args.layout}), {device.type}; per step {args.batch} x {args.seq_len} tokens "
+        f"in {args.accum} micro-batch(es); checkpointing {args.checkpointing}; {args.dtype}")
     losses = []
     while step < args.steps:
         started = time.perf_counter()

@@ -163,8 +163,10 @@ def train(args, cp, device, save=True):
     corpus = Corpus(args, model.config.vocab_size)
     step, position = 0, 0
     if args.resume and save:
-        path = args.resume if os.path.isdir(args.resume) else max(glob.glob(os.path.join(args.checkpoint_dir,
-                                                                                          "step-*")))
+        path = (max(glob.glob(os.path.join(args.checkpoint_dir or ".", "step-*")), default=None)
+                if args.resume == "latest" else args.resume)
+        if path is None or not os.path.isdir(path):
+            sys.exit(f"--resume: no save at {path or os.path.join(args.checkpoint_dir or '.', 'step-*')}")
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optim": optim_state, "step": 0, "data": 0}
         dcp.load(state, checkpoint_id=path)
@@ -182,7 +184,7 @@ def train(args, cp, device, save=True):
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         ids, positions = step_rows(corpus, position, args)
-        items = int(shard_batch(ids, ids, 0, 1, args.layout, position_ids=positions)["num_items"])  # whole step
+        items = shard_batch(ids, ids, 0, 1, args.layout, position_ids=positions)["num_items"]   # the whole step's
         total = torch.zeros((), device=device)
         for m in range(args.accum):
             rows = slice((dp_rank * args.accum + m) * per_micro, (dp_rank * args.accum + m + 1) * per_micro)

@@ -27,6 +27,7 @@ tests in the order of mamba_cp.py's sections, the torchrun mode last.
     GPU only
     The module reads in the order the method runs; Part I runs alone; the worked example
     torchrun --nproc_per_node=N test_mamba_cp.py
+    Training under CP: checkpointing, accumulation, FSDP2 bf16, and examples/train_cp.py
 """
 
 import dataclasses

@@ -3252,8 +3252,8 @@ def main():
 # ---------------------------------------------------------------------------------------------
 
 # HF_TRAINED's Bamba (a Mamba2 layer, then a grouped-query rotary attention layer) with its mixer
-# in 2 heads of 32 channels and one B/C group: the interpreter runs a program per head, so this
-# halves the time of each step (the 8-head, 2-group mixer is trained in the sections above)
+# in 2 heads of 32 channels and one B/C group: half the interpreter's time of 8 heads of 8 (a
+# forward and backward of 2 x 22 tokens, 4.8 to 2.4 s; the sections above train the 8 heads)
 TRAINED = ("BambaForCausalLM", "BambaConfig", dict(HF_TRAINED["BambaForCausalLM"][1], mamba_n_heads=2,
                                                    mamba_d_head=32, mamba_n_groups=1))
 TRAIN_STEPS = 2
@@ -3268,11 +3268,11 @@ TRAIN_CASES = {
 }
 
 
-def trained_model(dtype=torch.float32):
+def trained_model():
     import transformers
     name, config_name, options = TRAINED
     torch.manual_seed(0)
-    return getattr(transformers, name)(getattr(transformers, config_name)(**options)).to(dtype)
+    return getattr(transformers, name)(getattr(transformers, config_name)(**options))
 
 
 def training_reference(cast=None, steps=TRAIN_STEPS):
@@ -3308,10 +3308,10 @@ def training_reference(cast=None, steps=TRAIN_STEPS):
 
 def _float32_kernels(kernel):
     """mamba_cp's fused mixer call with its bf16 tensors handed over in float32 and its output
-    returned in the input's dtype: on a CPU the Triton interpreter computes bf16 arithmetic
-    wrongly (it loads, stores and converts bf16 correctly, but adds, multiplies and tl.dot's
-    bf16 values as if they were their 16-bit patterns), so the bf16 case's kernels see float32
-    there; everything else of the model runs in bf16."""
+    returned in the input's dtype. On a CPU the Triton interpreter holds bf16 values as 16-bit
+    integers (numpy uint16): its loads, stores and conversions to and from float32 are right, but
+    its adds, multiplies and tl.dot compute on those integers (through this policy, gradients
+    1e22 off). So the bf16 case's kernels see float32 there; the rest of the model runs in bf16."""
     def call(*args, **kwargs):
         up = lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 else t   # noqa: E731
         return kernel(*map(up, args), **{k: up(v) for k, v in kwargs.items()}).to(args[0].dtype)
@@ -3414,15 +3414,14 @@ def training_features(rank, world, group, device):
         started = time.process_time()
         losses, grads, params, seen = training_run(rank, world, group, case, meshes)
         out[case] = dict(losses=losses, grads=grads, params=params, seen=seen, seconds=time.process_time() - started)
-    started = time.monotonic()
-    refs = [training_reference(None if rank == 0 else torch.bfloat16)] if rank < 2 else [None]
+    refs = [training_reference(None if rank == 0 else torch.bfloat16)]
     got = [None, None]
     for src in (0, 1):
         box = refs if rank == src else [None]
         dist.broadcast_object_list(box, src=src, group=group)
         got[src] = box[0]
     single, cast = got
-    result = {"reference seconds": time.monotonic() - started}
+    result = {}
     for case, r in out.items():
         run = (r["losses"], r["grads"], r["params"])
         figures = dict(cp=r["losses"], single=single[0], seconds=r["seconds"], seen=r["seen"],
@@ -3437,12 +3436,10 @@ def training_features(rank, world, group, device):
 def assert_training(result):
     """training_features' figures of one rank: printed, then each case within its bound."""
     for case, r in result.items():
-        if not isinstance(r, dict):
-            continue
         errs = r["against_single"]
         print(f"{case}: CP losses {r['cp']}, unsharded {r['single']}; against the unsharded float32 run: losses "
               f"{max(errs['losses']):.1e}, first gradients {errs['grads']:.1e}, parameters {errs['params']:.1e}; "
-              f"{r['seen']}; {r['seconds']:.1f} CPU s on rank 0")
+              f"{r['seen']}; {r['seconds']:.1f} CPU s on this rank")
         assert len(r["cp"]) == TRAIN_STEPS and r["cp"][-1] < r["cp"][0], f"{case}: the loss must fall ({r['cp']})"
         opts = TRAIN_CASES[case]
         recomputed = 2.0 if opts.get("checkpointing") else 1.0
@@ -3479,7 +3476,7 @@ def test_training_under_cp():
     (the gradients the reduce-scatter sums from the ranks' bf16 ones are mostly not bf16
     numbers). The checkpointed cases run each mixer twice per micro-batch (the recompute)."""
     ranks = world_results(2, "training_features", timeout=900)
-    assert set(ranks[0]) == set(TRAIN_CASES) | {"reference seconds"}, ranks[0]
+    assert set(ranks[0]) == set(TRAIN_CASES), ranks[0]
     for result in ranks:
         assert_training(result)
 

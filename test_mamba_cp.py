@@ -2259,8 +2259,8 @@ HF_TRAINED = {
     # v and the MLP) then a Mamba2 mixer; one block shared by both (num_mem_blocks=1, its weights
     # tied across the layers as the embeddings and the LM head are)
     "Zamba2ForCausalLM": ("Zamba2Config", dict(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, layers_block_type=["hybrid", "hybrid"],
-        num_attention_heads=4, num_key_value_heads=4, mamba_expand=1, n_mamba_heads=4, mamba_ngroups=2,
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        layers_block_type=["hybrid", "hybrid"], num_attention_heads=4, num_key_value_heads=4, mamba_expand=1, n_mamba_heads=4, mamba_ngroups=2,
         mamba_d_state=8, mamba_d_conv=4, chunk_size=16, use_shared_attention_adapter=True, adapter_rank=4,
         use_mem_rope=True, num_mem_blocks=1, tie_word_embeddings=True)),
 }
@@ -2274,7 +2274,8 @@ def tiny_model(name, dtype=torch.float32, seed=0, changes=None):
     import transformers
     config_name, options = HF_TRAINED[name]
     torch.manual_seed(seed)
-    model = getattr(transformers, name)(getattr(transformers, config_name)(**dict(options, **(changes or {})))).to(dtype)
+    config = getattr(transformers, config_name)(**dict(options, **(changes or {})))
+    model = getattr(transformers, name)(config).to(dtype)
     if hasattr(model, "set_experts_implementation") and "num_local_experts" in options:
         model.set_experts_implementation("eager")   # the grouped matmul takes no float64
     return model
@@ -2676,9 +2677,11 @@ def test_transformers_calling_conventions(release):
     hidden = torch.randn(2, 40, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
     want = mixer.eval()(hidden, cache=None, attention_mask=None)     # transformers' torch path (no mamba_ssm)
     cache_name = "cache" if release == "5.24" else "cache_params"
-    seen = {}
+    seen, own = {}, mixer.forward
 
     def release_forward(hidden_states, attention_mask=None, **kwargs):   # stands for that release's forward
+        if kwargs.get(cache_name) is None:      # its arithmetic (enable_cp checks the patch against it)
+            return own(hidden_states, attention_mask=attention_mask)
         seen.update(kwargs)
         return "transformers' own path"
     release_forward.__signature__ = inspect.Signature([
@@ -2693,6 +2696,88 @@ def test_transformers_calling_conventions(release):
     assert rel_rms(got, want) <= HF_BOUND
     assert mixer.eval()(hidden, **dict(keywords, **{cache_name: "a cache"})) == "transformers' own path"
     assert seen[cache_name] == "a cache" and not ({"cache", "cache_params"} - {cache_name}) & set(seen)
+
+
+@needs_transformers
+def test_transformers_mixer_self_check(monkeypatch):
+    """enable_cp and enable_mamba_cp patch no mixer that computes otherwise than its own
+    forward: each distinct mixer configuration is run both ways once per process (float32, 36
+    tokens: two chunk boundaries) and refused, naming the class and the difference, above
+    CHECK_BOUND, with nothing patched. Refused: a subclass whose forward scales its output by
+    1.001, and a Falcon-H1 mixer monkeypatched to restart its state every chunk (it agrees
+    with the file on the first chunk). A bf16 mixer is checked in float32 and handed back as
+    it was; on the meta device a mixer of a known class passes unchecked and a subclass is
+    refused; a model of two identical mixers is checked once, and not again; Falcon-H1 with a
+    conv activation mamba_cp has not (hidden_act) is refused by name."""
+    cp = _example()
+    calls = []
+    check = cp._check_mixer
+    monkeypatch.setattr(cp, "_check_mixer", lambda *args: calls.append(type(args[0]).__name__) or check(*args))
+    monkeypatch.setattr(cp, "_CHECKED", set())
+    cp.enable_mamba_cp(tiny_model("Mamba2ForCausalLM"), None)
+    cp.enable_mamba_cp(tiny_model("Mamba2ForCausalLM"), None)
+    assert calls == ["Mamba2Mixer"], calls                         # two layers, two models: one check
+
+    def scaled(base):
+        class Scaled(base):
+            def forward(self, hidden_states, *args, **kwargs):
+                return 1.001 * super().forward(hidden_states, *args, **kwargs)
+        Scaled.__name__ = "Scaled" + base.__name__
+        return Scaled
+
+    bamba = tiny_model("BambaForCausalLM")
+    mixer = cp._mamba2_mixers(bamba)[0]
+    mixer.__class__ = scaled(type(mixer))
+    with pytest.raises(ValueError, match=r"ScaledBambaMixer's own forward and this file's differ: relative RMS "
+                                         r"difference 1\.0e-03 \(bound 1e-04\)"):
+        cp.enable_cp(bamba, None)
+    assert "forward" not in vars(mixer) and not any(hasattr(m, "mamba_cp") for m in bamba.modules())
+
+    falcon = tiny_model("FalconH1ForCausalLM")
+    mixer = cp._mamba2_mixers(falcon)[0]
+    own = mixer.forward
+
+    def per_chunk(hidden_states, **kwargs):
+        return torch.cat([own(h, **kwargs) for h in hidden_states.split(mixer.chunk_size, 1)], 1)
+    mixer.forward = per_chunk
+    with pytest.raises(ValueError, match="FalconH1Mixer's own forward and this file's differ") as refused:
+        cp.enable_mamba_cp(falcon, None)
+    print(refused.value)
+    assert mixer.forward is per_chunk
+
+    bf16 = cp._mamba2_mixers(tiny_model("BambaForCausalLM", torch.bfloat16))[0].train()
+    before = {n: (p.data_ptr(), p.detach().clone()) for n, p in bf16.named_parameters()}
+    assert cp._check_mixer(bf16, bf16.forward, "virtual")
+    assert bf16.training and all(p.dtype == torch.bfloat16 and p.data_ptr() == before[n][0]
+                                 and torch.equal(p, before[n][1]) for n, p in bf16.named_parameters())
+
+    with torch.device("meta"):
+        meta = tiny_model("BambaForCausalLM")
+    cp.enable_mamba_cp(meta, None)                                  # known: trusted, not run
+    mixer = cp._mamba2_mixers(tiny_model("BambaForCausalLM").to("meta"))[0]
+    mixer.__class__ = scaled(type(mixer))
+    with pytest.raises(ValueError, match="cannot check ScaledBambaMixer against its own forward"):
+        cp.enable_mamba_cp(mixer, None)
+    assert calls == ["Mamba2Mixer", "ScaledBambaMixer", "FalconH1Mixer", "BambaMixer", "BambaMixer",
+                     "ScaledBambaMixer"], calls
+    with pytest.raises(ValueError, match="FalconH1Mixer applies 'gelu' after its conv"):
+        cp.enable_mamba_cp(tiny_model("FalconH1ForCausalLM", changes=dict(hidden_act="gelu")), None)
+
+
+@needs_transformers
+def test_transformers_hybrid_layers_found():
+    """Falcon-H1's and Zamba2's layers of kind 'hybrid' each hold one mixer and one attention:
+    enable_cp's census finds Falcon-H1's (side by side in its one layer) and Zamba2's (a
+    shared transformer block then a mixer, in each of two layers) and refuses a count of
+    modules other than the declared kinds'."""
+    cp = _example()
+    for name, found in (("FalconH1ForCausalLM", [1, 1]), ("Zamba2ForCausalLM", [2, 2])):
+        model = tiny_model(name)
+        assert [len(modules) for modules in cp._layers_to_patch(model)] == found, name
+        config, model.config = model.config, types.SimpleNamespace(layer_types=["hybrid", "linear_attention"] * 2)
+        with pytest.raises(ValueError, match="declares 4 layers of kind 'linear_attention' or 'hybrid' but holds"):
+            cp._layers_to_patch(model)
+        model.config = config
 
 
 @gpu

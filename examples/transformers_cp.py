@@ -58,7 +58,9 @@ use_cache=False (a Mamba2ForCausalLM, which has no attention layer to refuse it,
 shard alone), and generate with a model that has not been through enable_cp.
 """
 
+import contextlib
 import inspect
+import sys
 
 import torch
 import torch.distributed as dist
@@ -234,47 +236,71 @@ def _known(mixer, original):
             and getattr(original, "__func__", None) is cls.forward and cls.forward.__module__ == cls.__module__)
 
 
+@contextlib.contextmanager
+def _swapped(changes):
+    """Each (object, attribute, value) set for the while, then every one put back."""
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in changes]
+    try:
+        for obj, name, value in changes:
+            setattr(obj, name, value)
+        yield
+    finally:
+        for obj, name, value in reversed(saved):
+            setattr(obj, name, value)
+
+
+def _exact_reference(mixer, device):
+    """What the check sets so that the mixer's own forward is transformers' torch path in
+    float32: where mamba_ssm or a hub kernel is installed transformers runs it instead, and its
+    float32 products round in tf32, which the check would read as a difference. The kernel
+    functions of the modules of the mixer's transformers classes (a wrapper round each torch
+    function, 5.17 on) go back to what they wrap; on a GPU TF32 is off for torch's matmuls and
+    cuDNN's convs (torch 2.9 on: the API that sets it per backend, which keeps a user's setting
+    through the API they used)."""
+    modules = {sys.modules[c.__module__] for c in type(mixer).__mro__ if c.__module__.startswith("transformers.")}
+    changes = [(module, name, fn.__wrapped__) for module in modules for name, fn in vars(module).items()
+               if name.startswith(("mamba2_", "causal_conv1d")) and getattr(fn, "__wrapped__", None) is not None]
+    if device.type == "cuda":
+        backends = (torch.backends.cuda.matmul, getattr(torch.backends.cudnn, "conv", None))
+        changes += [(b, "fp32_precision", "ieee") for b in backends if hasattr(b, "fp32_precision")]
+    return changes
+
+
 def _check_mixer(mixer, original, load_balancing):
-    """The mixer's own forward (transformers' torch path: evaluation, no cache) against this
-    file's in a world of one, on random float32 hidden states (1, 2 * chunk_size + d_conv,
-    hidden), without gradients: a parameter or buffer in another dtype is read in float32 for
-    the check and then put back as it was. ValueError, naming the class and the difference,
-    above CHECK_BOUND. Where the parameters cannot be read (meta device, FSDP shards) a mixer of
-    KNOWN_MIXERS passes unchecked and any other is refused."""
+    """The mixer's own forward (transformers' torch path: evaluation, no cache, _exact_reference)
+    against this file's in a world of one, on random float32 hidden states (1, 2 * chunk_size
+    + d_conv, hidden), without gradients: a parameter or buffer in another dtype is read in
+    float32 for the check and then put back as it was. ValueError, naming the class and the
+    difference, above CHECK_BOUND. Where the parameters cannot be read (meta device, FSDP
+    shards) a mixer of KNOWN_MIXERS passes unchecked (returns False) and any other is refused.
+    True: checked."""
     name = type(mixer).__name__
     tensors = [t for t in (*mixer.parameters(), *mixer.buffers()) if t.is_floating_point()]
     if any(t.is_meta or hasattr(t, "full_tensor") for t in tensors):
         if _known(mixer, original):
-            return
+            return False
         raise ValueError(f"enable_mamba_cp: cannot check {name} against its own forward: its parameters are on the "
                          f"meta device or sharded; call enable_cp once the weights are loaded, before fully_shard")
     device = tensors[0].device
     length = 2 * mixer.chunk_size + mixer.conv1d.weight.shape[-1]       # two chunk boundaries, past the conv
     x = torch.randn(1, length, mixer.in_proj.in_features, generator=torch.Generator().manual_seed(0)).to(device)
     mine = _cp_forward(mixer, None, load_balancing)
-    kept, modes = [(t, t.data) for t in tensors], [(m, m.training) for m in mixer.modules()]
+    changes = [(t, "data", t.data.float()) for t in tensors] + [(m, "training", False) for m in mixer.modules()]
     try:
-        for t, data in kept:
-            t.data = data.float()
-        mixer.eval()
-        with torch.no_grad(), torch.autocast(device.type, enabled=False):
-            want = original(x)
-            got = mine(x)
+        with _swapped(changes + _exact_reference(mixer, device)), torch.no_grad(), \
+                torch.autocast(device.type, enabled=False):
+            want, got = original(x), mine(x)
     except Exception as e:  # noqa: BLE001 - either forward failing on the check's input is a refusal
         raise ValueError(f"enable_mamba_cp: {name} could not be checked against its own forward: {e!r}") from e
-    finally:
-        for t, data in kept:
-            t.data = data
-        for m, training in modes:
-            m.training = training
     if not isinstance(want, torch.Tensor) or want.shape != got.shape:
         raise ValueError(f"enable_mamba_cp: {name}'s forward returns {type(want).__name__} "
                          f"{tuple(getattr(want, 'shape', ()))}, not hidden states {tuple(got.shape)}")
     err = ((got.double() - want.double()).norm() / want.double().norm()).item()
     if not err <= CHECK_BOUND:
         raise ValueError(f"enable_mamba_cp: {name}'s own forward and this file's differ: relative RMS difference "
-                         f"{err:.1e} (bound {CHECK_BOUND:.0e}) on float32 hidden states of {length} tokens; it computes "
-                         f"something this file does not know, so it is not patched")
+                         f"{err:.1e} (bound {CHECK_BOUND:.0e}) on float32 hidden states of {length} tokens; it "
+                         f"computes something this file does not know, so it is not patched")
+    return True
 
 
 def _patched_mixers(model, cp_group, load_balancing):
@@ -289,8 +315,7 @@ def _patched_mixers(model, cp_group, load_balancing):
     for mixer, _ in patched:
         original = _own_forward(mixer)
         key = _mixer_key(mixer, original)
-        if key not in _CHECKED:
-            _check_mixer(mixer, original, load_balancing)
+        if key not in _CHECKED and _check_mixer(mixer, original, load_balancing):
             _CHECKED.add(key)
     return patched
 
@@ -535,12 +560,13 @@ def _layers_to_patch(model):
     if windows - {None}:
         raise ValueError(f"enable_cp: {type(model).__name__} uses sliding-window attention (sliding_window="
                          f"{sorted(windows - {None})}), which this file does not run on a shard")
-    hybrids = kinds.count(HYBRID_KIND)
+    hybrids = kinds.count(HYBRID_KIND)          # one mixer and one attention each
     for kind, found in ((MAMBA_KIND, mixers), (ATTENTION_KIND, attentions)):
-        if kinds.count(kind) + hybrids != len(found):
-            raise ValueError(f"enable_cp: {type(model).__name__} declares {kinds.count(kind) + hybrids} layers of kind "
-                             f"{kind!r}{f' or {HYBRID_KIND!r}' if hybrids else ''} but holds {len(found)} such modules; "
-                             f"its layout is not one this file knows")
+        declared = kinds.count(kind) + hybrids
+        if declared != len(found):
+            kind = repr(kind) + (f" or {HYBRID_KIND!r}" if hybrids else "")
+            raise ValueError(f"enable_cp: {type(model).__name__} declares {declared} layers of kind {kind} but holds "
+                             f"{len(found)} such modules; its layout is not one this file knows")
     return mixers, attentions
 
 

@@ -15,16 +15,27 @@ balances; "none", contiguous; the batch must be sharded in the same one):
     out.loss.backward()
     all_reduce_grads(model, cp_group)                                    # without FSDP (below)
 
-Mamba2 mixers run mamba_cp's mamba_split_conv1d_scan_combined; attention layers (registered
-through transformers' attention interface) all-gather K and V and run one fused flex_attention
-call under a block mask made once per forward from global positions and document ids; MLP and
-MoE layers need nothing. Supported: Mamba2ForCausalLM, BambaForCausalLM,
-GraniteMoeHybridForCausalLM and NemotronHForCausalLM, found by the layer kinds their configs
-declare ("linear_attention" for Mamba2, "full_attention", "mlp", "moe"); another kind raises
+Mamba2 mixers run mamba_cp's mamba_split_conv1d_scan_combined (Falcon-H1's muP multipliers
+folded into the projection before it, its gated norm before the gate as its config says, or
+none); attention layers (registered through transformers' attention interface) all-gather K and
+V and run one fused flex_attention call under a block mask made once per forward from global
+positions and document ids; MLP and MoE layers, and everything else token by token (Zamba2's
+shared blocks and their adapters), need nothing. Supported: Mamba2ForCausalLM,
+BambaForCausalLM, GraniteMoeHybridForCausalLM, NemotronHForCausalLM, FalconH1ForCausalLM and
+Zamba2ForCausalLM, found by the layer kinds their configs declare ("linear_attention" for
+Mamba2, "full_attention", "hybrid" for a layer holding both, "mlp", "moe"); another kind raises
 ValueError naming it, and so does sliding-window attention. enable_mamba_cp patches the mixers
 alone. transformers 5.17 to 5.25: the mixers' cache keyword (cache_params to 5.23, cache from
 5.24) is mapped, and 5.17 to 5.22's gated RMSNorm, which normalises all channels at once, runs
 in torch after the gate when a mixer has more than one B/C group.
+
+No mixer is patched on trust: before patching, each distinct mixer configuration (class,
+forward, attributes, shapes) is run once per process both ways, its own forward on
+transformers' torch path and this file's in a world of one, on random float32 hidden states of
+2 * chunk_size + d_conv tokens, and a relative RMS difference above CHECK_BOUND (1e-4) raises
+ValueError naming the class and the difference, with nothing patched. So call enable_cp once
+the weights are loaded and before fully_shard: where the parameters are on the meta device or
+sharded the check cannot run, and only a mixer of a class the file knows (KNOWN_MIXERS) passes.
 
 A world of one (cp_group None, or a group of one rank) runs the same path on the whole sequence
 with no collective. To keep transformers' own path, do not call enable_cp.
@@ -50,12 +61,14 @@ sums the CP shares of each gradient once the loss is scaled back up:
     loss.backward(); optimizer.step()       # no all_reduce_grads
 
 Refused (ValueError): a padding mask, attention dropout in training, sliding-window attention,
-keywords that describe documents some other way (cu_seq_lens_q, ...), and a cache in evaluation
-at an attention layer. In a training forward a cache is harmless: the mixers leave their entries
-empty, the attention layers store only this rank's K and V. In evaluation with a cache the
-mixers run transformers' own forward on whatever they are given, so evaluate shards with
-use_cache=False (a Mamba2ForCausalLM, which has no attention layer to refuse it, would run each
-shard alone), and generate with a model that has not been through enable_cp.
+keywords that describe documents some other way (cu_seq_lens_q, ...), a mixer that fails the
+check or whose conv activation is not silu, and a cache in evaluation in a model with attention
+(by the model's forward, before any layer runs). In a training forward a cache is harmless: the
+mixers leave their entries empty, the attention layers store only this rank's K and V. In
+evaluation with a cache the mixers run transformers' own forward on whatever they are given, so
+evaluate shards with use_cache=False (a Mamba2ForCausalLM, which has no attention layer to
+refuse it, would run each shard alone), and generate with a model that has not been through
+enable_cp.
 """
 
 import contextlib
@@ -165,8 +178,9 @@ def _own_forward(mixer):
 
 
 def _cp_forward(mixer, cp_group, load_balancing):
-    """The mixer's forward on this rank's shard: in_proj, then conv, SSD, gated RMSNorm and out
-    projection in one mamba_cp call, from the mixer's own parameters. Where the norm's groups
+    """The mixer's forward on this rank's shard: in_proj (_projected), then conv, SSD, gated
+    RMSNorm (or the gate alone) and out projection in one mamba_cp call, from the mixer's own
+    parameters. Where the norm's groups
     are not mamba_cp's (dim / n_groups: transformers 5.17 to 5.22 with n_groups > 1) the call
     stops at the gate and the norm and out projection run in torch, as the mixer defines them
     (transformers' own mamba_ssm route normalises per B/C group there, unlike its torch path)."""

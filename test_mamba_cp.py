@@ -2256,13 +2256,15 @@ HF_TRAINED = {
         embedding_multiplier=2.0, lm_head_multiplier=0.7, tie_word_embeddings=False)),
     # Zyphra's hybrid: two hybrid layers, each a shared transformer block (attention, rotary, on
     # the hidden states concatenated with the embeddings; an MLP; per-layer LoRA adapters on q, k,
-    # v and the MLP) then a Mamba2 mixer; one block shared by both (num_mem_blocks=1, its weights
-    # tied across the layers as the embeddings and the LM head are)
+    # v and the MLP; as many KV heads as query heads, which the adapters need) then a Mamba2
+    # mixer; one block shared by both (num_mem_blocks=1, its weights tied across the layers as
+    # the embeddings and the LM head are)
     "Zamba2ForCausalLM": ("Zamba2Config", dict(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        layers_block_type=["hybrid", "hybrid"], num_attention_heads=4, num_key_value_heads=4, mamba_expand=1, n_mamba_heads=4, mamba_ngroups=2,
-        mamba_d_state=8, mamba_d_conv=4, chunk_size=16, use_shared_attention_adapter=True, adapter_rank=4,
-        use_mem_rope=True, num_mem_blocks=1, tie_word_embeddings=True)),
+        layers_block_type=["hybrid", "hybrid"], num_attention_heads=4, num_key_value_heads=4, mamba_expand=1,
+        n_mamba_heads=4, mamba_ngroups=2, mamba_d_state=8, mamba_d_conv=4, chunk_size=16,
+        use_shared_attention_adapter=True, adapter_rank=4, use_mem_rope=True, num_mem_blocks=1,
+        tie_word_embeddings=True)),
 }
 # documents packed in the 2 x 44 batch (starts per row): the rank boundaries (11, 22 and 33 in
 # the virtual layout at W = 2, 22 contiguous) fall inside documents

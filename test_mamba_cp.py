@@ -2709,7 +2709,8 @@ def test_transformers_mixer_self_check(monkeypatch):
     1.001, and a Falcon-H1 mixer monkeypatched to restart its state every chunk (it agrees
     with the file on the first chunk). A bf16 mixer is checked in float32 and handed back as
     it was; on the meta device a mixer of a known class passes unchecked and a subclass is
-    refused; a model of two identical mixers is checked once, and not again; Falcon-H1 with a
+    refused; a model of two identical mixers is checked once, and not again; Falcon-H1 with its
+    norm after the gate (the parity tests train it before, and without) passes; Falcon-H1 with a
     conv activation mamba_cp has not (hidden_act) is refused by name."""
     cp = _example()
     calls = []
@@ -2762,6 +2763,8 @@ def test_transformers_mixer_self_check(monkeypatch):
         cp.enable_mamba_cp(mixer, None)
     assert calls == ["Mamba2Mixer", "ScaledBambaMixer", "FalconH1Mixer", "BambaMixer", "BambaMixer",
                      "ScaledBambaMixer"], calls
+    after = cp._mamba2_mixers(tiny_model("FalconH1ForCausalLM", changes=dict(mamba_norm_before_gate=False)))[0]
+    assert cp._check_mixer(after, after.forward, "none")
     with pytest.raises(ValueError, match="FalconH1Mixer applies 'gelu' after its conv"):
         cp.enable_mamba_cp(tiny_model("FalconH1ForCausalLM", changes=dict(hidden_act="gelu")), None)
 

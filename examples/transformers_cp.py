@@ -269,8 +269,8 @@ def _exact_reference(mixer, device):
     float32 products round in tf32, which the check would read as a difference. The kernel
     functions of the modules of the mixer's transformers classes (a wrapper round each torch
     function, 5.17 on) go back to what they wrap; on a GPU TF32 is off for torch's matmuls and
-    cuDNN's convs (torch 2.9 on: the API that sets it per backend, which keeps a user's setting
-    through the API they used)."""
+    cuDNN's convs, set and put back through torch's per-backend fp32_precision (2.9 on), which
+    leaves a setting made through the older API (allow_tf32) readable as before."""
     modules = {sys.modules[c.__module__] for c in type(mixer).__mro__ if c.__module__.startswith("transformers.")}
     changes = [(module, name, fn.__wrapped__) for module in modules for name, fn in vars(module).items()
                if name.startswith(("mamba2_", "causal_conv1d")) and getattr(fn, "__wrapped__", None) is not None]

@@ -2272,29 +2272,56 @@ HF_TRAINED = {
         vocab_size=64, hidden_size=32, intermediate_size=64, hybrid_override_pattern="M*", num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, mamba_num_heads=8, mamba_head_dim=8, n_groups=2, ssm_state_size=8,
         conv_kernel=4, chunk_size=16, use_cache=False, tie_word_embeddings=False)),
+    # TII's hybrid: one layer of attention and a Mamba2 mixer side by side, every muP multiplier
+    # away from 1 (the mixer's input and its projection's z, x, B, C and dt blocks, the
+    # attention's input, key and output, the mixer's output, the MLP's, the embeddings', the LM
+    # head's); the mixer's gated norm per B/C group, before the gate (the config's default). The
+    # larger init gives the mixer's output weight beside the attention's (without the norm
+    # y * silu(z) is otherwise ~1e-4)
+    "FalconH1ForCausalLM": ("FalconH1Config", dict(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, mamba_d_ssm=32, mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4,
+        mamba_chunk_size=16, mamba_rms_norm=True, mamba_norm_before_gate=True, initializer_range=0.1,
+        ssm_multipliers=[1.5, 0.75, 1.25, 0.8, 0.6], ssm_in_multiplier=1.3, ssm_out_multiplier=2.0,
+        attention_in_multiplier=1.1, attention_out_multiplier=0.8, key_multiplier=1.25, mlp_multipliers=[0.9, 1.1],
+        embedding_multiplier=2.0, lm_head_multiplier=0.7, tie_word_embeddings=False)),
+    # Zyphra's hybrid: two hybrid layers, each a shared transformer block (attention, rotary, on
+    # the hidden states concatenated with the embeddings; an MLP; per-layer LoRA adapters on q, k,
+    # v and the MLP; as many KV heads as query heads, which the adapters need) then a Mamba2
+    # mixer; one block shared by both (num_mem_blocks=1, its weights tied across the layers as
+    # the embeddings and the LM head are)
+    "Zamba2ForCausalLM": ("Zamba2Config", dict(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        layers_block_type=["hybrid", "hybrid"], num_attention_heads=4, num_key_value_heads=4, mamba_expand=1,
+        n_mamba_heads=4, mamba_ngroups=2, mamba_d_state=8, mamba_d_conv=4, chunk_size=16,
+        use_shared_attention_adapter=True, adapter_rank=4, use_mem_rope=True, num_mem_blocks=1,
+        tie_word_embeddings=True)),
 }
 # documents packed in the 2 x 44 batch (starts per row): the rank boundaries (11, 22 and 33 in
 # the virtual layout at W = 2, 22 contiguous) fall inside documents
 HF_PACKED_STARTS = ([17, 30], [5])
 
 
-def tiny_model(name, dtype=torch.float32, seed=0):
+def tiny_model(name, dtype=torch.float32, seed=0, changes=None):
+    """HF_TRAINED's model `name`, its config with `changes` (a dict, or None)."""
     import transformers
     config_name, options = HF_TRAINED[name]
     torch.manual_seed(seed)
-    model = getattr(transformers, name)(getattr(transformers, config_name)(**options)).to(dtype)
+    config = getattr(transformers, config_name)(**dict(options, **(changes or {})))
+    model = getattr(transformers, name)(config).to(dtype)
     if hasattr(model, "set_experts_implementation") and "num_local_experts" in options:
         model.set_experts_implementation("eager")   # the grouped matmul takes no float64
     return model
 
 
-def hf_batch(vocab, packed, L=44):
-    """input_ids (2, L), and position_ids restarting at each packed document's start (or None)."""
-    ids = draw(Shape(batch=2, seqlen=L), 5, device="cpu", vocab=vocab)["input_ids"]
+def hf_batch(vocab, packed, L=44, rows=2):
+    """input_ids (rows, L), and position_ids restarting at each packed document's start (or
+    None); rows 1: the first row alone."""
+    ids = draw(Shape(batch=2, seqlen=L), 5, device="cpu", vocab=vocab)["input_ids"][:rows]
     if not packed:
         return ids, None
-    positions = torch.arange(L).repeat(2, 1)
-    for row, starts in enumerate(HF_PACKED_STARTS):
+    positions = torch.arange(L).repeat(rows, 1)
+    for row, starts in enumerate(HF_PACKED_STARTS[:rows]):
         for s in starts:
             positions[row, s:] = torch.arange(L - s)
     return ids, positions
@@ -2311,13 +2338,13 @@ def hf_documents(ids, positions):
     return docs
 
 
-def hf_reference(name, packed, dtype, steps=3):
+def hf_reference(name, packed, dtype, steps=3, changes=None, rows=2):
     """The unsharded model on transformers' own code path: each document alone (as packing with
     documents kept apart computes), its loss the sum over its tokens divided by the batch's count
     of predicted tokens. Losses per step, the first step's gradients and the parameters after
     the last."""
-    model = tiny_model(name, dtype)
-    ids, positions = hf_batch(model.config.vocab_size, packed)
+    model = tiny_model(name, dtype, changes=changes)
+    ids, positions = hf_batch(model.config.vocab_size, packed, rows=rows)
     docs = hf_documents(ids, positions)
     items = sum(b - a - 1 for _, a, b in docs)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -2343,15 +2370,15 @@ def _grads(model):
                       for p in model.parameters() if p.grad is not None])
 
 
-def hf_cp_train(name, packed, rank, world, group, layout, steps=3, mesh=None):
+def hf_cp_train(name, packed, rank, world, group, layout, steps=3, mesh=None, changes=None, rows=2):
     """enable_cp and shard_batch on this rank's share; with mesh (dp, cp) FSDP2 over all its
     ranks, each dp rank holding one row of the batch. Global losses, the first step's
     gradients and the full parameters."""
     if EXAMPLES not in sys.path:
         sys.path.insert(0, EXAMPLES)
     import transformers_cp
-    model = tiny_model(name)
-    ids, positions = hf_batch(model.config.vocab_size, packed)
+    model = tiny_model(name, changes=changes)
+    ids, positions = hf_batch(model.config.vocab_size, packed, rows=rows)
     scale, cp_rank, cp_world = 1.0, rank, world
     if mesh is not None:
         from torch.distributed.device_mesh import init_device_mesh
@@ -2395,12 +2422,12 @@ def hf_cp_train(name, packed, rank, world, group, layout, steps=3, mesh=None):
     return losses, grads, params
 
 
-def hf_compare(cp, cp_grads, cp_params, name, packed):
+def hf_compare(cp, cp_grads, cp_params, name, packed, changes=None, rows=2):
     """The CP run against the unsharded one in float32 (losses, the first step's gradients, all
     parameters together) and float64 (each parameter, with the float32 run's own error beside
     it). The gradients catch a wrong normalisation that Adam's steps would hide."""
-    single, single_grads, single_params = hf_reference(name, packed, torch.float32)
-    _, _, exact = hf_reference(name, packed, torch.float64)
+    single, single_grads, single_params = hf_reference(name, packed, torch.float32, changes=changes, rows=rows)
+    _, _, exact = hf_reference(name, packed, torch.float64, changes=changes, rows=rows)
     joint = rel_rms(torch.cat([cp_params[n].flatten() for n in exact]),
                     torch.cat([single_params[n].flatten() for n in exact]))
     return dict(cp=cp, single=single, joint=joint, grads=rel_rms(cp_grads, single_grads),
@@ -2433,19 +2460,31 @@ def hf_parity(rank, world, group, device):
     return out, dict(group_of_one_is_a_world_of_one=group_of_one, model_without_mixers_refused=refused)
 
 
-HF_CASES = {"virtual": ("virtual", False), "none": ("none", False), "packed_virtual": ("virtual", True)}
+class HFCase(NamedTuple):
+    layout: str
+    packed: bool                 # documents packed (HF_PACKED_STARTS), or one per row
+    changes: dict = None         # to the model's config
+    rows: int = 2                # 1: hf_batch's first row alone, half the work
+
+
+HF_CASES = {"virtual": HFCase("virtual", False), "none": HFCase("none", False),
+            "packed_virtual": HFCase("virtual", True),
+            # one row of 3 documents (starts 17 and 30: every rank boundary falls inside one)
+            "one_row_packed_virtual": HFCase("virtual", True, rows=1),
+            "one_row_packed_none": HFCase("none", True, rows=1),
+            "one_row_packed_none_no_mixer_norm": HFCase("none", True, dict(mamba_rms_norm=False), rows=1)}
 
 
 def hf_hybrid_parity(rank, world, group, device, name, cases):
-    """Per case (HF_CASES: a layout, packed documents or not): hf_compare, on rank 0 (the ranks'
-    losses and parameters are the same, all-reduced). Then what the CP model refuses, each
-    raised on every rank before any collective: a keyword that describes documents otherwise,
-    and a cache in evaluation."""
+    """Per case (HF_CASES): hf_compare, on rank 0 (the ranks' losses and parameters are the
+    same, all-reduced). Then what the CP model refuses, each raised on every rank before any
+    collective: a keyword that describes documents otherwise, and a cache in evaluation; and
+    how many mixer configurations enable_cp checked against their own forward."""
     out = {}
-    for case, (layout, packed) in ((c, HF_CASES[c]) for c in cases):
-        trained = hf_cp_train(name, packed, rank, world, group, layout)
+    for case, c in ((case, HF_CASES[case]) for case in cases):
+        trained = hf_cp_train(name, c.packed, rank, world, group, c.layout, changes=c.changes, rows=c.rows)
         if rank == 0:                         # every rank holds the same losses and parameters
-            out[case] = hf_compare(*trained, name, packed)
+            out[case] = hf_compare(*trained, name, c.packed, c.changes, c.rows)
     import transformers_cp
     model = transformers_cp.enable_cp(tiny_model(name), group, "virtual")
     ids = transformers_cp.shard_batch(*(2 * [hf_batch(model.config.vocab_size, False)[0]]), rank, world)["input_ids"]
@@ -2457,7 +2496,7 @@ def hf_hybrid_parity(rank, world, group, device, name, cases):
             refusals[what] = "accepted"
         except ValueError as e:
             refusals[what] = str(e)
-    return out, refusals
+    return out, refusals, len(transformers_cp._CHECKED)
 
 
 def hf_fsdp_parity(rank, world, group, device, name):
@@ -2497,7 +2536,9 @@ def test_transformers_mamba2_cp_parity():
 # which cases each hybrid trains at W = 2 (GraniteMoeHybrid's packed case runs under FSDP2 below)
 HF_HYBRID_CASES = {"GraniteMoeHybridForCausalLM": ("virtual", "none"),
                    "BambaForCausalLM": ("virtual", "none", "packed_virtual"),
-                   "NemotronHForCausalLM": ("packed_virtual",)}
+                   "NemotronHForCausalLM": ("packed_virtual",),
+                   "FalconH1ForCausalLM": ("one_row_packed_virtual", "one_row_packed_none_no_mixer_norm"),
+                   "Zamba2ForCausalLM": ("one_row_packed_virtual", "one_row_packed_none")}
 
 
 @needs_transformers
@@ -2509,10 +2550,11 @@ def test_transformers_hybrid_cp_parity(name):
     cases = HF_HYBRID_CASES[name]
     ranks = world_results(2, "hf_hybrid_parity", name, cases, timeout=900)
     assert set(ranks[0][0]) == set(cases), ranks[0][0]
-    for result, refusals in ranks:
+    for result, refusals, checked in ranks:
         assert_hf_cases(result)
         assert "cannot honour ['cu_seq_lens_q']" in refusals["cu_seq_lens_q"], refusals
         assert "a cache" in refusals["cache in evaluation"], refusals
+        assert checked >= 1, "enable_cp patched the mixers without checking them against their own forward"
 
 
 @needs_transformers
@@ -2668,9 +2710,11 @@ def test_transformers_calling_conventions(release):
     hidden = torch.randn(2, 40, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
     want = mixer.eval()(hidden, cache=None, attention_mask=None)     # transformers' torch path (no mamba_ssm)
     cache_name = "cache" if release == "5.24" else "cache_params"
-    seen = {}
+    seen, own = {}, mixer.forward
 
     def release_forward(hidden_states, attention_mask=None, **kwargs):   # stands for that release's forward
+        if kwargs.get(cache_name) is None:      # its arithmetic (enable_cp checks the patch against it)
+            return own(hidden_states, attention_mask=attention_mask)
         seen.update(kwargs)
         return "transformers' own path"
     release_forward.__signature__ = inspect.Signature([
@@ -2685,6 +2729,91 @@ def test_transformers_calling_conventions(release):
     assert rel_rms(got, want) <= HF_BOUND
     assert mixer.eval()(hidden, **dict(keywords, **{cache_name: "a cache"})) == "transformers' own path"
     assert seen[cache_name] == "a cache" and not ({"cache", "cache_params"} - {cache_name}) & set(seen)
+
+
+@needs_transformers
+def test_transformers_mixer_self_check(monkeypatch):
+    """enable_cp and enable_mamba_cp patch no mixer that computes otherwise than its own
+    forward: each distinct mixer configuration is run both ways once per process (float32, 36
+    tokens: two chunk boundaries) and refused, naming the class and the difference, above
+    CHECK_BOUND, with nothing patched. Refused: a subclass whose forward scales its output by
+    1.001, and a Falcon-H1 mixer monkeypatched to restart its state every chunk (it agrees
+    with the file on the first chunk). A bf16 mixer is checked in float32 and handed back as
+    it was; on the meta device a mixer of a known class passes unchecked and a subclass is
+    refused; a model of two identical mixers is checked once, and not again; Falcon-H1 with its
+    norm after the gate (the parity tests train it before, and without) passes; Falcon-H1 with a
+    conv activation mamba_cp has not (hidden_act) is refused by name."""
+    cp = _example()
+    calls = []
+    check = cp._check_mixer
+    monkeypatch.setattr(cp, "_check_mixer", lambda *args: calls.append(type(args[0]).__name__) or check(*args))
+    monkeypatch.setattr(cp, "_CHECKED", set())
+    cp.enable_mamba_cp(tiny_model("Mamba2ForCausalLM"), None)
+    cp.enable_mamba_cp(tiny_model("Mamba2ForCausalLM"), None)
+    assert calls == ["Mamba2Mixer"], calls                         # two layers, two models: one check
+
+    def scaled(base):
+        class Scaled(base):
+            def forward(self, hidden_states, *args, **kwargs):
+                return 1.001 * super().forward(hidden_states, *args, **kwargs)
+        Scaled.__name__ = "Scaled" + base.__name__
+        return Scaled
+
+    bamba = tiny_model("BambaForCausalLM")
+    mixer = cp._mamba2_mixers(bamba)[0]
+    mixer.__class__ = scaled(type(mixer))
+    with pytest.raises(ValueError, match=r"ScaledBambaMixer's own forward and this file's differ: relative RMS "
+                                         r"difference 1\.0e-03 \(bound 1e-04\)"):
+        cp.enable_cp(bamba, None)
+    assert "forward" not in vars(mixer) and not any(hasattr(m, "mamba_cp") for m in bamba.modules())
+
+    falcon = tiny_model("FalconH1ForCausalLM")
+    mixer = cp._mamba2_mixers(falcon)[0]
+    own = mixer.forward
+
+    def per_chunk(hidden_states, **kwargs):
+        return torch.cat([own(h, **kwargs) for h in hidden_states.split(mixer.chunk_size, 1)], 1)
+    mixer.forward = per_chunk
+    with pytest.raises(ValueError, match="FalconH1Mixer's own forward and this file's differ") as refused:
+        cp.enable_mamba_cp(falcon, None)
+    print(refused.value)
+    assert mixer.forward is per_chunk
+
+    bf16 = cp._mamba2_mixers(tiny_model("BambaForCausalLM", torch.bfloat16))[0].train()
+    before = {n: (p.data_ptr(), p.detach().clone()) for n, p in bf16.named_parameters()}
+    assert cp._check_mixer(bf16, bf16.forward, "virtual")
+    assert bf16.training and all(p.dtype == torch.bfloat16 and p.data_ptr() == before[n][0]
+                                 and torch.equal(p, before[n][1]) for n, p in bf16.named_parameters())
+
+    with torch.device("meta"):
+        meta = tiny_model("BambaForCausalLM")
+    cp.enable_mamba_cp(meta, None)                                  # known: trusted, not run
+    mixer = cp._mamba2_mixers(tiny_model("BambaForCausalLM").to("meta"))[0]
+    mixer.__class__ = scaled(type(mixer))
+    with pytest.raises(ValueError, match="cannot check ScaledBambaMixer against its own forward"):
+        cp.enable_mamba_cp(mixer, None)
+    assert calls == ["Mamba2Mixer", "ScaledBambaMixer", "FalconH1Mixer", "BambaMixer", "BambaMixer",
+                     "ScaledBambaMixer"], calls
+    after = cp._mamba2_mixers(tiny_model("FalconH1ForCausalLM", changes=dict(mamba_norm_before_gate=False)))[0]
+    assert cp._check_mixer(after, after.forward, "none")
+    with pytest.raises(ValueError, match="FalconH1Mixer applies 'gelu' after its conv"):
+        cp.enable_mamba_cp(tiny_model("FalconH1ForCausalLM", changes=dict(hidden_act="gelu")), None)
+
+
+@needs_transformers
+def test_transformers_hybrid_layers_found():
+    """Falcon-H1's and Zamba2's layers of kind 'hybrid' each hold one mixer and one attention:
+    enable_cp's census finds Falcon-H1's (side by side in its one layer) and Zamba2's (a
+    shared transformer block then a mixer, in each of two layers) and refuses a count of
+    modules other than the declared kinds'."""
+    cp = _example()
+    for name, found in (("FalconH1ForCausalLM", [1, 1]), ("Zamba2ForCausalLM", [2, 2])):
+        model = tiny_model(name)
+        assert [len(modules) for modules in cp._layers_to_patch(model)] == found, name
+        config, model.config = model.config, types.SimpleNamespace(layer_types=["hybrid", "linear_attention"] * 2)
+        with pytest.raises(ValueError, match="declares 4 layers of kind 'linear_attention' or 'hybrid' but holds"):
+            cp._layers_to_patch(model)
+        model.config = config
 
 
 @gpu

@@ -15,16 +15,27 @@ balances; "none", contiguous; the batch must be sharded in the same one):
     out.loss.backward()
     all_reduce_grads(model, cp_group)                                    # without FSDP (below)
 
-Mamba2 mixers run mamba_cp's mamba_split_conv1d_scan_combined; attention layers (registered
-through transformers' attention interface) all-gather K and V and run one fused flex_attention
-call under a block mask made once per forward from global positions and document ids; MLP and
-MoE layers need nothing. Supported: Mamba2ForCausalLM, BambaForCausalLM,
-GraniteMoeHybridForCausalLM and NemotronHForCausalLM, found by the layer kinds their configs
-declare ("linear_attention" for Mamba2, "full_attention", "mlp", "moe"); another kind raises
+Mamba2 mixers run mamba_cp's mamba_split_conv1d_scan_combined (Falcon-H1's muP multipliers
+folded into the projection before it, its gated norm before the gate as its config says, or
+none); attention layers (registered through transformers' attention interface) all-gather K and
+V and run one fused flex_attention call under a block mask made once per forward from global
+positions and document ids; MLP and MoE layers, and everything else token by token (Zamba2's
+shared blocks and their adapters), need nothing. Supported: Mamba2ForCausalLM,
+BambaForCausalLM, GraniteMoeHybridForCausalLM, NemotronHForCausalLM, FalconH1ForCausalLM and
+Zamba2ForCausalLM, found by the layer kinds their configs declare ("linear_attention" for
+Mamba2, "full_attention", "hybrid" for a layer holding both, "mlp", "moe"); another kind raises
 ValueError naming it, and so does sliding-window attention. enable_mamba_cp patches the mixers
 alone. transformers 5.17 to 5.25: the mixers' cache keyword (cache_params to 5.23, cache from
 5.24) is mapped, and 5.17 to 5.22's gated RMSNorm, which normalises all channels at once, runs
 in torch after the gate when a mixer has more than one B/C group.
+
+No mixer is patched on trust: before patching, each distinct mixer configuration (class,
+forward, attributes, shapes) is run once per process both ways, its own forward on
+transformers' torch path and this file's in a world of one, on random float32 hidden states of
+2 * chunk_size + d_conv tokens, and a relative RMS difference above CHECK_BOUND (1e-4) raises
+ValueError naming the class and the difference, with nothing patched. So call enable_cp once
+the weights are loaded and before fully_shard: where the parameters are on the meta device or
+sharded the check cannot run, and only a mixer of a class the file knows (KNOWN_MIXERS) passes.
 
 A world of one (cp_group None, or a group of one rank) runs the same path on the whole sequence
 with no collective. To keep transformers' own path, do not call enable_cp.
@@ -50,15 +61,19 @@ sums the CP shares of each gradient once the loss is scaled back up:
     loss.backward(); optimizer.step()       # no all_reduce_grads
 
 Refused (ValueError): a padding mask, attention dropout in training, sliding-window attention,
-keywords that describe documents some other way (cu_seq_lens_q, ...), and a cache in evaluation
-at an attention layer. In a training forward a cache is harmless: the mixers leave their entries
-empty, the attention layers store only this rank's K and V. In evaluation with a cache the
-mixers run transformers' own forward on whatever they are given, so evaluate shards with
-use_cache=False (a Mamba2ForCausalLM, which has no attention layer to refuse it, would run each
-shard alone), and generate with a model that has not been through enable_cp.
+keywords that describe documents some other way (cu_seq_lens_q, ...), a mixer that fails the
+check or whose conv activation is not silu, and a cache in evaluation in a model with attention
+(by the model's forward, before any layer runs). In a training forward a cache is harmless: the
+mixers leave their entries empty, the attention layers store only this rank's K and V. In
+evaluation with a cache the mixers run transformers' own forward on whatever they are given, so
+evaluate shards with use_cache=False (a Mamba2ForCausalLM, which has no attention layer to
+refuse it, would run each shard alone), and generate with a model that has not been through
+enable_cp.
 """
 
+import contextlib
 import inspect
+import sys
 
 import torch
 import torch.distributed as dist
@@ -71,11 +86,13 @@ MIXER_PARTS = ("in_proj", "conv1d", "dt_bias", "A_log", "D", "norm", "out_proj")
 ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
 ATTENTION = "mamba_cp_flex"               # the name this file registers with transformers
 MAMBA_KIND, ATTENTION_KIND, TOKENWISE_KINDS = "linear_attention", "full_attention", ("mlp", "moe")
+HYBRID_KIND = "hybrid"   # a Mamba2 mixer and an attention in one layer: Falcon-H1's side by side, Zamba2's in turn
 # keywords that reach the mixers and attention layers from the CausalLM forward and say nothing
 # about which tokens may see which: the loss's, the router's, the cache switch, and the positions
-# (the rotary embeddings have taken them before attention runs)
+# (the rotary embeddings have taken them before attention runs; Zamba2's layers hand their
+# mixers the embeddings themselves, which the mixers ignore)
 INERT_KEYWORDS = {"num_items_in_batch", "shift_labels", "output_router_logits", "use_cache", "output_attentions",
-                  "output_hidden_states", "position_ids"}
+                  "output_hidden_states", "position_ids", "position_embeddings"}
 CACHE_KEYWORDS = ("cache", "cache_params")   # the mixers' cache: 5.24 on, and 5.17 to 5.23
 
 
@@ -104,19 +121,36 @@ def _mamba2_mixers(model):
     return [m for m in model.modules() if all(hasattr(m, part) for part in MIXER_PARTS)]
 
 
+def _norm_before_gate(mixer):
+    """Falcon-H1's gated norm normalises y and then gates it when its config says so
+    (mamba_norm_before_gate, on by default); transformers' other gated norms gate first."""
+    return bool(getattr(mixer.norm, "norm_before_gate", False))
+
+
 def _mixer_sizes(mixer):
     """(headdim, ngroups, norm_width) of a transformers Mamba2 mixer; norm_width is how many
     channels its gated RMSNorm normalises together: the norm's group_size where it has one
-    (transformers 5.23 on, and NemotronH's in every release: dim / n_groups, one B/C group, as
-    mamba_ssm's kernel does), all dim channels where it has none (5.17 to 5.22)."""
-    dim, nheads = mixer.out_proj.in_features, mixer.dt_bias.shape[0]
+    (transformers 5.23 on; Zamba2's and NemotronH's in every release: dim / n_groups, one B/C
+    group, as mamba_ssm's kernel does), dim / the norm's n_groups (Falcon-H1's), all dim
+    channels where it has neither (5.17 to 5.22); None where the mixer has no norm (Falcon-H1
+    with mamba_rms_norm off: y * silu(z) alone). Raises ValueError for what mamba_cp cannot run."""
+    name, dim, nheads = type(mixer).__name__, mixer.out_proj.in_features, mixer.dt_bias.shape[0]
     ngroups = getattr(mixer, "n_groups", None)
     if ngroups is None:
-        raise ValueError(f"enable_mamba_cp: {type(mixer).__name__} has no n_groups (the number of B/C groups)")
-    norm_width = getattr(mixer.norm, "group_size", dim)
+        raise ValueError(f"enable_mamba_cp: {name} has no n_groups (the number of B/C groups)")
+    activation = getattr(mixer, "activation", "silu")
+    if activation not in ("silu", "swish"):
+        raise ValueError(f"enable_mamba_cp: {name} applies {activation!r} after its conv (Falcon-H1: the config's "
+                         f"hidden_act); mamba_cp's conv applies silu")
+    if isinstance(mixer.norm, torch.nn.Identity):
+        return dim // nheads, ngroups, None
+    norm_width = getattr(mixer.norm, "group_size", None) or dim // getattr(mixer.norm, "n_groups", 1)
     if dim % norm_width:
-        raise ValueError(f"enable_mamba_cp: {type(mixer).__name__}'s gated RMSNorm has groups of {norm_width}, "
+        raise ValueError(f"enable_mamba_cp: {name}'s gated RMSNorm has groups of {norm_width}, "
                          f"which do not divide its {dim} channels")
+    if _norm_before_gate(mixer) and norm_width * ngroups != dim:
+        raise ValueError(f"enable_mamba_cp: {name}'s gated RMSNorm normalises before its gate in groups of "
+                         f"{norm_width} channels; mamba_cp does that only per B/C group ({dim // ngroups})")
     return dim // nheads, ngroups, norm_width
 
 
@@ -128,16 +162,33 @@ def _gated_rms_norm(gated, norm, width):
     return norm.weight * g.flatten(-2).to(gated.dtype)
 
 
+def _projected(mixer, hidden_states):
+    """in_proj of the hidden states, with Falcon-H1's muP multipliers where the mixer has them:
+    ssm_in_multiplier on its input, mup_vector (one factor per block of z, x, B, C and dt,
+    from the config's ssm_multipliers) on the projection, both folded in before mamba_cp."""
+    scale = getattr(mixer, "ssm_in_multiplier", None)
+    zxbcdt = mixer.in_proj(hidden_states if scale is None else hidden_states * scale)     # (b, l_local, width)
+    mup = getattr(mixer, "mup_vector", None)
+    return zxbcdt if mup is None else zxbcdt * mup
+
+
+def _own_forward(mixer):
+    """The mixer's forward before this file patched it (enable_cp may run twice on a model)."""
+    return getattr(mixer.forward, "mamba_cp_original", mixer.forward)
+
+
 def _cp_forward(mixer, cp_group, load_balancing):
-    """The mixer's forward on this rank's shard: in_proj, then conv, SSD, gated RMSNorm and out
-    projection in one mamba_cp call, from the mixer's own parameters. Where the norm's groups
+    """The mixer's forward on this rank's shard: in_proj (_projected), then conv, SSD, gated
+    RMSNorm (or the gate alone) and out projection in one mamba_cp call, from the mixer's own
+    parameters. Where the norm's groups
     are not mamba_cp's (dim / n_groups: transformers 5.17 to 5.22 with n_groups > 1) the call
     stops at the gate and the norm and out projection run in torch, as the mixer defines them
     (transformers' own mamba_ssm route normalises per B/C group there, unlike its torch path)."""
-    original = mixer.forward
+    original = _own_forward(mixer)
     cache_name = next((n for n in CACHE_KEYWORDS if n in inspect.signature(original).parameters), "cache")
     headdim, ngroups, norm_width = _mixer_sizes(mixer)      # checked here, when enable_mamba_cp patches
-    fused_norm = norm_width * ngroups == mixer.out_proj.in_features
+    fused_norm = norm_width is None or norm_width * ngroups == mixer.out_proj.in_features
+    before = _norm_before_gate(mixer)
 
     def forward(hidden_states, attention_mask=None, seq_idx=None, **kwargs):
         caches = [kwargs.pop(n) for n in CACHE_KEYWORDS if n in kwargs]
@@ -153,33 +204,144 @@ def _cp_forward(mixer, cp_group, load_balancing):
             raise ValueError("enable_mamba_cp: a padding mask (attention_mask with zeros) is not supported under "
                              "context parallelism; pack the documents into full sequences instead")
         _refuse_unknown(kwargs, f"enable_mamba_cp: {type(mixer).__name__}")
-        zxbcdt = mixer.in_proj(hidden_states)                                       # (b, l_local, width)
-        norm = dict(rmsnorm_weight=mixer.norm.weight, rmsnorm_eps=mixer.norm.variance_epsilon,
-                    outproj_weight=mixer.out_proj.weight, outproj_bias=mixer.out_proj.bias) if fused_norm else {}
+        norm = {} if norm_width is None or not fused_norm else dict(rmsnorm_weight=mixer.norm.weight,
+                                                                     rmsnorm_eps=mixer.norm.variance_epsilon)
+        out_proj = dict(outproj_weight=mixer.out_proj.weight, outproj_bias=mixer.out_proj.bias) if fused_norm else {}
         out = mamba_cp.mamba_split_conv1d_scan_combined(
-            zxbcdt, mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias, mixer.dt_bias,
+            _projected(mixer, hidden_states), mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias, mixer.dt_bias,
             -torch.exp(mixer.A_log.float()), mixer.D, mixer.chunk_size, seq_idx=seq_idx,
             dt_limit=tuple(mixer.time_step_limit), activation=mixer.activation, headdim=headdim, ngroups=ngroups,
-            norm_before_gate=False,      # transformers' gated norm: norm(y * silu(z))
-            cp_group=cp_group, load_balancing=load_balancing, **norm)
+            norm_before_gate=before, cp_group=cp_group, load_balancing=load_balancing, **norm, **out_proj)
         return out if fused_norm else mixer.out_proj(_gated_rms_norm(out, mixer.norm, norm_width))
 
+    forward.mamba_cp_original = original
     return forward
+
+
+# ---------------------------------------------------------------------------------------------
+# The mixer self-check: no mixer is replaced by something that computes otherwise
+# ---------------------------------------------------------------------------------------------
+
+CHECK_BOUND = 1e-4   # relative RMS, float32: the arithmetic agrees to about 1e-7
+# the mixers this file is written for, trusted unchecked only where their parameters cannot be
+# read when it runs (on the meta device, or sharded by FSDP); any other mixer is checked or refused
+KNOWN_MIXERS = ("Mamba2Mixer", "BambaMixer", "GraniteMoeHybridMambaLayer", "NemotronHMamba2Mixer", "FalconH1Mixer",
+                "Zamba2MambaMixer")
+_CHECKED = set()     # the mixer configurations (_mixer_key) that passed, once per process
+
+
+def _mixer_key(mixer, original):
+    """What decides what a mixer computes, besides its parameters' values: its forward and, for
+    it and every submodule, the class, a forward set on the instance, the plain attributes and
+    the shapes of its parameters and buffers. Left out: where the mixer sits (layer_idx,
+    layer_type), so that the layers of one model share one check."""
+    parts = [getattr(original, "__func__", original)]
+    for name, m in mixer.named_modules():
+        plain = sorted((k, repr(v)) for k, v in vars(m).items() if k not in ("training", "layer_idx", "layer_type")
+                       and isinstance(v, (bool, int, float, str, tuple, list, type(None))))
+        shapes = [(n, tuple(t.shape)) for n, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]]
+        parts.append((name, type(m), None if m is mixer else vars(m).get("forward"), tuple(plain), tuple(shapes)))
+    return tuple(parts)
+
+
+def _known(mixer, original):
+    cls = type(mixer)
+    return (cls.__name__ in KNOWN_MIXERS and cls.__module__.startswith("transformers.models.")
+            and getattr(original, "__func__", None) is cls.forward and cls.forward.__module__ == cls.__module__)
+
+
+@contextlib.contextmanager
+def _swapped(changes):
+    """Each (object, attribute, value) set for the while, then every one put back."""
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in changes]
+    try:
+        for obj, name, value in changes:
+            setattr(obj, name, value)
+        yield
+    finally:
+        for obj, name, value in reversed(saved):
+            setattr(obj, name, value)
+
+
+def _exact_reference(mixer, device):
+    """What the check sets so that the mixer's own forward is transformers' torch path in
+    float32: where mamba_ssm or a hub kernel is installed transformers runs it instead, and its
+    float32 products round in tf32, which the check would read as a difference. The kernel
+    functions of the modules of the mixer's transformers classes (a wrapper round each torch
+    function, 5.17 on) go back to what they wrap; on a GPU TF32 is off for torch's matmuls and
+    cuDNN's convs, set and put back through torch's per-backend fp32_precision (2.9 on), which
+    leaves a setting made through the older API (allow_tf32) readable as before."""
+    modules = {sys.modules[c.__module__] for c in type(mixer).__mro__ if c.__module__.startswith("transformers.")}
+    changes = [(module, name, fn.__wrapped__) for module in modules for name, fn in vars(module).items()
+               if name.startswith(("mamba2_", "causal_conv1d")) and getattr(fn, "__wrapped__", None) is not None]
+    if device.type == "cuda":
+        backends = (torch.backends.cuda.matmul, getattr(torch.backends.cudnn, "conv", None))
+        changes += [(b, "fp32_precision", "ieee") for b in backends if hasattr(b, "fp32_precision")]
+    return changes
+
+
+def _check_mixer(mixer, original, load_balancing):
+    """The mixer's own forward (transformers' torch path: evaluation, no cache, _exact_reference)
+    against this file's in a world of one, on random float32 hidden states (1, 2 * chunk_size
+    + d_conv, hidden), without gradients: a parameter or buffer in another dtype is read in
+    float32 for the check and then put back as it was. ValueError, naming the class and the
+    difference, above CHECK_BOUND. Where the parameters cannot be read (meta device, FSDP
+    shards) a mixer of KNOWN_MIXERS passes unchecked (returns False) and any other is refused.
+    True: checked."""
+    name = type(mixer).__name__
+    tensors = [t for t in (*mixer.parameters(), *mixer.buffers()) if t.is_floating_point()]
+    if any(t.is_meta or hasattr(t, "full_tensor") for t in tensors):
+        if _known(mixer, original):
+            return False
+        raise ValueError(f"enable_mamba_cp: cannot check {name} against its own forward: its parameters are on the "
+                         f"meta device or sharded; call enable_cp once the weights are loaded, before fully_shard")
+    device = tensors[0].device
+    length = 2 * mixer.chunk_size + mixer.conv1d.weight.shape[-1]       # two chunk boundaries, past the conv
+    x = torch.randn(1, length, mixer.in_proj.in_features, generator=torch.Generator().manual_seed(0)).to(device)
+    mine = _cp_forward(mixer, None, load_balancing)
+    changes = [(t, "data", t.data.float()) for t in tensors] + [(m, "training", False) for m in mixer.modules()]
+    try:
+        with _swapped(changes + _exact_reference(mixer, device)), torch.no_grad(), \
+                torch.autocast(device.type, enabled=False):
+            want, got = original(x), mine(x)
+    except Exception as e:  # noqa: BLE001 - either forward failing on the check's input is a refusal
+        raise ValueError(f"enable_mamba_cp: {name} could not be checked against its own forward: {e!r}") from e
+    if not isinstance(want, torch.Tensor) or want.shape != got.shape:
+        raise ValueError(f"enable_mamba_cp: {name}'s forward returns {type(want).__name__} "
+                         f"{tuple(getattr(want, 'shape', ()))}, not hidden states {tuple(got.shape)}")
+    err = ((got.double() - want.double()).norm() / want.double().norm()).item()
+    if not err <= CHECK_BOUND:
+        raise ValueError(f"enable_mamba_cp: {name}'s own forward and this file's differ: relative RMS difference "
+                         f"{err:.1e} (bound {CHECK_BOUND:.0e}) on float32 hidden states of {length} tokens; it "
+                         f"computes something this file does not know, so it is not patched")
+    return True
+
+
+def _patched_mixers(model, cp_group, load_balancing):
+    """Every Mamba2 mixer of the model with its CP forward, each distinct configuration checked
+    (_check_mixer) first: nothing is patched unless all pass."""
+    _check_layout(load_balancing)
+    mixers = _mamba2_mixers(model)
+    if not mixers:
+        raise ValueError(f"enable_mamba_cp: no Mamba2 mixer (a module holding {', '.join(MIXER_PARTS)}) "
+                         f"in {type(model).__name__}")
+    patched = [(m, _cp_forward(m, _group_or_none(cp_group), load_balancing)) for m in mixers]
+    for mixer, _ in patched:
+        original = _own_forward(mixer)
+        key = _mixer_key(mixer, original)
+        if key not in _CHECKED and _check_mixer(mixer, original, load_balancing):
+            _CHECKED.add(key)
+    return patched
 
 
 def enable_mamba_cp(model, cp_group, load_balancing="virtual"):
     """Patch, in place, every Mamba2 mixer of `model` so that (without a cache) it takes this
     rank's shard of the hidden states, in the layout `load_balancing`, and returns this rank's
-    shard of its output. cp_group None, or a group of one: the whole sequence on mamba_cp's
-    kernels, no collective. Returns the model."""
-    _check_layout(load_balancing)
-    cp_group = _group_or_none(cp_group)
-    mixers = _mamba2_mixers(model)
-    if not mixers:
-        raise ValueError(f"enable_mamba_cp: no Mamba2 mixer (a module holding {', '.join(MIXER_PARTS)}) "
-                         f"in {type(model).__name__}")
-    for mixer in mixers:
-        mixer.forward = _cp_forward(mixer, cp_group, load_balancing)
+    shard of its output, once each distinct mixer has matched its own forward (_check_mixer).
+    cp_group None, or a group of one: the whole sequence on mamba_cp's kernels, no collective.
+    Returns the model."""
+    for mixer, forward in _patched_mixers(model, cp_group, load_balancing):
+        mixer.forward = forward
     return model
 
 
@@ -313,6 +475,11 @@ def masked_attention(query, key, value, block_mask, scaling=None):
     return out.transpose(1, 2).contiguous()
 
 
+CACHE_REFUSAL = ("enable_cp: a cache (generation, or use_cache on in evaluation) is not supported under context "
+                 "parallelism: evaluate shards with use_cache=False, and generate with a model that has not been "
+                 "through enable_cp")
+
+
 class CPAttention:
     """What the attention layers of one CP model share: the group, the layout, and the mask of
     the forward under way, made once per forward by a hook on the model (every rank runs it, so
@@ -335,6 +502,15 @@ class CPAttention:
         return cp_block_mask(queries, keys, *docs)
 
     def before_forward(self, model, args, kwargs):
+        # a cache in evaluation is refused here, before the mixers would hand a shard to
+        # transformers' own forward, and for models (Zamba2) whose layers keep use_cache from
+        # their attention
+        use_cache = kwargs.get("use_cache")
+        if use_cache is None:
+            use_cache = getattr(model.config, "use_cache", False)
+        cache = any(kwargs.get(n) is not None for n in ("cache", "past_key_values", "cache_params"))
+        if not model.training and (use_cache or cache):
+            raise ValueError(CACHE_REFUSAL)
         tokens = kwargs.get("input_ids", args[0] if args else None)
         if tokens is None:
             tokens = kwargs["inputs_embeds"]
@@ -355,9 +531,7 @@ def cp_attention(module, query, key, value, attention_mask, dropout=0.0, scaling
     i's and, with seq_idx (b, l), both lie in one document."""
     cp = module.mamba_cp
     if key.shape[2] != query.shape[2] or (kwargs.get("use_cache") and not module.training):
-        raise ValueError("enable_cp: a cache (generation, or use_cache on in evaluation) is not supported under "
-                         "context parallelism: evaluate shards with use_cache=False, and generate with a model "
-                         "that has not been through enable_cp")
+        raise ValueError(CACHE_REFUSAL)
     if attention_mask is not None:
         raise ValueError("enable_cp: the attention layers build their own mask under context parallelism; "
                          "a padding mask is not supported (pack the documents instead)")
@@ -390,20 +564,23 @@ def _layers_to_patch(model):
         raise ValueError(f"enable_cp: {type(model).__name__}'s config declares no layer kinds "
                          f"(layer_types or layers_block_type)")
     kinds = list(kinds)
-    unknown = sorted(set(kinds) - {MAMBA_KIND, ATTENTION_KIND, *TOKENWISE_KINDS})
+    unknown = sorted(set(kinds) - {MAMBA_KIND, ATTENTION_KIND, HYBRID_KIND, *TOKENWISE_KINDS})
     if unknown:
         raise ValueError(f"enable_cp: {type(model).__name__} has layers of kind {unknown}, which this file does not "
-                         f"know how to run on a shard (it knows {MAMBA_KIND!r}, {ATTENTION_KIND!r} and "
-                         f"{', '.join(map(repr, TOKENWISE_KINDS))})")
+                         f"know how to run on a shard (it knows {MAMBA_KIND!r}, {ATTENTION_KIND!r}, {HYBRID_KIND!r} "
+                         f"and {', '.join(map(repr, TOKENWISE_KINDS))})")
     mixers, attentions = _mamba2_mixers(model), _attention_layers(model)
     windows = {getattr(config, "sliding_window", None)} | {getattr(m, "sliding_window", None) for m in attentions}
     if windows - {None}:
         raise ValueError(f"enable_cp: {type(model).__name__} uses sliding-window attention (sliding_window="
                          f"{sorted(windows - {None})}), which this file does not run on a shard")
+    hybrids = kinds.count(HYBRID_KIND)          # one mixer and one attention each
     for kind, found in ((MAMBA_KIND, mixers), (ATTENTION_KIND, attentions)):
-        if kinds.count(kind) != len(found):
-            raise ValueError(f"enable_cp: {type(model).__name__} declares {kinds.count(kind)} layers of kind "
-                             f"{kind!r} but holds {len(found)} such modules; its layout is not one this file knows")
+        declared = kinds.count(kind) + hybrids
+        if declared != len(found):
+            kind = repr(kind) + (f" or {HYBRID_KIND!r}" if hybrids else "")
+            raise ValueError(f"enable_cp: {type(model).__name__} declares {declared} layers of kind {kind} but holds "
+                             f"{len(found)} such modules; its layout is not one this file knows")
     return mixers, attentions
 
 
@@ -415,6 +592,7 @@ def enable_cp(model, cp_group, load_balancing="virtual"):
     code on the whole sequence, no collective (module docstring). Returns the model."""
     _check_layout(load_balancing)
     mixers, attentions = _layers_to_patch(model)
+    patched = _patched_mixers(model, cp_group, load_balancing) if mixers else []   # refusals before any patch
     if attentions:
         from transformers import AttentionInterface
         AttentionInterface.register(ATTENTION, cp_attention)
@@ -425,8 +603,8 @@ def enable_cp(model, cp_group, load_balancing="virtual"):
         if hasattr(model, "_mamba_cp_hook"):
             model._mamba_cp_hook.remove()
         model._mamba_cp_hook = model.register_forward_pre_hook(shared.before_forward, with_kwargs=True)
-    if mixers:
-        enable_mamba_cp(model, cp_group, load_balancing)
+    for mixer, forward in patched:
+        mixer.forward = forward
     return model
 
 

@@ -2501,14 +2501,22 @@ def hf_hybrid_parity(rank, world, group, device, name, cases):
     import transformers_cp
     model = transformers_cp.enable_cp(tiny_model(name), group, "virtual")
     ids = transformers_cp.shard_batch(*(2 * [hf_batch(model.config.vocab_size, False)[0]]), rank, world)["input_ids"]
+    # document ids counted on each rank's shard alone (shard_batch handed the shard as a whole
+    # sequence: the usual mistake), each rank's non-decreasing, stepping down between the ranks
+    packed, positions = hf_batch(model.config.vocab_size, True)
+    mine = transformers_cp.shard_batch(packed, packed, rank, world, "virtual", position_ids=positions)
+    per_shard = transformers_cp.shard_batch(mine["input_ids"], mine["input_ids"], 0, 1, "none",
+                                            position_ids=mine["position_ids"])["seq_idx"]
     refusals = {}
     for what, call in (("cu_seq_lens_q", lambda: model(input_ids=ids, cu_seq_lens_q=torch.tensor([0, ids.shape[1]]))),
+                       ("seq_idx per shard", lambda: model(input_ids=mine["input_ids"], seq_idx=per_shard,
+                                                           position_ids=mine["position_ids"])),
                        ("cache in evaluation", lambda: model.eval()(input_ids=ids, use_cache=True))):
         try:
             call()
             refusals[what] = "accepted"
-        except ValueError as e:
-            refusals[what] = str(e)
+        except (ValueError, RuntimeError) as e:      # RuntimeError: the device-side check of a later call
+            refusals[what] = f"{type(e).__name__}: {e}"
     return out, refusals, len(transformers_cp._CHECKED)
 
 
@@ -2565,8 +2573,14 @@ def test_transformers_hybrid_cp_parity(name):
     assert set(ranks[0][0]) == set(cases), ranks[0][0]
     for result, refusals, checked in ranks:
         assert_hf_cases(result)
-        assert "cannot honour ['cu_seq_lens_q']" in refusals["cu_seq_lens_q"], refusals
-        assert "a cache" in refusals["cache in evaluation"], refusals
+        assert refusals["cu_seq_lens_q"].startswith("ValueError") and \
+            "cannot honour ['cu_seq_lens_q']" in refusals["cu_seq_lens_q"], refusals
+        assert refusals["cache in evaluation"].startswith("ValueError") and \
+            "a cache" in refusals["cache in evaluation"], refusals
+        # a first call names the step (ValueError); a signature already agreed stops on the device
+        assert refusals["seq_idx per shard"].startswith((
+            "ValueError: seq_idx: got a decreasing step where the sequence passes between ranks",
+            "RuntimeError: mamba_cp: seq_idx steps down between two ranks' pieces")), refusals
         assert checked >= 1, "enable_cp patched the mixers without checking them against their own forward"
 
 

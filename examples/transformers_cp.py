@@ -475,9 +475,9 @@ def masked_attention(query, key, value, block_mask, scaling=None):
     return out.transpose(1, 2).contiguous()
 
 
-CACHE_REFUSAL = ("enable_cp: a cache (generation, or use_cache on in evaluation) is not supported under context "
-                 "parallelism: evaluate shards with use_cache=False, and generate with a model that has not been "
-                 "through enable_cp")
+CACHE_REFUSAL = ("enable_cp: a cache (generation, use_cache on in evaluation, or layers recomputed by activation "
+                 "checkpointing of your own, which refill it) is not supported under context parallelism: evaluate "
+                 "and train shards with use_cache=False, and generate with a model that has not been through enable_cp")
 
 
 class CPAttention:

@@ -2357,19 +2357,30 @@ def hf_reference(name, packed, dtype, steps=3, changes=None, rows=2):
     of predicted tokens. Losses per step, the first step's gradients and the parameters after
     the last."""
     model = tiny_model(name, dtype, changes=changes)
-    ids, positions = hf_batch(model.config.vocab_size, packed, rows=rows)
+    return unsharded_training(model, *hf_batch(model.config.vocab_size, packed, rows=rows), steps)
+
+
+def unsharded_training(model, ids, positions, steps, cast=None):
+    """hf_reference's arithmetic on a given model and batch, AdamW; with cast (a dtype), each
+    step's forward and backward run on a copy of the parameters in that dtype, the gradients
+    returned in float32, as FSDP2's param_dtype does."""
+    import copy
     docs = hf_documents(ids, positions)
     items = sum(b - a - 1 for _, a, b in docs)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses = []
     for _ in range(steps):
         opt.zero_grad()
+        run = model if cast is None else copy.deepcopy(model).to(cast)
         total = 0.0
         for row, a, b in docs:
             doc = ids[row:row + 1, a:b]
-            loss = model(input_ids=doc, labels=doc, num_items_in_batch=items).loss
+            loss = run(input_ids=doc, labels=doc, num_items_in_batch=items).loss
             loss.backward()
             total += loss.item()
+        if cast is not None:
+            for p, q in zip(model.parameters(), run.parameters()):
+                p.grad = q.grad.float()
         if not losses:
             grads = _grads(model)
         losses.append(total)
@@ -3432,34 +3443,11 @@ def trained_model():
 
 
 def training_reference(cast=None, steps=TRAIN_STEPS):
-    """transformers' own path on the whole packed batch, hf_reference's arithmetic, float32
-    parameters and AdamW; with cast (a dtype), each step's forward and backward run on a copy of
-    the parameters in that dtype and the gradients return in float32, as FSDP2's param_dtype
-    does. Losses per step, the first step's gradients, the parameters after the last."""
-    import copy
+    """transformers' own path on the whole packed batch (unsharded_training), float32 parameters
+    and AdamW; with cast, FSDP2's param_dtype imitated. Losses per step, the first step's
+    gradients, the parameters after the last."""
     model = trained_model()
-    ids, positions = hf_batch(model.config.vocab_size, True)
-    docs = hf_documents(ids, positions)
-    items = sum(b - a - 1 for _, a, b in docs)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        run = model if cast is None else copy.deepcopy(model).to(cast)
-        total = 0.0
-        for row, a, b in docs:
-            doc = ids[row:row + 1, a:b]
-            loss = run(input_ids=doc, labels=doc, num_items_in_batch=items).loss
-            loss.backward()
-            total += loss.item()
-        if cast is not None:
-            for p, q in zip(model.parameters(), run.parameters()):
-                p.grad = q.grad.float()
-        if not losses:
-            grads = _grads(model)
-        losses.append(total)
-        opt.step()
-    return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return unsharded_training(model, *hf_batch(model.config.vocab_size, True), steps, cast)
 
 
 def _float32_kernels(kernel):

@@ -3476,7 +3476,11 @@ def training_run(rank, world, group, case, meshes, steps=TRAIN_STEPS):
     model = cp.enable_cp(model, cp_group, "virtual")
     ckpt = opts.get("checkpointing")
     if ckpt in ("hf", "hf_reentrant"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": ckpt == "hf_reentrant"})
+        reentrant = {"use_reentrant": ckpt == "hf_reentrant"}
+        if hasattr(model, "activation_checkpointing_enable"):   # the switch's newer name (the old one warns)
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=reentrant)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=reentrant)
     elif ckpt == "layer":
         for layer in model.model.layers:
             layer.forward = functools.partial(torch.utils.checkpoint.checkpoint, layer.forward, use_reentrant=False)

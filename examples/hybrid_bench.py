@@ -234,7 +234,10 @@ def prepare_training(model, checkpointing, optimizer):
         for layer in model.model.layers:
             layer.forward = functools.partial(torch.utils.checkpoint.checkpoint, layer.forward, use_reentrant=False)
     elif checkpointing == "hf":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "activation_checkpointing_enable"):   # the switch's newer name (the old one warns)
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return torch.optim.AdamW(model.parameters(), lr=1e-5) if optimizer == "adamw" else None
 
 

@@ -149,7 +149,10 @@ def train(args, cp, device, save=True):
     name = type(model).__name__
     model = enable_cp(model, mesh.get_group("cp"), args.layout)
     if args.checkpointing == "hf":                                # transformers' switch
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "activation_checkpointing_enable"):   # the switch's newer name (the old one warns)
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     elif args.checkpointing == "layer":                           # torch.utils.checkpoint per decoder layer
         for layer in model.model.layers:
             layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)

@@ -2348,14 +2348,14 @@ def _raise_disagreement(every, names, local_error, group):
 
 
 def _piece_order(world, layout, device):
-    """The pieces of the sequence in global order, as (rank, local piece) pairs, and as an index
-    into the ranks' pieces stacked rank by rank (cached: the eager path builds it once)."""
+    """Segments' global order of the caller's pieces (the permute layouts' are zigzag, as
+    "virtual"'s), and as an index into the ranks' pieces stacked rank by rank: one index_select
+    on later calls (cached) where Segments.gather_order would make a slice per piece."""
     found = _PIECE_ORDERS.get((world, layout, device))
     if found is None:
-        held = [_pieces(r, world, layout)[0] for r in range(world)]
-        order = sorted(((r, j) for r in range(world) for j in range(len(held[r]))), key=lambda rj: held[rj[0]][rj[1]])
-        found = _PIECE_ORDERS[(world, layout, device)] = (
-            order, torch.tensor([r * len(held[r]) + j for r, j in order], device=device))
+        segments = Segments(0, world, "none" if layout == "none" else "virtual")
+        found = _PIECE_ORDERS[(world, layout, device)] = (segments.order, torch.tensor(
+            [r * segments.per_row + j for r, j in segments.order], device=device))
     return found
 
 
@@ -2410,21 +2410,19 @@ def _agree(key, signature, local_error, seq_idx, layout, group, device):
         mine = mine.clone()
         mine[-1:] = (seq_idx[:, 1:] < seq_idx[:, :-1]).any()
     every = _all_gather(mine, group) if group is not None else mine[None]   # (world, len(names) + 2)
-    if not read:
+    if read:
+        _raise_disagreement(every.cpu(), names, local_error, group)
+    else:
         torch._assert_async((every == expected).all(),
                             "mamba_cp: the ranks of cp_group were called with different shapes or options, "
                             "or a seq_idx steps down (set_input_checks('always') names it)")
-        steps = None if seq_idx is None else _boundary_steps(seq_idx, layout, group)
-        if steps is not None:
-            torch._assert_async(~steps[0].any(), "mamba_cp: seq_idx steps down between two ranks' pieces of the "
-                                "sequence (set_input_checks('always') names them)")
-        return
-    _raise_disagreement(every.cpu(), names, local_error, group)
-    steps = None if seq_idx is None else _boundary_steps(seq_idx, layout, group)
-    if steps is not None:
-        down, glob, order = steps
-        _raise_boundary_step(down.cpu(), glob.cpu(), order)
-    if key is not None:
+    steps = None if seq_idx is None else _boundary_steps(seq_idx, layout, group)   # the shapes now agree
+    if steps is not None and read:
+        _raise_boundary_step(steps[0].cpu(), steps[1].cpu(), steps[2])
+    elif steps is not None:
+        torch._assert_async(~steps[0].any(), "mamba_cp: seq_idx steps down between two ranks' pieces of the "
+                            "sequence (set_input_checks('always') names them)")
+    if read and key is not None:
         if len(_AGREED) >= 1024:
             _AGREED.clear()
         _AGREED[key] = torch.tensor(values + [0, 0], dtype=torch.int64, device=device)

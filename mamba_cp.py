@@ -119,6 +119,83 @@ if INTERPRET:
     _interpret_triton_language()
 
 
+class _Launched:
+    """A @triton.jit kernel, launched as Triton launches it, `kernel[grid](*args, **constexprs)`,
+    for less host time: eager callers pay the host for each of a call's twenty launches. Triton
+    binds and specializes every argument, builds a cache key and runs its launch hooks each time.
+    Here a signature seen before (each argument's type and value, a tensor's only by its dtype,
+    device kind and 16-byte alignment: all Triton specializes a tensor on) goes straight to the
+    launcher of the kernel Triton compiled for it at its first launch, pointers as integers. The
+    interpreter, launch hooks and new signatures take Triton's own path."""
+
+    direct = not INTERPRET          # tools/sass.py turns it off: it compiles without launching
+    most = 4096                     # signatures kept per kernel (lengths that vary call to call add one each)
+
+    def __init__(self, jit):
+        self.jit, self.compiled = jit, {}
+
+    def __getattr__(self, name):    # the JITFunction's own attributes (fn, arg_names, ...)
+        return getattr(self.jit, name)
+
+    def __getitem__(self, grid):
+        return functools.partial(self.launch, grid)
+
+    def launch(self, grid, *args, **constexprs):
+        if not self.direct:
+            return self.jit[grid](*args, **constexprs)
+        device = torch.cuda.current_device()
+        key, flat = _launch_key(args)
+        key = (device, tuple(map(type, args)), *key, *constexprs.items())
+        hit = self.compiled.get(key)
+        if hit is None or _launch_hooks(self.jit):
+            compiled = self.jit[grid](*args, **constexprs)
+            if all(p.is_constexpr for p in self.jit.params[len(args):]):   # the launcher's tail: ignored
+                if len(self.compiled) >= self.most:
+                    self.compiled.clear()
+                self.compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata,
+                                      (None,) * (len(self.jit.params) - len(args)))
+            return compiled
+        run, function, metadata, tail = hit
+        g = (*grid, 1, 1)
+        run(g[0], g[1], g[2], _current_stream(device), function, metadata, None, None, None, *flat, *tail)
+
+
+def _launch_key(args):
+    """(key, flat) of a launch's arguments: a tensor is (dtype, is_cuda, 16-byte aligned) in the
+    key and its address in flat; a tuple that may hold tensors, the same inside; anything else,
+    strides' tuples too, itself in both."""
+    key, flat = [], []
+    for a in args:
+        if isinstance(a, Tensor):
+            ptr = a.data_ptr()
+            key.append((a.dtype, a.is_cuda, ptr % 16 == 0))
+            flat.append(ptr)
+        elif isinstance(a, tuple) and type(a) not in _STRIDES:
+            k, f = _launch_key(a)
+            key.append(tuple(k))
+            flat.append(tuple(f))
+        else:
+            key.append(a)
+            flat.append(a)
+    return key, flat
+
+
+def _launch_hooks(jit, runtime=triton.knobs.runtime):
+    """Whether anything hooks Triton's launches (a profiler such as proton): then Triton launches."""
+    return bool(jit.pre_run_hooks) or any(getattr(h, "calls", h) for h in (runtime.launch_enter_hook,
+                                                                           runtime.launch_exit_hook))
+
+
+@functools.lru_cache(maxsize=None)
+def _stream_getter():
+    from triton.runtime import driver
+    return driver.active.get_current_stream
+
+
+def _current_stream(device):
+    return _stream_getter()(device)
+
+
 # =============================================================================================
 # PART I. THE METHOD
 # Sections 1 to 7: what a newcomer reads. Nothing here uses a name from Part II.
@@ -365,6 +442,7 @@ def _sigmoid(p, FAST: tl.constexpr):
     return tl.sigmoid(p)
 
 
+@_Launched
 @triton.jit
 def _conv_fwd_kernel(
     x_ptr, w_ptr, bias_ptr, halo_ptr, seq_ptr, hseq_ptr, out_ptr,
@@ -432,6 +510,7 @@ def _conv1d_fwd(xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=None, 
     return out
 
 
+@_Launched
 @triton.jit
 def _conv_bwd_kernel(
     dout_ptr, x_ptr, w_ptr, bias_ptr, halo_ptr, seq_ptr, hseq_ptr,
@@ -622,6 +701,7 @@ def _cums_row(cums, slot, h, nheads, Q: tl.constexpr):
     return cums + (slot * nheads + h) * (3 * Q)
 
 
+@_Launched
 @triton.jit
 def _dt_cumsum_kernel(dts, out_ptr, seqlen, nheads: tl.constexpr, Q: tl.constexpr, BH: tl.constexpr,
                       HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr):
@@ -721,6 +801,7 @@ def _selected_exp(keep, log_v):
 #    kernel is followed by its launcher; Summary and ssd_output run them.
 # ---------------------------------------------------------------------------------------------
 
+@_Launched
 @triton.jit
 def _state_pass_kernel(
     head_ptr, group_ptr, cums, seq_ptr, chunk_ptr, decay_ptr, sum_ptr, a_ptr,
@@ -799,6 +880,7 @@ def _state_pass(head_in, group_in, ssd, plan, reverse):
     return per_chunk, decay, left, a
 
 
+@_Launched
 @triton.jit
 def _summary_scan_kernel(
     src_ptr, a_ptr, cont_ptr, start_ptr, out_ptr, end_ptr, count, nheads, size,
@@ -874,6 +956,7 @@ def _true_chunk_edge(edge, chunk_slot, run_slot, h, offs_p, offs_n, mask_pn, nhe
     return v
 
 
+@_Launched
 @triton.jit
 def _output_fwd_kernel(
     x_ptr, B_ptr, C_ptr, cums, D_ptr, seq_ptr, y_ptr, in_edge, z_ptr, out_ptr,
@@ -1064,6 +1147,7 @@ def _exact_dot(a, b01):
 # B_j . (x_j^T dS_out) (the pull on w_j), the carry <dS_out, S_in>; so the x kernel reads neither x
 # nor the entry states, and sums those shares.
 
+@_Launched
 @triton.jit
 def _chunk_bwd_group_kernel(
     x_ptr, B_ptr, C_ptr, cums, seq_ptr, dout_ptr,
@@ -1125,6 +1209,7 @@ def _chunk_bwd_group_kernel(
     tl.store(dCB_ptr + _pair_tile(chunk_slot, g, ngroups, Q), dCB.to(dCB_ptr.dtype.element_ty))
 
 
+@_Launched
 @triton.jit
 def _chunk_bwd_BC_kernel(
     x_ptr, B_ptr, C_ptr, cums, seq_ptr, in_edge, out_edge, dout_ptr, dCB_ptr,
@@ -1181,6 +1266,7 @@ def _chunk_bwd_BC_kernel(
     tl.store(_tile_ptrs(dC_ptr, stride_dC, b64, t64, g, offs_n), dC.to(dC_ptr.dtype.element_ty), mask=mask_qn)
 
 
+@_Launched
 @triton.jit
 def _chunk_bwd_x_kernel(
     B_ptr, dts, cums, D_ptr, seq_ptr, out_edge, dout_ptr, CB_ptr,
@@ -1493,6 +1579,7 @@ _HP = collections.namedtuple("_HP", "h p")
 _BLC = collections.namedtuple("_BLC", "b l c")
 _CK = collections.namedtuple("_CK", "c k")
 _ZERO_BL, _ZERO_BLC = _BL(0, 0), _BLC(0, 0, 0)
+_STRIDES = frozenset((_BLHP, _BLGN, _BL, _BLH, _HP, _BLC, _CK))     # integers only: _Launched keys them as they are
 
 
 @triton.jit
@@ -2848,6 +2935,7 @@ def _gate_norm_tile(y_ptr, z_ptr, w_ptr, b, t, cols, mask, col_mask, stride_y_b,
     return y, z, gate, w[None, :], n, r
 
 
+@_Launched
 @triton.jit
 def _gate_norm_fwd_kernel(y_ptr, z_ptr, w_ptr, out_ptr, n_rows, seqlen, dim, group_size, eps,
                           stride_y_b, stride_y_l, stride_z_b, stride_z_l, stride_o_b, stride_o_l,
@@ -2867,6 +2955,7 @@ def _gate_norm_fwd_kernel(y_ptr, z_ptr, w_ptr, out_ptr, n_rows, seqlen, dim, gro
              o.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@_Launched
 @triton.jit
 def _gate_norm_bwd_kernel(do_ptr, y_ptr, z_ptr, w_ptr, dy_ptr, dz_ptr, dw_part_ptr, n_rows, seqlen, dim, group_size,
                           eps, n_inner, stride_do_b, stride_do_l, stride_y_b, stride_y_l, stride_z_b, stride_z_l,
@@ -2957,6 +3046,7 @@ _Z_GATE = _GateNorm(False, 0.0, 0, True)   # the plain gate y * silu(z), also ma
 #    entry is initial_states), the z gate, and the packed documents' end states.
 # ---------------------------------------------------------------------------------------------
 
+@_Launched
 @triton.jit
 def _document_end_state_kernel(
     x_ptr, B_ptr, dts, cu_ptr, in_edge, out_ptr,

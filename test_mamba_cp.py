@@ -3166,6 +3166,56 @@ def graph_capture_check(rank, world, group, device, gpu=False, layout="virtual")
     return errors_everywhere(results, world, group, device)
 
 
+def test_launch_keys_tell_triton_specializations_apart():
+    """_Launched sends a launch whose key it has seen to the kernel compiled for that key, so the
+    key must differ wherever Triton compiles differently: a tensor's dtype and 16-byte alignment,
+    an integer's value (1, multiples of 16, 64-bit ones are specialized), inside tuples too; and
+    the launcher gets addresses wherever an argument holds a tensor."""
+    buf = torch.zeros(64)
+    a, b, shifted = buf[:16], buf[16:32], buf[1:17]           # 0, 64 and 4 bytes past buf's start
+    key = lambda *args: tuple(mamba_cp._launch_key(args)[0])  # noqa: E731
+    strides = mamba_cp._BL(16, 1)
+    assert key(a, 3, strides, None) == key(b, 3, strides, None)
+    different = [(a, 3, strides, None), (shifted, 3, strides, None), (a.double(), 3, strides, None),
+                 (a, 1, strides, None), (a, 16, strides, None), (a, 2 ** 31, strides, None),
+                 (a, 3, mamba_cp._BL(16, 2), None), (a, 3, strides, a), (a, 3, strides, 2.0)]
+    assert len({key(*args) for args in different}) == len(different)
+    edge = mamba_cp._ChunkEdge(a, b, None)
+    assert key(edge) != key(mamba_cp._ChunkEdge(a, shifted, None))
+    assert mamba_cp._launch_key((a, edge, strides, 7))[1] == [a.data_ptr(), (a.data_ptr(), b.data_ptr(), None),
+                                                              strides, 7]
+
+
+@gpu
+def test_known_launch_signatures_follow_their_inputs_gpu():
+    """After a kernel's first launch for an argument signature, the next ones skip Triton's
+    binding and go to its compiled launcher (_Launched). Repeated calls, then the same call with
+    x and C at addresses 4 bytes past 16-byte alignment (Triton specializes on alignment: the
+    kernels compiled for aligned ones must not run), all match the oracle, gradients too."""
+    inputs = ssd_inputs(SMALL, 21, device="cuda", D="hp", dt_softplus=True, dt_bias=True, initial_states=True)
+    for _ in range(3):
+        assert_close(run_both(inputs), FP32_BOUND)
+    assert all(k.compiled for k in (mamba_cp._state_pass_kernel, mamba_cp._output_fwd_kernel,
+                                    mamba_cp._chunk_bwd_BC_kernel))
+    bufs = {k: torch.zeros(inputs[k].numel() + 1, device="cuda", requires_grad=True) for k in ("x", "C")}
+    for _ in range(2):
+        shifted = {k: b[1:].view_as(inputs[k]) for k, b in bufs.items()}
+        assert all(t.data_ptr() % 16 for t in shifted.values())
+        with torch.no_grad():
+            for k, t in shifted.items():
+                t.copy_(inputs[k])
+        call = {k: v for k, v in inputs.items() if k not in ("x", "C")}
+        y, final = mamba_cp.mamba_chunk_scan_combined(**shifted, **call, return_final_states=True)
+        oracle = {k: (v.detach().clone().requires_grad_(True) if k in ("x", "C") else v) for k, v in inputs.items()
+                  if k != "chunk_size"}
+        yr, fr = ref.ssd_reference(**oracle)
+        w = torch.randn_like(yr)
+        got = torch.autograd.grad((y * w.float()).sum() + final.sum(), list(bufs.values()))
+        want = torch.autograd.grad((yr * w).sum() + fr.sum(), [oracle["x"], oracle["C"]])
+        assert_close({"y": (y, yr), "final_states": (final, fr), "dx": (got[0][1:].view_as(y), want[0]),
+                      "dC": (got[1][1:].view_as(inputs["C"]), want[1])}, FP32_BOUND)
+
+
 @gpu
 def test_cuda_graph_capture_single_device():
     """The fused function in a world of one (no group) is captured and replayed."""

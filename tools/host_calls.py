@@ -31,7 +31,7 @@ def kernel_names():
         kinds += (InterpretedFunction,)
     except ImportError:
         pass
-    return {name for name, v in vars(mamba_cp).items() if isinstance(v, kinds)}
+    return {name for name, v in vars(mamba_cp).items() if isinstance(getattr(v, "jit", v), kinds)}
 
 
 def make_call(args, rank, world):

@@ -59,12 +59,14 @@ class CompileOnly:
             return kernel
         driver.set_active(self)
         JITFunction.run = compile_only
+        self.direct, mamba_cp._Launched.direct = mamba_cp._Launched.direct, False   # every launch through run
         return self
 
     def __exit__(self, *exc):
         from triton.runtime import driver
         from triton.runtime.jit import JITFunction
         JITFunction.run = self.run
+        mamba_cp._Launched.direct = self.direct
         try:
             driver.reset_active()
         except RuntimeError:        # a machine without a GPU driver has no default to go back to

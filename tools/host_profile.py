@@ -1,0 +1,218 @@
+"""Where an eager call's host time goes, on a GPU: the SSD (mamba_chunk_scan_combined) and the
+mixer entry (mamba_split_conv1d_scan_combined, z gate), forward and forward+backward.
+
+    python tools/host_profile.py [--lengths 4096,16384] [--iters 20] [--top 30] [shape flags]
+
+Per call and phase: the latency eager and as a CUDA-graph replay (p50, a synchronize before
+each), the host's time to enqueue it (p50, the GPU held busy by a sleep kernel first so that
+nothing waits on it), and the kernels it runs on the GPU. Then, for the entry's
+forward+backward at the first length: each Triton launch's host cost through `kernel[grid]`
+against its compiled kernel's own launcher, and cProfile's table of the enqueue.
+
+A developer instrument (the project never imports it). It needs CUDA.
+"""
+
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import time
+
+import common
+import mamba_cp
+import torch
+
+
+def p50(values):
+    return statistics.median(values)
+
+
+def latency_ms(fn, iters):
+    times = []
+    for _ in range(iters + 3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return p50(times[3:])
+
+
+def graph_ms(fn, iters):
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return latency_ms(graph.replay, iters)
+
+
+def busy():
+    """Hold the GPU for ~20 ms so that what follows is only enqueued while the host is timed."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(40_000_000)
+
+
+def host_ms(fn, iters):
+    times = []
+    for _ in range(iters + 3):
+        busy()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    return p50(times[3:])
+
+
+def host_idle_ms(fn, iters):
+    """The same with the GPU idle (a synchronize before each, none waited on inside)."""
+    times = []
+    for _ in range(iters + 3):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    return p50(times[3:])
+
+
+def gpu_kernels(fn):
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return len(names), sum(1 for n in names if not n.startswith(("at::", "void at::", "Memcpy", "Memset")))
+
+
+def recorded_launches(fn):
+    """(kernel, grid, args, constexprs) of each Triton launch fn makes (kernel: a mamba_cp._Launched)."""
+    seen, launch = [], mamba_cp._Launched.launch
+
+    def record(self, grid, *args, **constexprs):
+        seen.append((self, grid, args, constexprs))
+        return launch(self, grid, *args, **constexprs)
+
+    mamba_cp._Launched.launch = record
+    try:
+        fn()
+    finally:
+        mamba_cp._Launched.launch = launch
+    torch.cuda.synchronize()
+    return seen
+
+
+def launch_costs(launches, reps=30):
+    """Per launch, host µs: Triton's own path (kernel[grid]), this module's (mamba_cp._Launched),
+    and the compiled kernel's launcher alone (its arguments prepared beforehand)."""
+    rows = []
+    for kernel, grid, args, constexprs in launches:
+        key, flat = mamba_cp._launch_key(args)
+        device = torch.cuda.current_device()
+        run, function, metadata, tail = kernel.compiled[(device, tuple(map(type, args)), *key, *constexprs.items())]
+        g, stream = (*grid, 1, 1), torch.cuda.current_stream().cuda_stream
+        ways = dict(triton=lambda: kernel.jit[grid](*args, **constexprs),
+                    module=lambda: kernel[grid](*args, **constexprs),
+                    launcher=lambda: run(g[0], g[1], g[2], stream, function, metadata, None, None, None, *flat, *tail))
+        row = {"kernel": kernel.fn.__name__, "args": len(args) + len(tail)}
+        for name, way in ways.items():
+            torch.cuda.synchronize()
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                way()
+                times.append((time.perf_counter() - t0) * 1e6)
+            row[name] = p50(times)
+        torch.cuda.synchronize()
+        rows.append(row)
+    return rows
+
+
+def torch_costs(reps=200):
+    """µs of a few torch host operations an eager call makes."""
+    x = torch.empty(4096, 64, 64, device="cuda", dtype=torch.bfloat16)
+    ops = dict(empty=lambda: torch.empty(64, 64, 128, device="cuda", dtype=torch.float32),
+               view=lambda: x[:, :32].unflatten(-1, (8, 8)), stride=lambda: x.stride(), data_ptr=lambda: x.data_ptr(),
+               current_stream=lambda: torch.cuda.current_stream().cuda_stream,
+               sum=lambda: x[0, 0].sum())
+    out = {}
+    busy()
+    for name, op in ops.items():
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            op()
+            times.append((time.perf_counter() - t0) * 1e6)
+        out[name] = p50(times)
+    torch.cuda.synchronize()
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--top", type=int, default=30)
+    common.add_shape_flags(ap, dict(common.RECORD, lengths="4096,16384"))
+    args = ap.parse_args()
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
+          f"{__import__('triton').__version__}; {args.dtype}, nheads {args.nheads} headdim {args.headdim} ngroups "
+          f"{args.ngroups} dstate {args.dstate} chunk {args.chunk}", flush=True)
+    for L in args.lengths:
+        for (call, phase), fn in common.steps(mamba_cp, args, L, "cuda").items():
+            fn()
+            eager, graphed, host = latency_ms(fn, args.iters), graph_ms(fn, args.iters), host_ms(fn, args.iters)
+            idle = host_idle_ms(fn, args.iters)
+            kernels, triton_kernels = gpu_kernels(fn)
+            print(f"L={L:>6} {call:>5} {phase:>6}: eager {eager:.3f} ms, graphed {graphed:.3f} ms "
+                  f"({eager / graphed:.2f}x), host {host:.3f} ms (GPU idle {idle:.3f}) for {kernels} GPU kernels ({triton_kernels} "
+                  f"Triton): {1e3 * host / kernels:.0f} us a kernel", flush=True)
+    fn = common.steps(mamba_cp, args, args.lengths[0], "cuda")["entry", "fwdbwd"]
+    fn()
+    print("\n# torch host operations, us:", {k: round(v, 1) for k, v in torch_costs().items()})
+    print(f"\n# each Triton launch of the entry's forward+backward at L={args.lengths[0]}, host us p50 "
+          f"(triton: kernel[grid] through Triton; module: mamba_cp's launch; launcher: the compiled launcher alone)")
+    for row in launch_costs(recorded_launches(fn)):
+        print("  " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
+    mamba_cp._Launched.direct = False
+    fn()
+    print(f"\n# the same, every launch through Triton: host {host_ms(fn, args.iters):.3f} ms, "
+          f"GPU idle {host_idle_ms(fn, args.iters):.3f} ms")
+    mamba_cp._Launched.direct = True
+    fn()
+    print(f"# through mamba_cp's launch: host {host_ms(fn, args.iters):.3f} ms, GPU idle {host_idle_ms(fn, args.iters):.3f} ms")
+    launch = mamba_cp._Launched.launch
+    mamba_cp._Launched.launch = lambda self, grid, *a, **k: None
+    try:
+        print(f"# no Triton launch at all (garbage out): host {host_ms(fn, args.iters):.3f} ms, "
+              f"GPU idle {host_idle_ms(fn, args.iters):.3f} ms")
+    finally:
+        mamba_cp._Launched.launch = launch
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as tp:
+        for _ in range(10):
+            busy()
+            fn()
+        torch.cuda.synchronize()
+    print("\n# torch.profiler, host, 10 enqueues of the entry's forward+backward, by self time\n" +
+          tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
+    prof = cProfile.Profile()
+    for _ in range(10):
+        busy()
+        prof.enable()
+        fn()
+        prof.disable()
+    torch.cuda.synchronize()
+    for order in ("tottime", "cumulative"):
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats(order).print_stats(args.top)
+        print(f"\n# cProfile of 10 enqueues of the entry's forward+backward, by {order}\n" + s.getvalue())
+
+
+if __name__ == "__main__":
+    main()

@@ -4,10 +4,12 @@ mixer entry (mamba_split_conv1d_scan_combined, z gate), forward and forward+back
     python tools/host_profile.py [--lengths 4096,16384] [--iters 20] [--top 30] [shape flags]
 
 Per call and phase: the latency eager and as a CUDA-graph replay (p50, a synchronize before
-each), the host's time to enqueue it (p50, the GPU held busy by a sleep kernel first so that
-nothing waits on it), and the kernels it runs on the GPU. Then, for the entry's
-forward+backward at the first length: each Triton launch's host cost through `kernel[grid]`
-against its compiled kernel's own launcher, and cProfile's table of the enqueue.
+each), the host's time to enqueue it (p50, the GPU held busy by a sleep kernel first, or idle),
+and the kernels it runs on the GPU. Then, for the entry's forward+backward at the first length:
+a few torch operations' host cost; each Triton launch's through Triton's `kernel[grid]`, through
+mamba_cp's `_Launched` and through the compiled launcher alone; the call's host time with every
+launch through Triton, through `_Launched`, and with no launch at all (what the rest costs); and
+torch.profiler's and cProfile's tables of the enqueue.
 
 A developer instrument (the project never imports it). It needs CUDA.
 """
@@ -22,35 +24,11 @@ import time
 import common
 import mamba_cp
 import torch
+from against import graph_p50_ms, p50_ms
 
 
 def p50(values):
     return statistics.median(values)
-
-
-def latency_ms(fn, iters):
-    times = []
-    for _ in range(iters + 3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return p50(times[3:])
-
-
-def graph_ms(fn, iters):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return latency_ms(graph.replay, iters)
 
 
 def busy():
@@ -59,22 +37,12 @@ def busy():
     torch.cuda._sleep(40_000_000)
 
 
-def host_ms(fn, iters):
+def host_ms(fn, iters, idle=False):
+    """p50 ms the host takes to enqueue fn(): with the GPU held busy first (nothing it enqueues can
+    wait on the GPU), or with idle, after a synchronize (the GPU runs each kernel as it comes)."""
     times = []
     for _ in range(iters + 3):
-        busy()
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    torch.cuda.synchronize()
-    return p50(times[3:])
-
-
-def host_idle_ms(fn, iters):
-    """The same with the GPU idle (a synchronize before each, none waited on inside)."""
-    times = []
-    for _ in range(iters + 3):
-        torch.cuda.synchronize()
+        (torch.cuda.synchronize if idle else busy)()
         t0 = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
@@ -108,6 +76,18 @@ def recorded_launches(fn):
     return seen
 
 
+def host_us(op, reps):
+    """p50 host µs of op(), called reps times in a row (the GPU idle at the start)."""
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        op()
+        times.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return p50(times)
+
+
 def launch_costs(launches, reps=30):
     """Per launch, host µs: Triton's own path (kernel[grid]), this module's (mamba_cp._Launched),
     and the compiled kernel's launcher alone (its arguments prepared beforehand)."""
@@ -121,15 +101,7 @@ def launch_costs(launches, reps=30):
                     module=lambda: kernel[grid](*args, **constexprs),
                     launcher=lambda: run(g[0], g[1], g[2], stream, function, metadata, None, None, None, *flat, *tail))
         row = {"kernel": kernel.fn.__name__, "args": len(args) + len(tail)}
-        for name, way in ways.items():
-            torch.cuda.synchronize()
-            times = []
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                way()
-                times.append((time.perf_counter() - t0) * 1e6)
-            row[name] = p50(times)
-        torch.cuda.synchronize()
+        row.update({name: host_us(way, reps) for name, way in ways.items()})
         rows.append(row)
     return rows
 
@@ -141,17 +113,7 @@ def torch_costs(reps=200):
                view=lambda: x[:, :32].unflatten(-1, (8, 8)), stride=lambda: x.stride(), data_ptr=lambda: x.data_ptr(),
                current_stream=lambda: torch.cuda.current_stream().cuda_stream,
                sum=lambda: x[0, 0].sum())
-    out = {}
-    busy()
-    for name, op in ops.items():
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            op()
-            times.append((time.perf_counter() - t0) * 1e6)
-        out[name] = p50(times)
-    torch.cuda.synchronize()
-    return out
+    return {name: host_us(op, reps) for name, op in ops.items()}
 
 
 def main():
@@ -166,12 +128,13 @@ def main():
     for L in args.lengths:
         for (call, phase), fn in common.steps(mamba_cp, args, L, "cuda").items():
             fn()
-            eager, graphed, host = latency_ms(fn, args.iters), graph_ms(fn, args.iters), host_ms(fn, args.iters)
-            idle = host_idle_ms(fn, args.iters)
+            eager, graphed = p50_ms(fn, args.iters, 3), graph_p50_ms(fn, args.iters, 3)
+            host = host_ms(fn, args.iters)
+            idle = host_ms(fn, args.iters, idle=True)
             kernels, triton_kernels = gpu_kernels(fn)
             print(f"L={L:>6} {call:>5} {phase:>6}: eager {eager:.3f} ms, graphed {graphed:.3f} ms "
-                  f"({eager / graphed:.2f}x), host {host:.3f} ms (GPU idle {idle:.3f}) for {kernels} GPU kernels ({triton_kernels} "
-                  f"Triton): {1e3 * host / kernels:.0f} us a kernel", flush=True)
+                  f"({eager / graphed:.2f}x), host {host:.3f} ms (GPU idle {idle:.3f}) for {kernels} GPU kernels "
+                  f"({triton_kernels} Triton): {1e3 * host / kernels:.0f} us a kernel", flush=True)
     fn = common.steps(mamba_cp, args, args.lengths[0], "cuda")["entry", "fwdbwd"]
     fn()
     print("\n# torch host operations, us:", {k: round(v, 1) for k, v in torch_costs().items()})
@@ -179,18 +142,19 @@ def main():
           f"(triton: kernel[grid] through Triton; module: mamba_cp's launch; launcher: the compiled launcher alone)")
     for row in launch_costs(recorded_launches(fn)):
         print("  " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
+    def enqueue(label):
+        fn()
+        print(f"# {label}: host {host_ms(fn, args.iters):.3f} ms, GPU idle {host_ms(fn, args.iters, idle=True):.3f} ms")
+
+    print()
     mamba_cp._Launched.direct = False
-    fn()
-    print(f"\n# the same, every launch through Triton: host {host_ms(fn, args.iters):.3f} ms, "
-          f"GPU idle {host_idle_ms(fn, args.iters):.3f} ms")
+    enqueue("the same, every launch through Triton")
     mamba_cp._Launched.direct = True
-    fn()
-    print(f"# through mamba_cp's launch: host {host_ms(fn, args.iters):.3f} ms, GPU idle {host_idle_ms(fn, args.iters):.3f} ms")
+    enqueue("through mamba_cp's launch")
     launch = mamba_cp._Launched.launch
     mamba_cp._Launched.launch = lambda self, grid, *a, **k: None
     try:
-        print(f"# no Triton launch at all (garbage out): host {host_ms(fn, args.iters):.3f} ms, "
-              f"GPU idle {host_idle_ms(fn, args.iters):.3f} ms")
+        enqueue("no Triton launch at all (garbage out)")
     finally:
         mamba_cp._Launched.launch = launch
     from torch.profiler import ProfilerActivity, profile

@@ -20,6 +20,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 import tempfile
 
 os.environ["TRITON_INTERPRET"] = "0"     # a compile for a GPU, never the interpreter: before mamba_cp's import
@@ -59,14 +60,19 @@ class CompileOnly:
             return kernel
         driver.set_active(self)
         JITFunction.run = compile_only
-        self.direct, mamba_cp._Launched.direct = mamba_cp._Launched.direct, False   # every launch through run
+        # every launch through JITFunction.run, in this tree's module and in any revision's beside it
+        kinds = [vars(m).get("_Launched") for m in list(sys.modules.values()) if m is not None]
+        self.launched = [(k, k.direct) for k in kinds if isinstance(k, type) and hasattr(k, "direct")]
+        for launched, _ in self.launched:
+            launched.direct = False
         return self
 
     def __exit__(self, *exc):
         from triton.runtime import driver
         from triton.runtime.jit import JITFunction
         JITFunction.run = self.run
-        mamba_cp._Launched.direct = self.direct
+        for launched, direct in self.launched:
+            launched.direct = direct
         try:
             driver.reset_active()
         except RuntimeError:        # a machine without a GPU driver has no default to go back to

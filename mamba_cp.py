@@ -152,10 +152,11 @@ class _Launched:
             if all(p.is_constexpr for p in self.jit.params[len(args):]):   # the launcher's tail: ignored
                 if len(self.compiled) >= self.most:
                     self.compiled.clear()
-                self.compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata,
-                                      (None,) * (len(self.jit.params) - len(args)))
+                tail = (None,) * (len(self.jit.params) - len(args))
+                # compiled itself is kept too: while it lives, its module stays loaded and `function` valid
+                self.compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata, tail, compiled)
             return compiled
-        run, function, metadata, tail = hit
+        run, function, metadata, tail, _ = hit
         g = (*grid, 1, 1)
         run(g[0], g[1], g[2], _current_stream(device), function, metadata, None, None, None, *flat, *tail)
 

@@ -95,7 +95,7 @@ def launch_costs(launches, reps=30):
     for kernel, grid, args, constexprs in launches:
         key, flat = mamba_cp._launch_key(args)
         device = torch.cuda.current_device()
-        run, function, metadata, tail = kernel.compiled[(device, tuple(map(type, args)), *key, *constexprs.items())]
+        run, function, metadata, tail, _ = kernel.compiled[(device, tuple(map(type, args)), *key, *constexprs.items())]
         g, stream = (*grid, 1, 1), torch.cuda.current_stream().cuda_stream
         ways = dict(triton=lambda: kernel.jit[grid](*args, **constexprs),
                     module=lambda: kernel[grid](*args, **constexprs),

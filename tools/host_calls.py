@@ -5,7 +5,8 @@ forward+backward on two gloo ranks of this machine (CPU, the Triton interpreter)
 documents, three times, and counts with sys.setprofile the calls of the third into functions
 defined in mamba_cp.py: Python functions, lambdas and comprehensions, not the Triton kernels and
 their @triton.jit helpers (on a GPU those are not Python calls). Prints the total, the launches
-(Triton kernels run) and the most called functions:
+(Triton kernels run), the most called functions, and the torch operations (torch.profiler's aten
+events) of a fourth call, its launches left out:
 
     python tools/host_calls.py [--world 2] [--layout none] [--top 25] [--no-documents] [--entry mixer|core]
 """
@@ -97,6 +98,17 @@ def count(rank, world, port, args):
         for name, c in calls.most_common(args.top):
             print(f"  {c:5d}  {name}")
         print("launches: " + ", ".join(f"{k} {v}" for k, v in sorted(launches.items())))
+    # the torch operations of one more call, its Triton launches replaced by nothing (the
+    # interpreter's own copies are not the module's); nested ones count too (aten::zeros holds an aten::empty)
+    from torch.profiler import ProfilerActivity, profile
+    launch, mamba_cp._Launched.launch = mamba_cp._Launched.launch, lambda self, grid, *a, **k: None
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        call()
+    mamba_cp._Launched.launch = launch
+    ops = collections.Counter({e.key: e.count for e in prof.key_averages() if e.key.startswith("aten::")})
+    if rank == 0:
+        print(f"{sum(ops.values())} torch operations (aten::, nested included): " +
+              ", ".join(f"{k[6:]} {v}" for k, v in ops.most_common(args.top)))
     dist.destroy_process_group()
 
 

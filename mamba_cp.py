@@ -144,8 +144,7 @@ class _Launched:
         if not self.direct:
             return self.jit[grid](*args, **constexprs)
         device = torch.cuda.current_device()
-        key, flat = _launch_key(args)
-        key = (device, tuple(map(type, args)), *key, *constexprs.items())
+        key, flat = _launch_signature(device, args, constexprs)
         hit = self.compiled.get(key)
         if hit is None or _launch_hooks(self.jit):
             compiled = self.jit[grid](*args, **constexprs)
@@ -158,7 +157,13 @@ class _Launched:
             return compiled
         run, function, metadata, tail, _ = hit
         g = (*grid, 1, 1)
-        run(g[0], g[1], g[2], _current_stream(device), function, metadata, None, None, None, *flat, *tail)
+        run(g[0], g[1], g[2], _stream_reader()(device), function, metadata, None, None, None, *flat, *tail)
+
+
+def _launch_signature(device, args, constexprs):
+    """(key, flat): a launch's signature on `device`, and its arguments as the launcher takes them."""
+    key, flat = _launch_key(args)
+    return (device, tuple(map(type, args)), *key, *constexprs.items()), flat
 
 
 def _launch_key(args):
@@ -188,13 +193,10 @@ def _launch_hooks(jit, runtime=triton.knobs.runtime):
 
 
 @functools.lru_cache(maxsize=None)
-def _stream_getter():
+def _stream_reader():
+    """Triton's reader of a device's current stream (torch's), looked up once."""
     from triton.runtime import driver
     return driver.active.get_current_stream
-
-
-def _current_stream(device):
-    return _stream_getter()(device)
 
 
 # =============================================================================================

@@ -93,9 +93,8 @@ def launch_costs(launches, reps=30):
     and the compiled kernel's launcher alone (its arguments prepared beforehand)."""
     rows = []
     for kernel, grid, args, constexprs in launches:
-        key, flat = mamba_cp._launch_key(args)
-        device = torch.cuda.current_device()
-        run, function, metadata, tail, _ = kernel.compiled[(device, tuple(map(type, args)), *key, *constexprs.items())]
+        key, flat = mamba_cp._launch_signature(torch.cuda.current_device(), args, constexprs)
+        run, function, metadata, tail, _ = kernel.compiled[key]
         g, stream = (*grid, 1, 1), torch.cuda.current_stream().cuda_stream
         ways = dict(triton=lambda: kernel.jit[grid](*args, **constexprs),
                     module=lambda: kernel[grid](*args, **constexprs),

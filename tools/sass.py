@@ -20,7 +20,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 import tempfile
 
 os.environ["TRITON_INTERPRET"] = "0"     # a compile for a GPU, never the interpreter: before mamba_cp's import
@@ -33,9 +32,11 @@ class CompileOnly:
     """Triton's active driver replaced by this stand-in of a GPU of compute capability `arch`, and
     JITFunction.run by its warm-up (compile, no launch); `compiled` gathers what was compiled."""
 
-    def __init__(self, arch):
+    def __init__(self, arch, modules):
         from triton.backends.compiler import GPUTarget
         self.target, self.compiled = GPUTarget("cuda", arch, 32), {}
+        # the modules' launchers, and whether each launched directly (older revisions have none)
+        self.launched = [(m._Launched, m._Launched.direct) for m in modules if hasattr(m, "_Launched")]
 
     def get_current_target(self):
         return self.target
@@ -60,10 +61,7 @@ class CompileOnly:
             return kernel
         driver.set_active(self)
         JITFunction.run = compile_only
-        # every launch through JITFunction.run, in this tree's module and in any revision's beside it
-        kinds = [vars(m).get("_Launched") for m in list(sys.modules.values()) if m is not None]
-        self.launched = [(k, k.direct) for k in kinds if isinstance(k, type) and hasattr(k, "direct")]
-        for launched, _ in self.launched:
+        for launched, _ in self.launched:      # every launch through JITFunction.run
             launched.direct = False
         return self
 
@@ -107,7 +105,7 @@ def main():
           f"nheads={args.nheads} headdim={args.headdim} ngroups={args.ngroups} dstate={args.dstate} "
           f"chunk={args.chunk} batch={args.batch} L={L} dtype={args.dtype}, {phase}"
           + (f"; before = {args.against}, after = this tree" if args.against else ""), flush=True)
-    with CompileOnly(args.arch) as stand_in:
+    with CompileOnly(args.arch, [m for _, m in modules]) as stand_in:
         for label, module in modules:
             calls = common.steps(module, args, L, "cpu")
             for call in ("ssd", "entry"):

@@ -4,12 +4,15 @@ GPU arch, on any machine, a GPU's or not; per kernel its registers, stack bytes 
 instructions, and one `RESULT {json}` line.
 
     python tools/sass.py [--arch 90] [--against REV] [--lengths 16384] [shape flags] [--fwd-only]
+                         [--launch JSON] [--kernel-chunk Q]
 
 How: Triton's driver is replaced by a stand-in that reports a GPU of compute capability ARCH, and
 every kernel launch becomes its compile (Triton's warm-up path), so the public functions run on
 CPU tensors and compile what they would launch (what they return is garbage); the counts are
 read with the cuobjdump that ships with Triton. With --against REV, mamba_cp.py at git revision
-REV (or the file REV) is compiled too: rows "before" (REV) and "after" (this tree).
+REV (or the file REV) is compiled too: rows "before" (REV) and "after" (this tree). --launch and
+--kernel-chunk compile a variant of this tree's GPU tuning, as bench.py's flags of those names
+time one (REV keeps its own).
 
 A developer instrument: it reaches into Triton's runtime (driver.set_active, JITFunction.run).
 The project never imports it.
@@ -94,8 +97,12 @@ def main():
     ap.add_argument("--arch", type=int, default=90, help="compute capability (default 90: the H100 and H200)")
     ap.add_argument("--against", metavar="REV", help="also compile mamba_cp.py at git revision REV (or the file REV)")
     ap.add_argument("--fwd-only", action="store_true", help="compile the forward kernels only")
+    ap.add_argument("--launch", metavar="JSON", help="kernels' launch options, as bench.py --launch takes them")
+    ap.add_argument("--kernel-chunk", dest="kernel_chunk", type=int, help="the kernels' chunk length, as bench.py's")
     common.add_shape_flags(ap, common.RECORD)
     args = ap.parse_args()
+    import bench
+    bench.apply_tuning(ap, args)
     L = args.lengths[0]
     modules = [("", mamba_cp)]          # a label only where there is something to tell apart
     if args.against:
@@ -104,7 +111,8 @@ def main():
     print(f"# kernels compiled for sm_{args.arch} (triton {mamba_cp.triton.__version__}), not run; "
           f"nheads={args.nheads} headdim={args.headdim} ngroups={args.ngroups} dstate={args.dstate} "
           f"chunk={args.chunk} batch={args.batch} L={L} dtype={args.dtype}, {phase}"
-          + (f"; before = {args.against}, after = this tree" if args.against else ""), flush=True)
+          + (f"; before = {args.against}, after = this tree" if args.against else "")
+          + (f"; tuning {json.dumps(args.tuning)}" if args.tuning else ""), flush=True)
     with CompileOnly(args.arch, [m for _, m in modules]) as stand_in:
         for label, module in modules:
             calls = common.steps(module, args, L, "cpu")

@@ -28,6 +28,7 @@ import tempfile
 os.environ["TRITON_INTERPRET"] = "0"     # a compile for a GPU, never the interpreter: before mamba_cp's import
 import common  # noqa: E402 - puts the repository root on sys.path
 import mamba_cp  # noqa: E402
+import bench  # noqa: E402 - its tuning flags (apply_tuning)
 import torch  # noqa: E402
 
 
@@ -101,7 +102,6 @@ def main():
     ap.add_argument("--kernel-chunk", dest="kernel_chunk", type=int, help="the kernels' chunk length, as bench.py's")
     common.add_shape_flags(ap, common.RECORD)
     args = ap.parse_args()
-    import bench
     bench.apply_tuning(ap, args)
     L = args.lengths[0]
     modules = [("", mamba_cp)]          # a label only where there is something to tell apart

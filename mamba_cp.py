@@ -162,28 +162,33 @@ class _Launched:
 
 def _launch_signature(device, args, constexprs):
     """(key, flat): a launch's signature on `device`, and its arguments as the launcher takes them."""
-    key, flat = _launch_key(args)
-    return (device, tuple(map(type, args)), *key, *constexprs.items()), flat
+    key, flat = [device, *constexprs.items()], []
+    _launch_key(args, key, flat)
+    return tuple(key), flat
 
 
-def _launch_key(args):
-    """(key, flat) of a launch's arguments: a tensor is (dtype, is_cuda, 16-byte aligned) in the
-    key and its address in flat; a tuple that may hold tensors, the same inside; anything else,
-    strides' tuples too, itself in both."""
-    key, flat = [], []
+def _launch_key(args, key, flat):
+    """Appends the arguments, one pass, to key as Triton specializes on them and to flat as the
+    launcher takes them: a tensor is (dtype, is_cuda, 16-byte aligned) in key and its address in
+    flat; a tuple that may hold tensors, its type and length, then the same inside; an int or a
+    tuple of strides, itself in both; anything else, its type and itself in key (True is not 1)."""
     for a in args:
-        if isinstance(a, Tensor):
-            ptr = a.data_ptr()
-            key.append((a.dtype, a.is_cuda, ptr % 16 == 0))
-            flat.append(ptr)
-        elif isinstance(a, tuple) and type(a) not in _STRIDES:
-            k, f = _launch_key(a)
-            key.append(tuple(k))
-            flat.append(tuple(f))
-        else:
+        kind = type(a)
+        if kind is int or kind in _STRIDES:
             key.append(a)
             flat.append(a)
-    return key, flat
+        elif isinstance(a, Tensor):
+            ptr = a.data_ptr()
+            key += (a.dtype, a.is_cuda, ptr % 16 == 0)
+            flat.append(ptr)
+        elif isinstance(a, tuple):
+            inner = []
+            key += (kind, len(a))
+            _launch_key(a, key, inner)
+            flat.append(tuple(inner))
+        else:
+            key += (kind, a)
+            flat.append(a)
 
 
 def _launch_hooks(jit, runtime=triton.knobs.runtime):
@@ -286,13 +291,13 @@ def method_backward(dy, dfinal, call, kept, plan, dxBC=None, ddt=None):
         return_halo_grad(dxBC, dhalo, plan)
     if not plan.holds_first:                       # initial_states reach segment 0 alone
         dinit = torch.zeros_like(dinit)
-    return Call(dxBC, ddt, dweight.to(call.conv_weight.dtype), _as(dbias, call.conv_bias), _as(ddt_bias, call.dt_bias),
-                dA.to(call.A.dtype), _as(dD, call.D), _as(dinit, call.initial_states), None)
+    return Call(dxBC, ddt, _as(dweight, call.conv_weight), _as(dbias, call.conv_bias), _as(ddt_bias, call.dt_bias),
+                _as(dA, call.A), _as(dD, call.D), _as(dinit, call.initial_states), None)
 
 
 def _as(grad, like):
     """grad in like's dtype, or None where like is None."""
-    return None if like is None else grad.to(like.dtype)
+    return None if like is None else grad if grad.dtype == like.dtype else grad.to(like.dtype)
 
 
 class Steps(NamedTuple):
@@ -586,11 +591,12 @@ def _conv_bwd_kernel(
             win = win[1:] + (u,)
             docs = docs[1:] + (doc,)
 
-    row0 = (bb * tl.num_programs(0) + tl.program_id(0)) * (TAPS + HAS_BIAS)   # this program's partial rows
+    # this program's partials: dweight's (dim, TAPS) as the weight lies, then dbias's (dim,)
+    at = (bb * tl.num_programs(0) + tl.program_id(0)) * (TAPS + HAS_BIAS) * dim
     for j in tl.static_range(TAPS):
-        tl.store(dw_part_ptr + (row0 + j) * dim + offs_c, tl.sum(dw[j], axis=0), mask=mask_c)
+        tl.store(dw_part_ptr + at + offs_c * TAPS + j, tl.sum(dw[j], axis=0), mask=mask_c)
     if HAS_BIAS:
-        tl.store(dw_part_ptr + (row0 + TAPS) * dim + offs_c, tl.sum(db, axis=0), mask=mask_c)
+        tl.store(dw_part_ptr + at + TAPS * dim + offs_c, tl.sum(db, axis=0), mask=mask_c)
 
 
 def _conv1d_bwd(dout, xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=None, need_dhalo=True, silu=True,
@@ -606,8 +612,8 @@ def _conv1d_bwd(dout, xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=
     if dx is None:
         dx = torch.empty((b, l, dim), device=xBC.device, dtype=xBC.dtype)
     dhalo = torch.empty((b, d - 1, dim), device=xBC.device, dtype=torch.float32) if need_dhalo else None
-    # dweight's and dbias's per-program partials in one buffer: one sum gives both
-    parts = torch.empty((b, grid[0], d + (bias is not None), dim), device=xBC.device, dtype=torch.float32)
+    # dweight's and dbias's per-program partials in one buffer: one sum gives both, in their layouts
+    parts = torch.empty((b * grid[0], (d + (bias is not None)) * dim), device=xBC.device, dtype=torch.float32)
     _conv_bwd_kernel[grid](
         dout, xBC, weight, xBC if bias is None else bias, xBC if halo is None else halo,
         xBC if seq_idx is None else seq_idx, xBC if halo_seq is None else halo_seq,
@@ -617,10 +623,11 @@ def _conv1d_bwd(dout, xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=
         _ZERO_BL if seq_idx is None else _BL(*seq_idx.stride()),
         _ZERO_BL if halo_seq is None else _BL(*halo_seq.stride()),
         _BLC(*dx.stride()), TAPS=d, SHIFT=shift, NEED_DHALO=need_dhalo, **flags)
-    sums = parts.sum(dim=(0, 1))                                                 # (d [+ 1], dim)
-    dweight = sums[:d].t().contiguous()                                          # (dim, d)
-    dbias = sums[d] if bias is not None else None                                # (dim,)
-    return dx, dhalo, dweight, dbias
+    sums = parts.sum(dim=0)                                                      # ((d [+ 1]) dim,)
+    if bias is None:
+        return dx, dhalo, sums.view(dim, d), None
+    dweight, dbias = sums.split_with_sizes((dim * d, dim))                       # (dim * d,), (dim,)
+    return dx, dhalo, dweight.view(dim, d), dbias
 
 
 # ---------------------------------------------------------------------------------------------
@@ -646,10 +653,12 @@ class SSD(NamedTuple):
 def split_xBC(conv_out, plan):
     """Views of a (rows, s, conv_dim) tensor's channels [x | B | C] as x (rows, s, h, p) and B, C
     (rows, s, g, n): the conv's output, or its gradient's buffer."""
-    hp, gn = plan.nheads * plan.headdim, plan.ngroups * plan.dstate
-    return (conv_out[..., :hp].unflatten(-1, (plan.nheads, plan.headdim)),
-            conv_out[..., hp:hp + gn].unflatten(-1, (plan.ngroups, plan.dstate)),
-            conv_out[..., hp + gn:].unflatten(-1, (plan.ngroups, plan.dstate)))
+    (rows, s, _), (s_r, s_s, _), at = conv_out.shape, conv_out.stride(), conv_out.storage_offset()
+    h, p, g, n = plan.nheads, plan.headdim, plan.ngroups, plan.dstate
+    # one as_strided a view (a slice, then unflatten, costs the host two ops); channels unit-strided
+    return (conv_out.as_strided((rows, s, h, p), (s_r, s_s, p, 1), at),
+            conv_out.as_strided((rows, s, g, n), (s_r, s_s, n, 1), at + h * p),
+            conv_out.as_strided((rows, s, g, n), (s_r, s_s, n, 1), at + h * p + g * n))
 
 
 def ssd_tensors(x, B, C, call, plan):
@@ -917,6 +926,11 @@ def _summary_scan_kernel(
     tl.store(end_ptr + _slot_head(b, h, nheads) * size + offs, S, mask=mask)
 
 
+def _f32(t):
+    """t as a contiguous float32 tensor; t itself (no op on the host) where it is one, None stays None."""
+    return t if t is None or t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous()
+
+
 def scan_summaries(src, a, start=None, cont=None, reverse=False):
     """The exclusive scan over K summaries, all fp32. Forward (src = S_ext (b, K, h, p, n), a
     (b, K, h), start the initial state (b, h, p, n) or None): the entry state of each
@@ -924,9 +938,7 @@ def scan_summaries(src, a, start=None, cont=None, reverse=False):
     final state's gradient): the gradient arriving at each one's exit and the initial state's
     gradient. cont (b, K) fp32 document-continuation flags or None."""
     b, K, h, p, n = src.shape
-    src, a = src.float().contiguous(), a.float().contiguous()          # no copies where they are already
-    start = None if start is None else start.float().contiguous()
-    cont = None if cont is None else cont.float().contiguous()
+    src, a, start, cont = _f32(src), _f32(a), _f32(start), _f32(cont)
     out = torch.empty_like(src)
     end = torch.empty(b, h, p, n, device=src.device, dtype=torch.float32)
     whole = _next_pow2(p * n)
@@ -1065,7 +1077,7 @@ class Summary:
         """Each run's entry state (b, nruns, h, p, n) or None for zero, given the sequence's entry
         (or None), and with need_exit the sequence's exit state (b, h, p, n)."""
         if entry is not None:                 # the kernels read it as a (b, nruns, h, p, n) buffer
-            entry = entry.float().contiguous()
+            entry = _f32(entry)
         if self.plan.nruns > 1:
             return scan_summaries(self.run_ext, self.run_a, entry)  # later runs start where earlier end
         run_entry = None if entry is None else entry[:, None]     # one run: no scan; absent stays absent
@@ -1109,7 +1121,7 @@ class GradPass:
         at each run's exit (b, nruns, h, p, n) or None, and the gradient at the
         sequence's entry, G + a dexit (b, h, p, n), both from one reverse scan."""
         if dexit is not None:                 # the kernels read it as a (b, nruns, h, p, n) buffer
-            dexit = dexit.float().contiguous()
+            dexit = _f32(dexit)
         if self.plan.nruns == 1 and dexit is None:
             return None, self.run_G[:, 0]
         return scan_summaries(self.run_G, self.run_a, dexit, reverse=True)
@@ -1154,15 +1166,16 @@ def _exact_dot(a, b01):
 @triton.jit
 def _chunk_bwd_group_kernel(
     x_ptr, B_ptr, C_ptr, cums, seq_ptr, dout_ptr,
-    CB_ptr, dCB_ptr, ddt_pairs_ptr, ddA_pairs_ptr, dD_part_ptr,
+    CB_ptr, dCB_ptr, ddt_pairs_ptr, ddA_pairs_ptr, part_ptr,
     seqlen, headdim: tl.constexpr, dstate: tl.constexpr, heads_per_group: tl.constexpr, ngroups: tl.constexpr, batch,
-    stride_x, stride_B, stride_C, stride_seq, stride_do,
+    part_row, stride_x, stride_B, stride_C, stride_seq, stride_do,
     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
     HAS_D: tl.constexpr, D_PER_CHANNEL: tl.constexpr,
     HAS_SEQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One (chunk, batch, group): C.B and dCB for the other two kernels, and for each of the
-    group's heads its pairs' share of dt' and of d(dt'A) (Q,) and its dD partial."""
+    group's heads its pairs' share of dt' and of d(dt'A) (Q,) and its dD partial (in the chunk's
+    row of the partials, after the x kernel's 2 * nheads: _chunk_bwd)."""
     # groups vary fastest: the programs running at once share a chunk's x and dy in L2
     pid = tl.program_id(0)
     g = pid % ngroups
@@ -1203,11 +1216,12 @@ def _chunk_bwd_group_kernel(
         V = dxyM * dt[None, :]                                                     # (Q, Q) pair (i, j)
         spans = _exact_dot(V, before)                                    # [i, k]: sum_{j<k} V_ij
         tl.store(ddA_pairs_ptr + at, tl.sum(tl.where(offs_q[:, None] >= offs_q[None, :], spans, 0.0), axis=0))
+        dD_at = part_ptr + chunk_slot * part_row + 2 * nheads
         if HAS_D and D_PER_CHANNEL:        # (h, p): sum over tokens of dy x, per channel
-            tl.store(dD_part_ptr + _slot_head(chunk_slot, h, nheads) * headdim + offs_p,
+            tl.store(dD_at + h * headdim + offs_p,
                      tl.sum(dy.to(tl.float32) * x.to(tl.float32), axis=0), mask=offs_p < headdim)
         elif HAS_D:                        # (h,): the trace of dy x^T, which dxyL holds (L_ii = 1)
-            tl.store(dD_part_ptr + _slot_head(chunk_slot, h, nheads),
+            tl.store(dD_at + h,
                      tl.sum(tl.sum(tl.where(offs_q[:, None] == offs_q[None, :], dxyL, 0.0), axis=1), axis=0))
     tl.store(dCB_ptr + _pair_tile(chunk_slot, g, ngroups, Q), dCB.to(dCB_ptr.dtype.element_ty))
 
@@ -1273,9 +1287,9 @@ def _chunk_bwd_BC_kernel(
 @triton.jit
 def _chunk_bwd_x_kernel(
     B_ptr, dts, cums, D_ptr, seq_ptr, out_edge, dout_ptr, CB_ptr,
-    ddt_pairs_ptr, ddA_pairs_ptr, ddA_entry_part_ptr, dw_part_ptr, carry_part_ptr, dx_ptr, ddt_ptr, dA_part_ptr,
+    ddt_pairs_ptr, ddA_pairs_ptr, ddA_entry_part_ptr, dw_part_ptr, carry_part_ptr, dx_ptr, ddt_ptr, part_ptr,
     seqlen, headdim: tl.constexpr, dstate: tl.constexpr, heads_per_group: tl.constexpr, nheads: tl.constexpr, batch,
-    chunks_per_run, n_bc_tiles: tl.constexpr,
+    chunks_per_run, n_bc_tiles: tl.constexpr, part_row,
     stride_B, stride_D, stride_seq, stride_do, stride_dx, stride_ddt,
     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_D: tl.constexpr, HAS_SEQ: tl.constexpr,
@@ -1284,7 +1298,8 @@ def _chunk_bwd_x_kernel(
     """dx and dt of one (chunk, batch, head), and the chunk's partials of dA and of dt_bias's
     gradient (the sum of raw dt's): dx from the group kernel's C.B and the exit gradient; dt from
     the group kernel's pair shares and the BC kernel's entry, exit and state shares. ddt (b, l, h)
-    in its buffer's dtype; the partials (b * nchunks, 2, h) fp32, dA's then dt_bias's."""
+    in its buffer's dtype; the partials (b * nchunks, part_row) fp32: dA's (h,), then dt_bias's
+    (h,), in the chunk's row (the group kernel's dD partials follow)."""
     # heads vary fastest: the programs running at once share a chunk, so its B stays in L2
     pid = tl.program_id(0)
     h = pid % nheads
@@ -1333,8 +1348,8 @@ def _chunk_bwd_x_kernel(
     ddA = tl.load(ddA_pairs_ptr + at * Q + offs_q) + d_entry + d_exit + decay * carry
     ddt = tl.load(ddt_pairs_ptr + at * Q + offs_q) + dw * w_dec + ddA * tl.load(dts.A + h).to(tl.float32)
     ddt_raw = tl.where(valid, ddt * slope, 0.0)
-    tl.store(dA_part_ptr + chunk_slot * 2 * nheads + h, tl.sum(ddA * dt, axis=0))
-    tl.store(dA_part_ptr + (chunk_slot * 2 + 1) * nheads + h, tl.sum(ddt_raw, axis=0))
+    tl.store(part_ptr + chunk_slot * part_row + h, tl.sum(ddA * dt, axis=0))
+    tl.store(part_ptr + chunk_slot * part_row + nheads + h, tl.sum(ddt_raw, axis=0))
     tl.store(ddt_ptr + b64 * stride_ddt.b + t64 * stride_ddt.l + h * stride_ddt.h,
              ddt_raw.to(ddt_ptr.dtype.element_ty), mask=valid)
 
@@ -1357,15 +1372,17 @@ def _chunk_bwd(ssd, states, gamma, run_entry, dstates, rho, run_dexit, dout, pla
     ddA_entry_part = torch.empty(slots, plan.nheads, n_bc_tiles, Q, device=dev, dtype=torch.float32)
     dw_part = torch.empty(slots, plan.nheads, n_bc_tiles, Q, device=dev, dtype=torch.float32)
     carry_part = torch.empty(slots, plan.nheads, n_bc_tiles, device=dev, dtype=torch.float32)
-    d_width = plan.headdim if D is not None and D.dim() == 2 else 1
-    dD_part = torch.empty(slots, plan.nheads, d_width, device=dev, dtype=torch.float32) if D is not None else None
+    # per chunk, the partials of dA (h,), of dt_bias's gradient (h,) and of dD (h,) or (h, p) in
+    # one buffer: one sum gives all three
+    d_width = 0 if D is None else plan.headdim if D.dim() == 2 else 1
+    part = torch.empty(slots, (2 + d_width) * plan.nheads, device=dev, dtype=torch.float32)
     in_edge = _ChunkEdge(states, gamma, gamma if run_entry is None else run_entry)
     out_edge = _ChunkEdge(dstates, rho, rho if run_dexit is None else run_dexit)
     s_x, s_B, s_C = _BLHP(*x.stride()), _BLGN(*B.stride()), _BLGN(*C.stride())
     s_seq, s_do = _ZERO_BL if seq_idx is None else _BL(*seq_idx.stride()), _BLHP(*dout.stride())
     _chunk_bwd_group_kernel[(plan.nchunks * plan.batch * plan.ngroups,)](
-        x, B, C, cums, seq_idx, dout, CB, dCB, ddt_pairs, ddA_pairs, ddt_pairs if dD_part is None else dD_part,
-        plan.seqlen, plan.headdim, plan.dstate, plan.heads_per_group, plan.ngroups, plan.batch,
+        x, B, C, cums, seq_idx, dout, CB, dCB, ddt_pairs, ddA_pairs, part,
+        plan.seqlen, plan.headdim, plan.dstate, plan.heads_per_group, plan.ngroups, plan.batch, part.shape[1],
         s_x, s_B, s_C, s_seq, s_do,
         Q=Q, BP=plan.BP, BN=plan.BN_group, HAS_D=D is not None, D_PER_CHANNEL=d_width > 1,
         DOT_PRECISION=plan.precision, **plan.launch.get("bwd_group", {}), **plan.flags)
@@ -1378,18 +1395,16 @@ def _chunk_bwd(ssd, states, gamma, run_entry, dstates, rho, run_dexit, dout, pla
     del dCB                     # the x kernel's outputs take its place: the backward's peak is lower
     dx = torch.empty_like(x, memory_format=torch.contiguous_format) if dx is None else dx
     ddt = torch.empty(dt.shape, device=dev, dtype=dt.dtype) if ddt is None else ddt
-    dA_part = torch.empty(slots, 2, plan.nheads, device=dev, dtype=torch.float32)
     _chunk_bwd_x_kernel[(plan.nchunks * plan.batch * plan.nheads,)](
         B, plan.dts(dt, ssd.dt_bias, ssd.A), cums, D, seq_idx, out_edge, dout, CB, ddt_pairs, ddA_pairs,
-        ddA_entry_part, dw_part, carry_part, dx, ddt, dA_part,
+        ddA_entry_part, dw_part, carry_part, dx, ddt, part,
         plan.seqlen, plan.headdim, plan.dstate, plan.heads_per_group, plan.nheads, plan.batch, plan.chunks_per_run,
-        n_bc_tiles, s_B, _D_strides(D), s_seq, s_do, _BLHP(*dx.stride()), _BLH(*ddt.stride()),
+        n_bc_tiles, part.shape[1], s_B, _D_strides(D), s_seq, s_do, _BLHP(*dx.stride()), _BLH(*ddt.stride()),
         Q=Q, BP=plan.BP, BN=plan.BN_x, HAS_D=D is not None, HAS_EXIT=run_dexit is not None,
         DOT_PRECISION=plan.precision, **plan.launch.get("bwd_x", {}), **plan.dt_flags, **plan.flags)
-    dA, ddt_bias = dA_part[:, 0].sum(dim=0), dA_part[:, 1].sum(dim=0)   # (h,) each: an op's outputs share no tensor
-    dD = None
-    if D is not None:
-        dD = dD_part.sum(dim=(0, 2) if D.dim() == 1 else 0)                         # (h,) or (h, p)
+    h = plan.nheads
+    dA, ddt_bias, dD = part.sum(dim=0).split_with_sizes((h, h, part.shape[1] - 2 * h))
+    dD = None if D is None else dD if D.dim() == 1 else dD.view(D.shape)              # (h,) or (h, p)
     return dx, dB, dC, ddt, dA, dD, ddt_bias
 
 
@@ -2721,6 +2736,18 @@ def _empty_if_none(t, ref):
     return ref.new_empty(0) if t is None else t
 
 
+def _unshared(ts):
+    """ts, each one whose storage an earlier one uses copied: an op's outputs may share none, and
+    the backward's small gradients (dA, dt_bias's, dD; the conv's dweight and dbias) are views of
+    one sum each."""
+    seen, out = set(), []
+    for t in ts:
+        key = t.untyped_storage()._cdata
+        out.append(t.clone() if key in seen else t)
+        seen.add(key)
+    return out
+
+
 _SCHEMA = {int: "int", float: "float", bool: "bool", str: "str", tuple: "int[]", Optional[torch.dtype]: "ScalarType?"}
 
 
@@ -2744,7 +2771,7 @@ def _as_ops(name, steps, options, plan_of, outputs, fake_forward, agree):
         opts = options(*opts)
         grads = steps.backward(plan_of(tensors, opts), [_none_if_empty(g) for g in grads], tensors,
                                [_none_if_empty(k) for k in kept])
-        return [_empty_if_none(g, tensors[0]) for g in grads]
+        return _unshared([_empty_if_none(g, tensors[0]) for g in grads])
 
     def forward_fake(tensors, *opts):
         return fake_forward(options(*opts), *tensors)
@@ -2842,6 +2869,8 @@ CORE_OPS = _as_ops("core", METHOD, CoreOptions, _core_plan, 2, _core_fake, _core
 
 def _rows(t, per_row):
     """(b, per_row * s, ...) -> (b * per_row, s, ...): one causal segment per row."""
+    if per_row == 1:                    # t itself: a view costs the host an op
+        return t
     return t.reshape(t.shape[0] * per_row, t.shape[1] // per_row, *t.shape[2:])
 
 
@@ -3305,6 +3334,8 @@ def _split_output(y, z, z0, x0, gate_norm, w, widths):
 
 def _rows_view(t, per_row):
     """_rows(t, per_row) as a view of t (writes into it land in t), or None where strides forbid one."""
+    if per_row == 1:
+        return t
     try:
         return t.view(t.shape[0] * per_row, t.shape[1] // per_row, *t.shape[2:])
     except RuntimeError:
@@ -3343,7 +3374,7 @@ class _MixerPlan(NamedTuple):
 def _mixer_plan(tensors, o, group=None):
     m = MixerCall(*tensors)
     per_row = 2 if o.load_balancing == "virtual" else 1
-    xBC, dt = m.zxbcdt.split(o.widths, dim=-1)[3:]
+    xBC, dt = m.zxbcdt.split_with_sizes(o.widths, -1)[3:]
     core = _core_plan(Call(_rows(xBC, per_row), _rows(dt, per_row), *m[1:7], m.seq_idx),
                       CoreOptions(*o[:len(CoreOptions._fields)]), group)
     norm, permute = m.rmsnorm_weight is not None, o.layout.startswith("permute") and core.world > 1
@@ -3356,7 +3387,7 @@ def _mixer_forward(plan, *tensors):
     permuted xBC and dt rows (None unless permuted), and the core's Kept."""
     m, o, core = MixerCall(*tensors), plan.options, plan.core
     per_row = core.segments.per_row
-    z0, x0, z, xBC, dt = m.zxbcdt.split(o.widths, dim=-1)
+    z0, x0, z, xBC, dt = m.zxbcdt.split_with_sizes(o.widths, -1)
     if plan.permute:
         xBC, dt = _permute(xBC, core.group, o.layout, True), _permute(dt, core.group, o.layout, True)
     call = Call(_rows(xBC, per_row), _rows(dt, per_row), *m[1:7], m.seq_idx)
@@ -3385,7 +3416,7 @@ def _mixer_backward(plan, grads, tensors, kept):
     m, o, core = MixerCall(*tensors), plan.options, plan.core
     y, xBC_rows, dt_rows, *core_kept = kept
     per_row, w = core.segments.per_row, m.outproj_weight
-    z0, x0, z, xBC, dt = m.zxbcdt.split(o.widths, dim=-1)
+    z0, x0, z, xBC, dt = m.zxbcdt.split_with_sizes(o.widths, -1)
     if dout is None:                                # only the final state reached the loss
         width = o.widths[0] + o.widths[2] if w is None else w.shape[0]
         dout = torch.zeros((*y.shape[:2], width), device=y.device, dtype=y.dtype if w is None else w.dtype)
@@ -3399,7 +3430,7 @@ def _mixer_backward(plan, grads, tensors, kept):
         db = None if m.outproj_bias is None else dout.sum(dim=(0, 1)).to(m.outproj_bias.dtype)
         dout = dout.matmul(w)
     dzxbcdt = torch.empty(m.zxbcdt.shape, device=m.zxbcdt.device, dtype=m.zxbcdt.dtype)
-    dz0, dx0, dz, dxBC_out, ddt_out = dzxbcdt.split(o.widths, dim=-1)
+    dz0, dx0, dz, dxBC_out, ddt_out = dzxbcdt.split_with_sizes(o.widths, -1)
     d_nonssm = o.widths[0]
     if d_nonssm:
         dz0_, dx0_ = _swiglu_grad(dout[..., :d_nonssm].float(), z0, x0)

@@ -3175,17 +3175,17 @@ def test_launch_keys_tell_triton_specializations_apart():
     the launcher gets addresses wherever an argument holds a tensor."""
     buf = torch.zeros(64)
     a, b, shifted = buf[:16], buf[16:32], buf[1:17]           # 0, 64 and 4 bytes past buf's start
-    key = lambda *args: tuple(mamba_cp._launch_key(args)[0])  # noqa: E731
+    key = lambda *args: mamba_cp._launch_signature(0, args, {})[0]  # noqa: E731
     strides = mamba_cp._BL(16, 1)
     assert key(a, 3, strides, None) == key(b, 3, strides, None)
     different = [(a, 3, strides, None), (shifted, 3, strides, None), (a.double(), 3, strides, None),
                  (a, 1, strides, None), (a, 16, strides, None), (a, 2 ** 31, strides, None),
-                 (a, 3, mamba_cp._BL(16, 2), None), (a, 3, strides, a), (a, 3, strides, 2.0)]
+                 (a, 3, mamba_cp._BL(16, 2), None), (a, 3, strides, a), (a, 3, strides, 2.0), (a, True, strides, None)]
     assert len({key(*args) for args in different}) == len(different)
     edge = mamba_cp._ChunkEdge(a, b, None)
     assert key(edge) != key(mamba_cp._ChunkEdge(a, shifted, None))
-    assert mamba_cp._launch_key((a, edge, strides, 7))[1] == [a.data_ptr(), (a.data_ptr(), b.data_ptr(), None),
-                                                              strides, 7]
+    assert mamba_cp._launch_signature(0, (a, edge, strides, 7), {})[1] == [
+        a.data_ptr(), (a.data_ptr(), b.data_ptr(), None), strides, 7]
 
 
 @gpu

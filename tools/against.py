@@ -5,9 +5,11 @@ machine without the history), both imported in one process and run in turn on th
     python tools/against.py REV [--lengths 4096,16384,65536] [--iters 20] [--warmup 5] [shape flags]
 
 Forward (under no_grad) and forward+backward (autograd.grad into every input), each timed eager
-(CUDA events around one call after a synchronize) and, on a GPU, as CUDA-graph replays; p50 over
---iters after --warmup. Printed: before (REV) / after (this tree) and their ratio ("speedup",
-above 1 when this tree is faster), on a GPU the peak memory of forward+backward, and one
+(CUDA events around one call after a synchronize; the two modules' calls take turns, so the
+host's drift falls on both alike), on a GPU also by the host's time to enqueue one call with the
+GPU kept busy ("host"), and as CUDA-graph replays; p50 over --iters after --warmup. Printed:
+before (REV) / after (this tree) and their ratio ("speedup", above 1 when this tree is faster),
+on a GPU the peak memory of forward+backward, and one
 `RESULT {json}` line per length. On CPU the kernels run in the Triton interpreter at a small float32 shape,
 timed by wall clock: that checks the script, not the speed.
 
@@ -30,25 +32,49 @@ CPU_SHAPE = dict(nheads=4, headdim=16, ngroups=2, dstate=16, d_conv=4, chunk=16,
 GPU_SHAPE = dict(common.RECORD, lengths="4096,16384,65536")
 
 
-def p50_ms(fn, iters, warmup):
-    """p50 of one call: CUDA events after a synchronize on a GPU, wall clock on CPU."""
-    for _ in range(warmup):
+def one_ms(fn):
+    """One call's latency: CUDA events after a synchronize on a GPU, wall clock on CPU."""
+    if CUDA:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
         fn()
-    times = []
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def host_ms(fn):
+    """The host's time to enqueue one call, the GPU held busy meanwhile (a sleep kernel first),
+    so that nothing the call launches waits for the GPU: what an eager call costs the host."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(100_000_000)
+    t0 = time.perf_counter()
+    fn()
+    t = (time.perf_counter() - t0) * 1e3
+    torch.cuda.synchronize()
+    return t
+
+
+def p50_ms(fn, iters, warmup):
+    """p50 of one_ms(fn) over iters calls after warmup."""
+    return taking_turns([fn], iters, warmup)[0]
+
+
+def taking_turns(fns, iters, warmup, timer=one_ms):
+    """p50 of timer(fn) for each fn, the fns taking turns call by call, so that the host's drift
+    (clocks, other processes) falls on each alike: eager calls are host-bound at short lengths."""
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    times = [[] for _ in fns]
     for _ in range(iters):
-        if CUDA:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+        for fn, t in zip(fns, times):
+            t.append(timer(fn))
+    return [statistics.median(t) for t in times]
 
 
 def graph_p50_ms(fn, iters, warmup):
@@ -79,9 +105,19 @@ def measure(args, L, modules):
     r = dict(bench="against", rev=args.rev, L=L, batch=args.batch, dtype=args.dtype, nheads=args.nheads,
              headdim=args.headdim, ngroups=args.ngroups, dstate=args.dstate, chunk=args.chunk, graph_error=None)
     device = "cuda" if CUDA else "cpu"
+    steps = [common.steps(module, args, L, device) for _, module in modules]
+    for key in steps[0]:                 # eager: the two modules take turns
+        fns = [s[key] for s in steps]
+        timings = [("ms", taking_turns(fns, args.iters, args.warmup))]
+        if CUDA:
+            timings.append(("host_ms", taking_turns(fns, args.iters, 1, host_ms)))
+        for what, values in timings:
+            for (tag, _), v in zip(modules, values):
+                r[f"{key[0]}_{key[1]}_{tag}_{what}"] = v
+    del steps, fns
+    gc.collect()
     for tag, module in modules:
         for (call, phase), fn in common.steps(module, args, L, device).items():
-            r[f"{call}_{phase}_{tag}_ms"] = p50_ms(fn, args.iters, args.warmup)
             if CUDA and phase == "fwdbwd":   # before the graph: its memory pool would count
                 r[f"{call}_peak_mib_{tag}"] = peak_mib(fn)
             if CUDA and not args.no_graph:
@@ -90,7 +126,7 @@ def measure(args, L, modules):
                 except Exception as e:  # noqa: BLE001 - report, keep timing
                     r["graph_error"] = f"{call} {phase} {tag}: {type(e).__name__}: {str(e).splitlines()[0]}"[:300]
         gc.collect()
-    for key in [k for k in r if k.endswith("_before_ms") or k.endswith("_before_graph_ms")]:
+    for key in [k for k in r if k.endswith(("_before_ms", "_before_graph_ms", "_before_host_ms"))]:
         after = r.get(key.replace("_before", "_after"))
         r[key.replace("_before", "").replace("_ms", "_speedup")] = r[key] / after if after else None
     return r
@@ -106,6 +142,9 @@ def report(r, graphs):
         for phase in ("fwd", "fwdbwd"):
             cell = (f"{phase} {fmt(r[f'{call}_{phase}_before_ms'])} / {fmt(r[f'{call}_{phase}_after_ms'])} ms "
                     f"= {fmt(r[f'{call}_{phase}_speedup'], '.2f')}x")
+            if CUDA:
+                cell += (f", host {fmt(r[f'{call}_{phase}_before_host_ms'])} / {fmt(r[f'{call}_{phase}_after_host_ms'])}"
+                         f" = {fmt(r[f'{call}_{phase}_host_speedup'], '.2f')}x")
             if graphs:
                 cell += (f" (graph {fmt(r.get(f'{call}_{phase}_before_graph_ms'))} / "
                          f"{fmt(r.get(f'{call}_{phase}_after_graph_ms'))} = "

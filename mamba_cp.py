@@ -3394,7 +3394,7 @@ def _mixer_forward(plan, *tensors):
     gate = None
     z_rows = _rows_view(z, per_row) if plan.gate_in_output else None
     if z_rows is not None:      # the gate written beside y by the output kernel: one kernel and one read of y less
-        z_rows = z_rows.unflatten(-1, (core.nheads, -1))
+        z_rows = z_rows.view(*z_rows.shape[:2], core.nheads, -1)          # (rows, s, h, p)
         gate = (z_rows, torch.empty(z_rows.shape, device=z.device, dtype=xBC.dtype))
     y, final, kept = method_forward(call, core, gate)
     y = y.reshape(o.batch, -1, y.shape[2] * y.shape[3])                       # (b, l, dim)
@@ -3439,7 +3439,7 @@ def _mixer_backward(plan, grads, tensors, kept):
     dy, dw = plan.gate_norm.backward(dout[..., d_nonssm:], y, z, m.rmsnorm_weight, dz)   # dz written into dzxbcdt
     if plan.permute:
         dy = _permute(dy, core.group, o.layout, True)
-    dy = _rows(dy.unflatten(-1, (core.nheads, -1)), per_row)
+    dy = _rows(dy.view(*dy.shape[:2], core.nheads, -1), per_row)
     # the core writes dxBC and ddt into dzxbcdt, unless the rows travel (permute) or its
     # strides allow no per-segment view: then they are copied in once
     into = (None, None) if plan.permute else (_rows_view(dxBC_out, per_row), _rows_view(ddt_out, per_row))

@@ -1429,8 +1429,9 @@ def ssd_grads(ssd, summary, grad_pass, dy, entry=None, dexit=None, dx=None, dB=N
 
 def _pieces(rank, world, load_balancing):
     """Pieces of the sequence a rank holds, in local order, and how many pieces there are: one
-    contiguous piece of W ("none"), or pieces r and 2W-1-r of 2W (the zigzag layouts)."""
-    if load_balancing == "none":
+    contiguous piece of W ("none"), or pieces r and 2W-1-r of 2W (the zigzag layouts). A world of
+    one holds the whole sequence in order, one piece, in any layout (of any length)."""
+    if load_balancing == "none" or world == 1:
         return [rank], world
     return [rank, 2 * world - 1 - rank], 2 * world
 
@@ -2307,16 +2308,17 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.in
 _ACTIVATIONS = ("silu", "swish", None)
 
 
-def _check_cp_inputs(call, chunk_size, headdim, ngroups, load_balancing, dt_limit, activation="silu", state_dtype=None,
-                     summary_exchange="auto"):
-    """The local checks of a CP call (a Call in the caller's layout, any values at all)."""
+def _check_cp_inputs(call, chunk_size, headdim, ngroups, load_balancing, world, dt_limit, activation="silu",
+                     state_dtype=None, summary_exchange="auto"):
+    """The local checks of a CP call (a Call in the caller's layout, any values at all) in a CP
+    group of `world` ranks."""
     xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states, seq_idx = call
     _check_layout(load_balancing)
     _expect(isinstance(summary_exchange, str) and summary_exchange in SUMMARY_EXCHANGES, "summary_exchange",
             repr(summary_exchange), f"one of {SUMMARY_EXCHANGES}")
     _expect(activation in _ACTIVATIONS, "activation", repr(activation), f"one of {_ACTIVATIONS}")
     _expect(state_dtype in _STATE_DTYPES, "state_dtype", state_dtype, f"one of {_STATE_DTYPES}")
-    per_row = 1 if load_balancing == "none" else 2
+    per_row = len(_pieces(0, world, load_balancing)[0])          # pieces a rank holds: 1, or 2 (zigzag)
     _expect(isinstance(xBC, torch.Tensor) and xBC.dim() == 3, "xBC",
             tuple(xBC.shape) if isinstance(xBC, torch.Tensor) else type(xBC).__name__,
             "a 3-dim tensor (batch, seqlen_local, nheads*headdim + 2*ngroups*dstate)")
@@ -2349,7 +2351,7 @@ def _check_cp_inputs(call, chunk_size, headdim, ngroups, load_balancing, dt_limi
     _check_options(chunk_size, seq_idx, dt_limit, (b, l), xBC)
     _expect(l % per_row == 0, "xBC", f"local length {l}",
             f"a multiple of {per_row} (load_balancing={load_balancing!r} holds {per_row} equal pieces)")
-    seg = l // 2 if load_balancing == "virtual" else l     # the permute layouts compute one segment
+    seg = l // per_row if load_balancing == "virtual" else l     # the permute layouts compute one segment
     _expect(seg >= max(1, d_conv - 1), "xBC", f"segments of {seg} tokens",
             f"at least d_conv - 1 = {d_conv - 1} tokens per segment (the conv halo comes from one neighbour)")
 
@@ -2906,8 +2908,8 @@ def mamba_conv1d_ssd_cp(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_si
     rank, world = _group_info(cp_group, ref)
 
     def options():                      # the local checks, then the call's options
-        _check_cp_inputs(call, chunk_size, headdim, ngroups, load_balancing, dt_limit, activation, state_dtype,
-                         summary_exchange)
+        _check_cp_inputs(call, chunk_size, headdim, ngroups, load_balancing, world, dt_limit, activation,
+                         state_dtype, summary_exchange)
         return _core_options(xBC.shape[0], dt.shape[2], xBC.shape[2], conv_weight.shape[1], chunk_size, headdim,
                              ngroups, dt_limit, activation, state_dtype, cp_group, world, load_balancing,
                              summary_exchange)
@@ -3546,7 +3548,7 @@ def mamba_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias
         _check_split_options(widths, activation, rmsnorm_weight, rmsnorm_eps, outproj_weight, outproj_bias,
                              ngroups, zxbcdt)
         _, _, _, xBC, dt = zxbcdt.split(widths, dim=-1)
-        _check_cp_inputs(Call(xBC, dt, *m[1:7], seq_idx), chunk_size, p, ngroups, load_balancing, dt_limit,
+        _check_cp_inputs(Call(xBC, dt, *m[1:7], seq_idx), chunk_size, p, ngroups, load_balancing, world, dt_limit,
                          activation, state_dtype, summary_exchange)
         core = _core_options(zxbcdt.shape[0], widths[4], widths[3], conv1d_weight.shape[1], chunk_size, p, ngroups,
                              dt_limit, activation, state_dtype, cp_group, world, load_balancing, summary_exchange)
@@ -3809,7 +3811,7 @@ def mamba_conv1d_ssd_a2a(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_s
     rank, world = _group_info(cp_group, ref)
 
     def check():
-        _check_cp_inputs(call, chunk_size, headdim, ngroups, load_balancing, dt_limit, activation, state_dtype)
+        _check_cp_inputs(call, chunk_size, headdim, ngroups, load_balancing, world, dt_limit, activation, state_dtype)
         _expect(dt.shape[2] % world == 0, "dt", f"nheads={dt.shape[2]} with W={world}",
                 "nheads divisible by the CP world size (the all-to-all baseline splits heads)")
 

@@ -1936,8 +1936,9 @@ SPLIT_OPTIONS = {
     "no_swiglu_no_activation_D_h": dict(shape=SPLIT_SMALL._replace(d_nonssm=0), activation=None, D="h"),
     "outproj_bias_documents": dict(norm=True, outproj="bias", seq_idx=[5, 30]),
     "outproj_dt_limit_no_init": dict(outproj="weight", dt_limit=(0.05, 2.0), initial_states=False),
-    # the transformers example's default layout in a world of one: its two pieces computed as one
-    "virtual_documents": dict(layout="virtual", norm=True, seq_idx=[5, 30]),
+    # the transformers example's default layout in a world of one: the whole sequence one piece,
+    # computed as one segment, of any length (odd here)
+    "virtual_documents": dict(layout="virtual", norm=True, seq_idx=[5, 30], shape=SPLIT_SMALL._replace(seqlen=37)),
 }
 
 

@@ -655,7 +655,7 @@ def split_xBC(conv_out, plan):
     (rows, s, g, n): the conv's output, or its gradient's buffer."""
     (rows, s, _), (s_r, s_s, _), at = conv_out.shape, conv_out.stride(), conv_out.storage_offset()
     h, p, g, n = plan.nheads, plan.headdim, plan.ngroups, plan.dstate
-    # one as_strided a view (a slice, then unflatten, costs the host two ops); channels unit-strided
+    # one as_strided a view (a slice, then unflatten, would cost the host two ops); channels unit-strided
     return (conv_out.as_strided((rows, s, h, p), (s_r, s_s, p, 1), at),
             conv_out.as_strided((rows, s, g, n), (s_r, s_s, n, 1), at + h * p),
             conv_out.as_strided((rows, s, g, n), (s_r, s_s, n, 1), at + h * p + g * n))

@@ -26,25 +26,11 @@ import time
 import common
 import mamba_cp  # before anything that imports triton: it picks the interpreter when CUDA is absent
 import torch
+from bench import call_ms as one_ms   # one call's latency: CUDA events after a synchronize (wall clock on CPU)
 
 CUDA = torch.cuda.is_available()
 CPU_SHAPE = dict(nheads=4, headdim=16, ngroups=2, dstate=16, d_conv=4, chunk=16, dtype="fp32", lengths="64,128")
 GPU_SHAPE = dict(common.RECORD, lengths="4096,16384,65536")
-
-
-def one_ms(fn):
-    """One call's latency: CUDA events after a synchronize on a GPU, wall clock on CPU."""
-    if CUDA:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
 
 
 def host_ms(fn):

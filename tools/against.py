@@ -129,8 +129,8 @@ def report(r, graphs):
             cell = (f"{phase} {fmt(r[f'{call}_{phase}_before_ms'])} / {fmt(r[f'{call}_{phase}_after_ms'])} ms "
                     f"= {fmt(r[f'{call}_{phase}_speedup'], '.2f')}x")
             if CUDA:
-                cell += (f", host {fmt(r[f'{call}_{phase}_before_host_ms'])} / {fmt(r[f'{call}_{phase}_after_host_ms'])}"
-                         f" = {fmt(r[f'{call}_{phase}_host_speedup'], '.2f')}x")
+                host = [r[f"{call}_{phase}_{tag}_host_ms"] for tag in ("before", "after")]
+                cell += f", host {fmt(host[0])} / {fmt(host[1])} = {fmt(r[f'{call}_{phase}_host_speedup'], '.2f')}x"
             if graphs:
                 cell += (f" (graph {fmt(r.get(f'{call}_{phase}_before_graph_ms'))} / "
                          f"{fmt(r.get(f'{call}_{phase}_after_graph_ms'))} = "

@@ -2819,8 +2819,10 @@ def _core_options(batch, nheads, conv_dim, d_conv, chunk_size, headdim, ngroups,
                   cp_group, world, load_balancing, summary_exchange):
     """A checked call's CoreOptions: summary_exchange resolved ("auto" by the link model)."""
     dstate = (conv_dim - nheads * headdim) // (2 * ngroups)
-    # a world of one holds the zigzag's two pieces in order, the whole sequence: one segment, as "none"
-    layout = "virtual" if load_balancing == "virtual" and world > 1 else "none"
+    # the computed layout: two segments a row where a rank holds two pieces of the zigzag (_pieces:
+    # a world of one holds one); the permute layouts move the tokens first and compute one
+    two = load_balancing == "virtual" and len(_pieces(0, world, load_balancing)[0]) == 2
+    layout = "virtual" if two else "none"
     exchange = chosen_exchange(summary_exchange, world, layout, batch, (nheads, headdim, dstate), conv_dim, d_conv)
     return CoreOptions(batch, chunk_size, headdim, ngroups, float(dt_limit[0]), float(dt_limit[1]),
                        activation is not None, state_dtype, _group_name(cp_group), layout, exchange)

@@ -33,11 +33,16 @@ CPU_SHAPE = dict(nheads=4, headdim=16, ngroups=2, dstate=16, d_conv=4, chunk=16,
 GPU_SHAPE = dict(common.RECORD, lengths="4096,16384,65536")
 
 
-def host_ms(fn):
-    """The host's time to enqueue one call, the GPU held busy meanwhile (a sleep kernel first),
-    so that nothing the call launches waits for the GPU: what an eager call costs the host."""
+def busy():
+    """Hold the GPU for ~20 ms (a sleep kernel) so that what follows is only enqueued while the host is timed."""
     torch.cuda.synchronize()
-    torch.cuda._sleep(100_000_000)
+    torch.cuda._sleep(40_000_000)
+
+
+def host_ms(fn, idle=False):
+    """The host's time to enqueue one call: with the GPU held busy first (nothing the call launches
+    waits on the GPU), or with idle, after a synchronize (the GPU runs each kernel as it comes)."""
+    (torch.cuda.synchronize if idle else busy)()
     t0 = time.perf_counter()
     fn()
     t = (time.perf_counter() - t0) * 1e3

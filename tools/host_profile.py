@@ -24,30 +24,17 @@ import time
 import common
 import mamba_cp
 import torch
-from against import graph_p50_ms, p50_ms
+from against import busy, graph_p50_ms, p50_ms
+from against import host_ms as enqueue_ms
 
 
 def p50(values):
     return statistics.median(values)
 
 
-def busy():
-    """Hold the GPU for ~20 ms so that what follows is only enqueued while the host is timed."""
-    torch.cuda.synchronize()
-    torch.cuda._sleep(40_000_000)
-
-
 def host_ms(fn, iters, idle=False):
-    """p50 ms the host takes to enqueue fn(): with the GPU held busy first (nothing it enqueues can
-    wait on the GPU), or with idle, after a synchronize (the GPU runs each kernel as it comes)."""
-    times = []
-    for _ in range(iters + 3):
-        (torch.cuda.synchronize if idle else busy)()
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    torch.cuda.synchronize()
-    return p50(times[3:])
+    """p50 of against.host_ms(fn, idle) over iters calls after three."""
+    return p50([enqueue_ms(fn, idle) for _ in range(iters + 3)][3:])
 
 
 def gpu_kernels(fn):

@@ -2993,13 +2993,15 @@ def _gate_norm_fwd_kernel(y_ptr, z_ptr, w_ptr, out_ptr, n_rows, seqlen, dim, gro
 
 @_Launched
 @triton.jit
-def _gate_norm_bwd_kernel(do_ptr, y_ptr, z_ptr, w_ptr, dy_ptr, dz_ptr, dw_part_ptr, n_rows, seqlen, dim, group_size,
-                          eps, n_inner, stride_do_b, stride_do_l, stride_y_b, stride_y_l, stride_z_b, stride_z_l,
-                          stride_dy_b, stride_dy_l, stride_dz_b, stride_dz_l, stride_dw_r,
-                          BR: tl.constexpr, BG: tl.constexpr, NORM: tl.constexpr, BEFORE: tl.constexpr):
+def _gate_norm_bwd_kernel(do_ptr, y_ptr, z_ptr, w_ptr, dy_ptr, dz_ptr, dw_part_ptr, out_ptr, n_rows, seqlen, dim,
+                          group_size, eps, n_inner, stride_do_b, stride_do_l, stride_y_b, stride_y_l, stride_z_b,
+                          stride_z_l, stride_dy_b, stride_dy_l, stride_dz_b, stride_dz_l, stride_dw_r, stride_o_b,
+                          stride_o_l, BR: tl.constexpr, BG: tl.constexpr, NORM: tl.constexpr, BEFORE: tl.constexpr,
+                          HAS_OUT: tl.constexpr):
     """dy and dz of n_inner blocks of BR token rows, one group of channels; the norm weight's
     gradient summed over those rows into this program's own partial row (no atomics).
-    Through n = v r:  dv = r (dn - n mean_group(n dn))."""
+    Through n = v r:  dv = r (dn - n mean_group(n dn)). HAS_OUT: the forward's output again,
+    for an out projection's weight gradient, from the values this pass holds anyway."""
     cols = tl.program_id(1) * group_size + tl.arange(0, BG)
     in_group = (tl.arange(0, BG) < group_size) & (cols < dim)
     dw = tl.zeros((BG,), dtype=tl.float32)
@@ -3019,6 +3021,12 @@ def _gate_norm_bwd_kernel(do_ptr, y_ptr, z_ptr, w_ptr, dy_ptr, dz_ptr, dw_part_p
             dv = r[:, None] * (dn - n * (tl.sum(n * dn, axis=1) / group_size)[:, None])
             dy = dv if BEFORE else dv * gate
             dgate = do * n * w if BEFORE else dv * y
+        if HAS_OUT:
+            o = y * gate
+            if NORM:
+                o = n * w * gate if BEFORE else n * w
+            tl.store(out_ptr + b[:, None] * stride_o_b + t[:, None] * stride_o_l + cols[None, :],
+                     o.to(out_ptr.dtype.element_ty), mask=mask)
         sig = tl.sigmoid(z)
         dz = dgate * sig * (1.0 + z * (1.0 - sig))
         tl.store(dy_ptr + b[:, None] * stride_dy_b + t[:, None] * stride_dy_l + cols[None, :],
@@ -3052,9 +3060,10 @@ class _GateNorm(NamedTuple):
             y, z, y if w is None else w, out, b * l, l, dim, gs, self.eps, y.stride(0), y.stride(1), z.stride(0),
             z.stride(1), out.stride(0), out.stride(1), BR=BR, BG=BG, NORM=self.norm, BEFORE=self.before)
 
-    def backward(self, do, y, z, w, dz):
+    def backward(self, do, y, z, w, dz, out=None):
         """dy (b, l, dim) in y's dtype, dz written into dz (a view), and the norm weight's
-        gradient (fp32, None without a norm)."""
+        gradient (fp32, None without a norm); where out (a view) is given, the forward's output
+        written into it again."""
         b, l, dim = y.shape
         gs, BG, BR = self.tiles(dim)
         programs, warps = tuning().gate_programs, 4
@@ -3066,10 +3075,11 @@ class _GateNorm(NamedTuple):
         dy = torch.empty(y.shape, device=y.device, dtype=y.dtype)
         dw_part = torch.empty((n_row_progs, dim), device=y.device, dtype=torch.float32) if self.norm else None
         _gate_norm_bwd_kernel[(n_row_progs, n_cols)](
-            do, y, z, y if w is None else w, dy, dz, dy if dw_part is None else dw_part, b * l, l, dim, gs,
-            self.eps, n_inner, do.stride(0), do.stride(1), y.stride(0), y.stride(1), z.stride(0), z.stride(1),
-            dy.stride(0), dy.stride(1), dz.stride(0), dz.stride(1), 0 if dw_part is None else dw_part.stride(0),
-            BR=BR, BG=BG, NORM=self.norm, BEFORE=self.before, num_warps=warps)
+            do, y, z, y if w is None else w, dy, dz, dy if dw_part is None else dw_part, dy if out is None else out,
+            b * l, l, dim, gs, self.eps, n_inner, do.stride(0), do.stride(1), y.stride(0), y.stride(1), z.stride(0),
+            z.stride(1), dy.stride(0), dy.stride(1), dz.stride(0), dz.stride(1),
+            0 if dw_part is None else dw_part.stride(0), *((0, 0) if out is None else out.stride()[:2]),
+            BR=BR, BG=BG, NORM=self.norm, BEFORE=self.before, HAS_OUT=out is not None, num_warps=warps)
         return dy, (dw_part.sum(0) if self.norm else None)
 
 
@@ -3326,13 +3336,20 @@ def _swiglu_grad(ds, z0, x0):
     return ds * x0f * sig * (1.0 + z0f * (1.0 - sig)), ds * z0f * sig
 
 
-def _split_output(y, z, z0, x0, gate_norm, w, widths):
-    """[silu(z0) x0 | the gate or the gated RMSNorm of y], (b, l, d_nonssm + dim) in y's dtype."""
+def _swiglu_part(y, z0, x0, widths):
+    """(b, l, d_nonssm + dim) in y's dtype, silu(z0) x0 written in its first d_nonssm channels;
+    the gate's kernels write the rest."""
     d_nonssm = widths[0]
     out = torch.empty((*y.shape[:2], d_nonssm + y.shape[2]), device=y.device, dtype=y.dtype)
     if d_nonssm:
         out[..., :d_nonssm] = _swiglu(z0, x0)
-    gate_norm.forward(y, z, w, out[..., d_nonssm:])
+    return out
+
+
+def _split_output(y, z, z0, x0, gate_norm, w, widths):
+    """[silu(z0) x0 | the gate or the gated RMSNorm of y], (b, l, d_nonssm + dim) in y's dtype."""
+    out = _swiglu_part(y, z0, x0, widths)
+    gate_norm.forward(y, z, w, out[..., widths[0]:])
     return out
 
 
@@ -3427,20 +3444,23 @@ def _mixer_backward(plan, grads, tensors, kept):
     dout = dout.contiguous()                        # the gate's kernels take unit channel strides
     if not plan.permute:
         xBC_rows, dt_rows = _rows(xBC, per_row), _rows(dt, per_row)
-    dW = db = None
-    if w is not None:
-        pre = _split_output(y, z, z0, x0, plan.gate_norm, m.rmsnorm_weight, o.widths).to(w.dtype)
-        dW = dout.flatten(0, 1).t().mm(pre.flatten(0, 1)).to(w.dtype)
-        db = None if m.outproj_bias is None else dout.sum(dim=(0, 1)).to(m.outproj_bias.dtype)
-        dout = dout.matmul(w)
+    dW = db = pre = None
+    d_nonssm = o.widths[0]
+    if w is not None:           # the out projection's input again: the gate's backward writes it
+        dproj, dout = dout, dout.matmul(w)
+        pre = _swiglu_part(y, z0, x0, o.widths)
     dzxbcdt = torch.empty(m.zxbcdt.shape, device=m.zxbcdt.device, dtype=m.zxbcdt.dtype)
     dz0, dx0, dz, dxBC_out, ddt_out = dzxbcdt.split_with_sizes(o.widths, -1)
-    d_nonssm = o.widths[0]
     if d_nonssm:
         dz0_, dx0_ = _swiglu_grad(dout[..., :d_nonssm].float(), z0, x0)
         dz0.copy_(dz0_)
         dx0.copy_(dx0_)
-    dy, dw = plan.gate_norm.backward(dout[..., d_nonssm:], y, z, m.rmsnorm_weight, dz)   # dz written into dzxbcdt
+    dy, dw = plan.gate_norm.backward(dout[..., d_nonssm:], y, z, m.rmsnorm_weight, dz,    # dz written into dzxbcdt
+                                     None if pre is None else pre[..., d_nonssm:])
+    if w is not None:
+        dW = dproj.flatten(0, 1).t().mm(_as(pre, w).flatten(0, 1)).to(w.dtype)
+        db = None if m.outproj_bias is None else dproj.sum(dim=(0, 1)).to(m.outproj_bias.dtype)
+        del pre, dproj          # before the core's backward, where the peak is
     if plan.permute:
         dy = _permute(dy, core.group, o.layout, True)
     dy = _rows(dy.view(*dy.shape[:2], core.nheads, -1), per_row)

@@ -1052,12 +1052,13 @@ def test_runs_lengthen_while_the_gpu_stays_busy(tuned):
 
 def test_every_kernel_compiles_for_the_gpu():
     """The interpreter runs code the GPU's compiler would refuse: `tools/sass.py` compiles every
-    kernel of the SSD and of the mixer entry, forward and backward, for sm_90 under the GPU's
-    tuning, on this machine, at an awkward bf16 shape (6 heads of 24 in 3 groups, dstate 20, 1100
-    tokens: masked tiles, two runs, so the summary scan too), and reads each one's registers."""
+    kernel of the SSD and of the mixer entry (z gate; and gated RMSNorm with out projection),
+    forward and backward, for sm_90 under the GPU's tuning, on this machine, at an awkward bf16
+    shape (6 heads of 24 in 3 groups, dstate 20, 1100 tokens: masked tiles, two runs, so the
+    summary scan too), and reads each one's registers."""
     here = os.path.dirname(os.path.abspath(__file__))
     run = subprocess.run([sys.executable, os.path.join(here, "tools", "sass.py"), "--lengths", "1100", "--nheads",
-                          "6", "--headdim", "24", "--ngroups", "3", "--dstate", "20"],
+                          "6", "--headdim", "24", "--ngroups", "3", "--dstate", "20", "--calls", "ssd,entry,mixer"],
                          cwd=here, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     seen = {(r["call"], r["kernel"]): r for r in
@@ -1065,7 +1066,8 @@ def test_every_kernel_compiles_for_the_gpu():
     chunk_kernels = ("_dt_cumsum_kernel", "_state_pass_kernel", "_summary_scan_kernel", "_output_fwd_kernel",
                      "_chunk_bwd_group_kernel", "_chunk_bwd_BC_kernel", "_chunk_bwd_x_kernel")
     want = {("ssd", k) for k in chunk_kernels} | {("entry", k) for k in chunk_kernels + (
-        "_conv_fwd_kernel", "_conv_bwd_kernel", "_gate_norm_bwd_kernel")}
+        "_conv_fwd_kernel", "_conv_bwd_kernel", "_gate_norm_bwd_kernel")} | {
+        ("mixer", "_gate_norm_fwd_kernel"), ("mixer", "_gate_norm_bwd_kernel")}
     assert want <= set(seen), sorted(want - set(seen))
     assert all(0 < r["registers"] <= 255 and r["instructions"] > 0 for r in seen.values()), seen
 

@@ -18,8 +18,9 @@
         random init), bf16, batch 1, on
         one GPU: tokens/s, peak memory, and time per layer kind (Mamba2, attention, MoE with its
         shared MLP, the rest), each kind timed alone, forward+backward, on the inputs the model
-        hands it, times its count. Paths: "ours" (enable_cp in a world of one), "transformers"
-        (the model as transformers builds it: mamba_ssm's kernels where importable, else its
+        hands it, times its count; each also by its kernels' GPU time (torch.profiler, one call),
+        and the step by the GPU's busy time: eager, a short call's wall time is its host's.
+        Paths: "ours" (enable_cp in a world of one), "transformers" (the model as transformers builds it: mamba_ssm's kernels where importable, else its
         torch path; SDPA attention). Then, where --world > 1, the work of one rank at --world ranks of
         --global-length tokens ("ours_rank_of_W"): each attention layer's keys and values are
         what the all-gather returns (here the rank's own, repeated: the same arithmetic), the
@@ -70,6 +71,26 @@ def time_ms(fn, iters, warmup):
         end.synchronize()
         times.append(start.elapsed_time(end))
     return sorted(times)[len(times) // 2]
+
+
+def gpu_ms(fn):
+    """One fn() call under torch.profiler: its kernels' summed time and the GPU's busy time (the
+    union of their spans), ms. Eager, a call's wall time can be the host's, not the GPU's."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA)
+    total = busy = 0.0
+    end = float("-inf")
+    for s, e in spans:
+        total += e - s
+        if e > end:
+            busy += e - max(s, end)
+            end = e
+    return total / 1e3, busy / 1e3
 
 
 def peak_gib(fn):
@@ -259,16 +280,22 @@ def step_case(model, ids, iters, warmup, label, optim=None, **extra):
         torch.cuda.synchronize()
         r["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         r["tokens_per_s"] = ids.shape[1] / r["step_ms"] * 1e3
+        r["step_gpu_ms"], r["step_busy_ms"] = gpu_ms(step)
+        model.zero_grad(set_to_none=True)
         kinds = layer_kinds(model)
         inputs = captured_inputs(model, ids, kinds)
-        layers_ms = 0.0
+        layers_ms = layers_gpu_ms = 0.0
         for kind, found in kinds.items():
             if not found:
                 continue
-            one = time_ms(kind_step(found[0][1], *inputs[kind]), iters, warmup)
+            run = kind_step(found[0][1], *inputs[kind])
+            one = time_ms(run, iters, warmup)
             r[f"{kind}_ms"], r[f"{kind}_count"] = one * len(found), len(found)
+            r[f"{kind}_gpu_ms"] = gpu_ms(run)[0] * len(found)
             layers_ms += one * len(found)
+            layers_gpu_ms += r[f"{kind}_gpu_ms"]
         r["rest_ms"] = r["step_ms"] - layers_ms
+        r["rest_gpu_ms"] = r["step_gpu_ms"] - layers_gpu_ms
     except torch.OutOfMemoryError as e:
         r["error"] = "out of memory: " + str(e).split("\n")[0][:160]
     model.zero_grad(set_to_none=True)
@@ -338,10 +365,13 @@ def main_step(args):
     print(f"\nGraniteMoeHybrid of granite-4.0-h-tiny's size class, first {args.layers} of 40 layers, bf16, batch 1, "
           f"one step ({step}; activation checkpointing: {args.checkpointing}); {torch.cuda.get_device_name()}, "
           f"torch {torch.__version__}, transformers {transformers.__version__}")
-    print("(rest: the step less the kinds timed alone, which can overlap it by a few ms; a rank of W: its tokens, "
-          "modelled K/V communication added to tokens/s)")
-    print("| path | tokens | step ms | comm ms (modelled) | tokens/s | peak GiB | Mamba2 ms | attention ms | MoE ms | "
-          "rest ms |")
+    print("(each cell: eager wall time, then in brackets the GPU's: kernel time; for the step, the GPU's busy time "
+          "and its kernel time. A kind timed alone, eager, waits on its own host work, which the step overlaps "
+          "with other layers' kernels: where the GPU is busy for most of the step, the kinds' GPU times are what "
+          "moves it. rest: the step less the kinds. A rank of W: its tokens, modelled K/V communication added "
+          "to tokens/s)")
+    print("| path | tokens | step ms (GPU busy, kernels) | comm ms (modelled) | tokens/s | peak GiB | Mamba2 ms | "
+          "attention ms | MoE ms | rest ms |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         if "error" in r:
@@ -349,9 +379,10 @@ def main_step(args):
             continue
         comm = r.get("modelled_comm_ms")
         rate = r.get("tokens_per_s_per_gpu_with_comm", r["tokens_per_s"])
-        print(f"| {r['path']} | {r['tokens']:,} | {r['step_ms']:.1f} | {'' if comm is None else f'{comm:.1f}'} | "
-              f"{rate:,.0f} | {r['peak_gib']:.1f} | "
-              + " | ".join(f"{r.get(k + '_ms', 0):.1f}" for k in ("mamba2", "attention", "moe", "rest")) + " |")
+        print(f"| {r['path']} | {r['tokens']:,} | {r['step_ms']:.1f} ({r['step_busy_ms']:.1f}, {r['step_gpu_ms']:.1f}) "
+              f"| {'' if comm is None else f'{comm:.1f}'} | {rate:,.0f} | {r['peak_gib']:.1f} | "
+              + " | ".join(f"{r.get(k + '_ms', 0):.1f} ({r.get(k + '_gpu_ms', 0):.1f})"
+                           for k in ("mamba2", "attention", "moe", "rest")) + " |")
 
 
 def parse_args(argv=None):

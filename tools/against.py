@@ -1,5 +1,5 @@
 """This tree's SSD (mamba_chunk_scan_combined) and mixer entry (mamba_split_conv1d_scan_combined,
-z gate) timed against mamba_cp.py as committed at git revision REV (or in the file REV, for a
+z gate; --calls adds "mixer", the entry with the gated RMSNorm and out projection) timed against mamba_cp.py as committed at git revision REV (or in the file REV, for a
 machine without the history), both imported in one process and run in turn on the same inputs.
 
     python tools/against.py REV [--lengths 4096,16384,65536] [--iters 20] [--warmup 5] [shape flags]
@@ -9,7 +9,7 @@ Forward (under no_grad) and forward+backward (autograd.grad into every input), e
 host's drift falls on both alike), on a GPU also by the host's time to enqueue one call with the
 GPU kept busy ("host"), and as CUDA-graph replays; p50 over --iters after --warmup. Printed:
 before (REV) / after (this tree) and their ratio ("speedup", above 1 when this tree is faster),
-on a GPU the peak memory of forward+backward, and one
+on a GPU the peak memory of forward+backward above what was allocated before it, and one
 `RESULT {json}` line per length. On CPU the kernels run in the Triton interpreter at a small float32 shape,
 timed by wall clock: that checks the script, not the speed.
 
@@ -83,12 +83,15 @@ def graph_p50_ms(fn, iters, warmup):
 
 
 def peak_mib(fn):
+    """The peak memory of one fn() call above what was allocated before it (its inputs, and
+    whatever the other module's timing left), MiB."""
     gc.collect()
     torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     fn()
     torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() / 2 ** 20
+    return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
 
 
 def measure(args, L, modules):
@@ -96,7 +99,7 @@ def measure(args, L, modules):
     r = dict(bench="against", rev=args.rev, L=L, batch=args.batch, dtype=args.dtype, nheads=args.nheads,
              headdim=args.headdim, ngroups=args.ngroups, dstate=args.dstate, chunk=args.chunk, graph_error=None)
     device = "cuda" if CUDA else "cpu"
-    steps = [common.steps(module, args, L, device) for _, module in modules]
+    steps = [common.steps(module, args, L, device, args.calls) for _, module in modules]
     for key in steps[0]:                 # eager: the two modules take turns
         fns = [s[key] for s in steps]
         timings = [("ms", taking_turns(fns, args.iters, args.warmup))]
@@ -108,7 +111,7 @@ def measure(args, L, modules):
     del steps, fns
     gc.collect()
     for tag, module in modules:
-        for (call, phase), fn in common.steps(module, args, L, device).items():
+        for (call, phase), fn in common.steps(module, args, L, device, args.calls).items():
             if CUDA and phase == "fwdbwd":   # before the graph: its memory pool would count
                 r[f"{call}_peak_mib_{tag}"] = peak_mib(fn)
             if CUDA and not args.no_graph:
@@ -127,8 +130,8 @@ def fmt(v, spec=".3f"):
     return "n/a" if v is None else f"{v:{spec}}"
 
 
-def report(r, graphs):
-    for call in ("ssd", "entry"):
+def report(r, graphs, calls):
+    for call in calls:
         cells = []
         for phase in ("fwd", "fwdbwd"):
             cell = (f"{phase} {fmt(r[f'{call}_{phase}_before_ms'])} / {fmt(r[f'{call}_{phase}_after_ms'])} ms "
@@ -167,7 +170,7 @@ def main():
     for L in args.lengths:
         r = measure(args, L, modules)
         print("RESULT " + json.dumps(r))
-        report(r, graphs)
+        report(r, graphs, args.calls)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """What tools/sass.py and tools/against.py share: the repository root on sys.path, the two calls
-they compile or time (the SSD, mamba_chunk_scan_combined, and the mixer entry,
-mamba_split_conv1d_scan_combined with the z gate) and their inputs, and mamba_cp.py at another
+they compile or time (the SSD, mamba_chunk_scan_combined; the mixer entry,
+mamba_split_conv1d_scan_combined with the z gate; and the same entry as a Mamba2 mixer calls it,
+with the gated RMSNorm and the out projection) and their inputs, and mamba_cp.py at another
 revision imported beside this tree's. Developer instruments: the project never imports them.
 
 This file imports no mamba_cp: each script sets TRITON_INTERPRET as it needs before its import.
@@ -31,6 +32,8 @@ def add_shape_flags(ap, defaults):
                     help=f"dtype of x, B, C and zxbcdt (default {defaults['dtype']})")
     ap.add_argument("--lengths", default=defaults["lengths"], type=lambda s: [int(v) for v in s.split(",") if v],
                     help=f"comma-separated sequence lengths (default {defaults['lengths']})")
+    ap.add_argument("--calls", default="ssd,entry", type=lambda s: [c for c in s.split(",") if c],
+                    help="comma-separated calls of " + ", ".join(CALLS) + " (default ssd,entry)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
 
@@ -68,6 +71,19 @@ def entry_inputs(args, L, device):
     return {k: v.requires_grad_(True) for k, v in leaves.items()}, grad
 
 
+def mixer_inputs(args, L, device):
+    """The entry's leaves as a Mamba2 mixer of transformers calls it (examples/transformers_cp.py):
+    also the gated RMSNorm's weight (a group of dim / ngroups channels, after the gate) and the out
+    projection's weight (dim / 2 outputs: expand 2), both in --dtype; the projected output's gradient."""
+    leaves, _ = entry_inputs(args, L, device)
+    gen = torch.Generator(device).manual_seed(args.seed + 2)
+    dim, dtype = args.nheads * args.headdim, DTYPES[args.dtype]
+    leaves["rmsnorm_weight"] = (1 + 0.1 * torch.randn(dim, generator=gen, device=device)).to(dtype).requires_grad_(True)
+    leaves["outproj_weight"] = (torch.randn(dim // 2, dim, generator=gen, device=device) * dim ** -0.5).to(
+        dtype).requires_grad_(True)
+    return leaves, torch.randn(args.batch, L, dim // 2, generator=gen, device=device).to(dtype)
+
+
 def ssd(module, t, args):
     return module.mamba_chunk_scan_combined(t["x"], t["dt"], t["A"], t["B"], t["C"], args.chunk, D=t["D"],
                                             dt_bias=t["dt_bias"], dt_softplus=True)
@@ -79,11 +95,23 @@ def entry(module, t, args):
                                                    ngroups=args.ngroups)
 
 
-def steps(module, args, L, device):
-    """{(call, phase): argument-free closure} for call "ssd" and "entry" of `module`, phase "fwd"
-    (under no_grad) and "fwdbwd" (autograd.grad into every leaf)."""
+def mixer(module, t, args):
+    return module.mamba_split_conv1d_scan_combined(t["zxbcdt"], t["conv_weight"], t["conv_bias"], t["dt_bias"],
+                                                   t["A"], t["D"], args.chunk, headdim=args.headdim,
+                                                   ngroups=args.ngroups, rmsnorm_weight=t["rmsnorm_weight"],
+                                                   rmsnorm_eps=1e-5, norm_before_gate=False,
+                                                   outproj_weight=t["outproj_weight"])
+
+
+CALLS = {"ssd": (ssd, ssd_inputs), "entry": (entry, entry_inputs), "mixer": (mixer, mixer_inputs)}
+
+
+def steps(module, args, L, device, calls=("ssd", "entry")):
+    """{(call, phase): argument-free closure} for each call in `calls` ("ssd", "entry", "mixer")
+    of `module`, phase "fwd" (under no_grad) and "fwdbwd" (autograd.grad into every leaf)."""
     out = {}
-    for name, call, make in (("ssd", ssd, ssd_inputs), ("entry", entry, entry_inputs)):
+    for name in calls:
+        call, make = CALLS[name]
         leaves, grad = make(args, L, device)
 
         def fwd(call=call, leaves=leaves):

@@ -1,5 +1,6 @@
 """Per-kernel GPU time of the SSD (mamba_chunk_scan_combined) and of the mixer entry
-(mamba_split_conv1d_scan_combined, z gate), forward and forward+backward: torch.profiler's table
+(mamba_split_conv1d_scan_combined, z gate; --calls adds "mixer", with the gated RMSNorm and out
+projection), forward and forward+backward: torch.profiler's table
 over --iters calls after one untimed call, per call, phase and length.
 
     python tools/kernel_times.py [--lengths 4096,16384,65536] [--iters 5] [shape flags]
@@ -30,7 +31,7 @@ def main():
     activity, column = (ProfilerActivity.CUDA, "device_time_total") if CUDA else (ProfilerActivity.CPU,
                                                                                   "cpu_time_total")
     for L in args.lengths:
-        for (call, phase), fn in common.steps(mamba_cp, args, L, "cuda" if CUDA else "cpu").items():
+        for (call, phase), fn in common.steps(mamba_cp, args, L, "cuda" if CUDA else "cpu", args.calls).items():
             fn()
             with profile(activities=[activity]) as prof:
                 for _ in range(args.iters):

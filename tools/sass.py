@@ -1,5 +1,6 @@
 """Every kernel of the SSD (mamba_chunk_scan_combined) and of the mixer entry
-(mamba_split_conv1d_scan_combined, z gate), forward and backward, compiled (never run) for one
+(mamba_split_conv1d_scan_combined, z gate; --calls adds "mixer", with the gated RMSNorm and out
+projection), forward and backward, compiled (never run) for one
 GPU arch, on any machine, a GPU's or not; per kernel its registers, stack bytes (spills) and SASS
 instructions, and one `RESULT {json}` line.
 
@@ -115,8 +116,8 @@ def main():
           + (f"; tuning {json.dumps(args.tuning)}" if args.tuning else ""), flush=True)
     with CompileOnly(args.arch, [m for _, m in modules]) as stand_in:
         for label, module in modules:
-            calls = common.steps(module, args, L, "cpu")
-            for call in ("ssd", "entry"):
+            calls = common.steps(module, args, L, "cpu", args.calls)
+            for call in args.calls:
                 stand_in.compiled.clear()
                 calls[call, phase]()
                 for name, kernel in stand_in.compiled.values():

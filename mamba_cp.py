@@ -1169,18 +1169,21 @@ def _chunk_bwd_group_kernel(
     CB_ptr, dCB_ptr, ddt_pairs_ptr, ddA_pairs_ptr, part_ptr,
     seqlen, headdim: tl.constexpr, dstate: tl.constexpr, heads_per_group: tl.constexpr, ngroups: tl.constexpr, batch,
     part_row, stride_x, stride_B, stride_C, stride_seq, stride_do,
-    Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+    Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr,
     HAS_D: tl.constexpr, D_PER_CHANNEL: tl.constexpr,
     HAS_SEQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """One (chunk, batch, group): C.B and dCB for the other two kernels, and for each of the
-    group's heads its pairs' share of dt' and of d(dt'A) (Q,) and its dD partial (in the chunk's
-    row of the partials, after the x kernel's 2 * nheads: _chunk_bwd)."""
-    # groups vary fastest: the programs running at once share a chunk's x and dy in L2
+    """One (chunk, batch, group, split of the group's heads): C.B (the first split stores it) and
+    the split's share of dCB for the other two kernels, and for each of its heads its pairs'
+    share of dt' and of d(dt'A) (Q,) and its dD partial (in the chunk's row of the partials,
+    after the x kernel's 2 * nheads: _chunk_bwd). A group's heads are split (SPLITS > 1) only
+    where chunks and groups are too few to fill the GPU: one group of many heads, short sequences."""
+    # groups and their splits vary fastest: the programs running at once share a chunk's x and dy in L2
     pid = tl.program_id(0)
-    g = pid % ngroups
-    b = (pid // ngroups) % batch
-    c = pid // (ngroups * batch)
+    split = pid % (ngroups * SPLITS)                                     # g * SPLITS + s
+    g, s = split // SPLITS, split % SPLITS
+    b = (pid // (ngroups * SPLITS)) % batch
+    c = pid // (ngroups * SPLITS * batch)
     start, offs_q, offs_p, t64, valid, mask_qp = _chunk_tokens(c, seqlen, headdim, Q, BP)
     b64 = b.to(tl.int64)
     nheads = heads_per_group * ngroups
@@ -1193,12 +1196,13 @@ def _chunk_bwd_group_kernel(
         Cm = _load_tile(C_ptr, stride_C, b64, t64, g, offs_n, mask_qn)
         Bm = _load_tile(B_ptr, stride_B, b64, t64, g, offs_n, mask_qn)
         CB += tl.dot(Cm, tl.trans(Bm), input_precision=DOT_PRECISION)
-    tl.store(CB_ptr + _pair_tile(chunk_slot, g, ngroups, Q), CB)
+    if s == 0:
+        tl.store(CB_ptr + _pair_tile(chunk_slot, g, ngroups, Q), CB)
 
     before = (offs_q[:, None] < offs_q[None, :]).to(tl.float32)                   # (Q, Q) [j < k]
     dCB = tl.zeros((Q, Q), dtype=tl.float32)
-    for hh in range(heads_per_group):
-        h = g * heads_per_group + hh
+    for hh in range(heads_per_group // SPLITS):
+        h = g * heads_per_group + s * (heads_per_group // SPLITS) + hh
         dt, e, w_dec, decay, hi, lo, seq, total, continues = _chunk_decays(
             cums, seq_ptr, stride_seq, b, h, c, seqlen, nheads, Q, HAS_SEQ)
         L = _pair_decay(hi, lo, seq, Q, HAS_SEQ)
@@ -1223,7 +1227,7 @@ def _chunk_bwd_group_kernel(
         elif HAS_D:                        # (h,): the trace of dy x^T, which dxyL holds (L_ii = 1)
             tl.store(dD_at + h,
                      tl.sum(tl.sum(tl.where(offs_q[:, None] == offs_q[None, :], dxyL, 0.0), axis=1), axis=0))
-    tl.store(dCB_ptr + _pair_tile(chunk_slot, g, ngroups, Q), dCB.to(dCB_ptr.dtype.element_ty))
+    tl.store(dCB_ptr + _pair_tile(chunk_slot, split, ngroups * SPLITS, Q), dCB.to(dCB_ptr.dtype.element_ty))
 
 
 @_Launched
@@ -1234,7 +1238,7 @@ def _chunk_bwd_BC_kernel(
     seqlen, headdim: tl.constexpr, dstate: tl.constexpr, heads_per_group: tl.constexpr, ngroups: tl.constexpr, batch,
     n_n_tiles: tl.constexpr, chunks_per_run,
     stride_x, stride_B, stride_C, stride_seq, stride_do, stride_dB, stride_dC,
-    Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+    Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr,
     HAS_SEQ: tl.constexpr, HAS_ENTRY: tl.constexpr, HAS_EXIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """dB and dC of one (chunk, batch, group, state tile), the group's heads summed in registers
@@ -1257,7 +1261,13 @@ def _chunk_bwd_BC_kernel(
 
     Bm = _load_tile(B_ptr, stride_B, b64, t64, g, offs_n, mask_qn)                # (Q, BN)
     Cm = _load_tile(C_ptr, stride_C, b64, t64, g, offs_n, mask_qn)                # (Q, BN)
-    dCB = tl.load(dCB_ptr + _pair_tile(chunk_slot, g, ngroups, Q)).to(Cm.dtype)     # (Q, Q)
+    if SPLITS == 1:
+        dCB = tl.load(dCB_ptr + _pair_tile(chunk_slot, g, ngroups, Q)).to(Cm.dtype)     # (Q, Q)
+    else:                           # the splits' float32 shares, summed in their order
+        dCB_sum = tl.zeros((Q, Q), dtype=tl.float32)
+        for s in tl.static_range(SPLITS):
+            dCB_sum += tl.load(dCB_ptr + _pair_tile(chunk_slot, g * SPLITS + s, ngroups * SPLITS, Q))
+        dCB = dCB_sum.to(Cm.dtype)
     dC = tl.dot(dCB, Bm, input_precision=DOT_PRECISION)                            # (Q, BN)
     dB = tl.dot(tl.trans(dCB), Cm, input_precision=DOT_PRECISION)
     for hh in range(heads_per_group):
@@ -1365,7 +1375,8 @@ def _chunk_bwd(ssd, states, gamma, run_entry, dstates, rho, run_dexit, dout, pla
     dB = torch.empty_like(B, memory_format=torch.contiguous_format) if dB is None else dB
     dC = torch.empty_like(C, memory_format=torch.contiguous_format) if dC is None else dC
     CB = torch.empty(slots, plan.ngroups, Q, Q, device=dev, dtype=torch.float32)
-    dCB = torch.empty(slots, plan.ngroups, Q, Q, device=dev, dtype=x.dtype)
+    splits = plan.group_splits                  # a group's heads split: their shares of dCB in float32
+    dCB = torch.empty(slots, plan.ngroups * splits, Q, Q, device=dev, dtype=x.dtype if splits == 1 else torch.float32)
     ddt_pairs = torch.empty(slots, plan.nheads, Q, device=dev, dtype=torch.float32)
     ddA_pairs = torch.empty(slots, plan.nheads, Q, device=dev, dtype=torch.float32)
     n_bc_tiles = plan.n_bc_tiles
@@ -1380,17 +1391,18 @@ def _chunk_bwd(ssd, states, gamma, run_entry, dstates, rho, run_dexit, dout, pla
     out_edge = _ChunkEdge(dstates, rho, rho if run_dexit is None else run_dexit)
     s_x, s_B, s_C = _BLHP(*x.stride()), _BLGN(*B.stride()), _BLGN(*C.stride())
     s_seq, s_do = _ZERO_BL if seq_idx is None else _BL(*seq_idx.stride()), _BLHP(*dout.stride())
-    _chunk_bwd_group_kernel[(plan.nchunks * plan.batch * plan.ngroups,)](
+    _chunk_bwd_group_kernel[(plan.nchunks * plan.batch * plan.ngroups * splits,)](
         x, B, C, cums, seq_idx, dout, CB, dCB, ddt_pairs, ddA_pairs, part,
         plan.seqlen, plan.headdim, plan.dstate, plan.heads_per_group, plan.ngroups, plan.batch, part.shape[1],
         s_x, s_B, s_C, s_seq, s_do,
-        Q=Q, BP=plan.BP, BN=plan.BN_group, HAS_D=D is not None, D_PER_CHANNEL=d_width > 1,
+        Q=Q, BP=plan.BP, BN=plan.BN_group, SPLITS=splits, HAS_D=D is not None, D_PER_CHANNEL=d_width > 1,
         DOT_PRECISION=plan.precision, **plan.launch.get("bwd_group", {}), **plan.flags)
     _chunk_bwd_BC_kernel[(plan.nchunks * plan.batch * plan.ngroups * n_bc_tiles,)](
         x, B, C, cums, seq_idx, in_edge, out_edge, dout, dCB, dB, dC, ddA_entry_part, dw_part, carry_part,
         plan.seqlen, plan.headdim, plan.dstate, plan.heads_per_group, plan.ngroups, plan.batch, n_bc_tiles,
         plan.chunks_per_run, s_x, s_B, s_C, s_seq, s_do, _BLGN(*dB.stride()), _BLGN(*dC.stride()),
-        Q=Q, BP=plan.BP, BN=plan.BN_bc, HAS_ENTRY=run_entry is not None, HAS_EXIT=run_dexit is not None,
+        Q=Q, BP=plan.BP, BN=plan.BN_bc, SPLITS=splits, HAS_ENTRY=run_entry is not None,
+        HAS_EXIT=run_dexit is not None,
         DOT_PRECISION=plan.precision, **plan.launch.get("bwd_bc", {}), **plan.flags)
     del dCB                     # the x kernel's outputs take its place: the backward's peak is lower
     dx = torch.empty_like(x, memory_format=torch.contiguous_format) if dx is None else dx
@@ -1687,6 +1699,7 @@ class Tuning:
     state_wave: int                     # this many programs
     state_tile: Optional[int]           # the state passes' (p, n) tile width (None: whole)
     bwd_state_tiles: tuple              # the n tile of the chunk-backward kernels (group, BC, x)
+    group_wave: int                     # below this many programs the group kernel splits a group's heads
     heads_per_output: Optional[int]     # heads per output program (None: a whole group)
     launch: dict                        # per chunk kernel: num_warps, num_stages, maxnreg (GPU only)
     scan_block: Optional[int]           # the summary scan's slice of the p*n state (None: whole)
@@ -1701,16 +1714,18 @@ class Tuning:
 # scan too). The GPU's were the fastest measured on an H200 at the record shape (BENCHMARKS.md,
 # "The launch choices"): the chunk kernels are latency-bound chains of small products, so what
 # pays is programs per SM (4 warps, one head per output program, register caps where they buy a
-# program); runs of 16 chunks, doubled up to 64 while the state pass keeps 512 programs.
+# program); runs of 16 chunks, doubled up to 64 while the state pass keeps 512 programs; a
+# group's heads split over 2, 4, ... group-kernel programs while chunks x groups fall short of
+# 256 (one group of many heads at a few thousand tokens: granite-4.0-h's 48).
 TUNED_KERNELS = ("cumsum", "state", "output", "bwd_group", "bwd_bc", "bwd_x")  # chunk kernels with launch options
 TUNINGS = {
     "interpreter": Tuning("interpreter", chunk_fwd=64, chunk_bwd=64, chunks_per_run=2, longest_run=2, state_wave=1,
-                          state_tile=None, bwd_state_tiles=(16, 16, 16), heads_per_output=None, launch={},
-                          scan_block=None, conv_fwd=ConvLaunch(32, 64, 64, 1, 4),
+                          state_tile=None, bwd_state_tiles=(16, 16, 16), group_wave=16, heads_per_output=None,
+                          launch={}, scan_block=None, conv_fwd=ConvLaunch(32, 64, 64, 1, 4),
                           conv_bwd=ConvLaunch(32, 64, 64, 1, 1), gate_tile=64, gate_programs=4096,
                           norm_bwd=NormLaunch(4, 4, 4096)),
     "gpu": Tuning("gpu", chunk_fwd=64, chunk_bwd=64, chunks_per_run=16, longest_run=64, state_wave=512,
-                  state_tile=64, bwd_state_tiles=(64, 64, 64), heads_per_output=1,
+                  state_tile=64, bwd_state_tiles=(64, 64, 64), group_wave=256, heads_per_output=1,
                   launch=dict(cumsum=dict(num_warps=1), state=dict(num_warps=4, num_stages=2),
                               output=dict(num_warps=4, num_stages=1, maxnreg=168),
                               bwd_group=dict(num_warps=4, num_stages=2), bwd_bc=dict(num_warps=4, num_stages=2),
@@ -1759,6 +1774,10 @@ class LaunchPlan:
             self.chunks_per_run *= 2
         self.nruns = _cdiv(self.nchunks, self.chunks_per_run)
         self.BN_group, self.BN_bc, self.BN_x = (min(self.BN, n) for n in t.bwd_state_tiles)
+        self.group_splits = 1                      # a power of two dividing heads_per_group
+        while (self.nchunks * self.batch * self.ngroups * self.group_splits < t.group_wave
+               and self.heads_per_group % (2 * self.group_splits) == 0):
+            self.group_splits *= 2
         self.n_bc_tiles = _cdiv(self.dstate, self.BN_bc)
         self.heads_per_output = t.heads_per_output or self.heads_per_group    # a divisor of heads_per_group
         self.cumsum_heads = min(8, self.nheads & -self.nheads)   # the largest power of two dividing nheads, up to 8

@@ -1038,6 +1038,18 @@ def test_gpu_program_shapes(tuned):
     assert_close(run_both(ssd_inputs(SMALL, 1, **OPTIONS["all"])), FP32_BOUND)
 
 
+def test_group_split(tuned):
+    """A group's heads split over group-kernel programs, each summing its share of dCB, the BC
+    kernel summing the shares (the GPU splits where chunks x groups are too few: one group of 48
+    heads at a few thousand tokens): 4 heads a group in 4 splits, with documents and every option."""
+    tuned(dataclasses.replace(mamba_cp.tuning(), group_wave=10 ** 6))
+    shape = SMALL._replace(nheads=8)
+    plan = mamba_cp.LaunchPlan((shape.batch, shape.seqlen, shape.nheads, shape.headdim, shape.ngroups, shape.dstate),
+                               torch.float32, shape.chunk, None, True, (0.0, math.inf), None)
+    assert plan.group_splits == 4
+    assert_close(run_both(ssd_inputs(shape, 4, **OPTIONS["all"])), FP32_BOUND)
+
+
 def test_runs_lengthen_while_the_gpu_stays_busy(tuned):
     """The state pass's runs double from chunks_per_run up to longest_run while the state pass
     keeps state_wave programs: 8 a run at SMALL (2 rows of 4 heads, one state tile), 5 chunks."""

@@ -1684,8 +1684,10 @@ def _pow2(v, lo=16):
 # A conv program walks `strips` strips of `tokens` consecutive tokens side by side (one tile)
 # over `channels` channels with `warps` warps, loading `unroll` tokens of each strip per step.
 ConvLaunch = collections.namedtuple("ConvLaunch", "strips channels tokens unroll warps")
-# The gated RMSNorm's backward: `rows` token rows a tile, `warps` warps, about `programs` programs.
-NormLaunch = collections.namedtuple("NormLaunch", "rows warps programs")
+# The gated RMSNorm's backward: `rows` token rows a tile, `warps` warps, about `programs` programs,
+# but at most `partials` along the tokens: each writes its own row of the weight's gradient (dim
+# floats), summed after; one norm group of all channels would otherwise write one row a token.
+NormLaunch = collections.namedtuple("NormLaunch", "rows warps programs partials")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1723,7 +1725,7 @@ TUNINGS = {
                           state_tile=None, bwd_state_tiles=(16, 16, 16), group_wave=16, heads_per_output=None,
                           launch={}, scan_block=None, conv_fwd=ConvLaunch(32, 64, 64, 1, 4),
                           conv_bwd=ConvLaunch(32, 64, 64, 1, 1), gate_tile=64, gate_programs=4096,
-                          norm_bwd=NormLaunch(4, 4, 4096)),
+                          norm_bwd=NormLaunch(4, 4, 4096, 4096)),
     "gpu": Tuning("gpu", chunk_fwd=64, chunk_bwd=64, chunks_per_run=16, longest_run=64, state_wave=512,
                   state_tile=64, bwd_state_tiles=(64, 64, 64), group_wave=256, heads_per_output=1,
                   launch=dict(cumsum=dict(num_warps=1), state=dict(num_warps=4, num_stages=2),
@@ -1731,7 +1733,7 @@ TUNINGS = {
                               bwd_group=dict(num_warps=4, num_stages=2), bwd_bc=dict(num_warps=4, num_stages=2),
                               bwd_x=dict(num_warps=4, num_stages=1, maxnreg=128)),
                   scan_block=1024, conv_fwd=ConvLaunch(1, 256, 128, 8, 2), conv_bwd=ConvLaunch(1, 128, 256, 8, 1),
-                  gate_tile=4096, gate_programs=4096, norm_bwd=NormLaunch(1, 4, 16384)),
+                  gate_tile=4096, gate_programs=4096, norm_bwd=NormLaunch(1, 4, 16384, 2048)),
 }
 _TUNING = [TUNINGS["interpreter" if INTERPRET else "gpu"]]      # the one in use: where the kernels run
 
@@ -3085,11 +3087,11 @@ class _GateNorm(NamedTuple):
         written into it again."""
         b, l, dim = y.shape
         gs, BG, BR = self.tiles(dim)
-        programs, warps = tuning().gate_programs, 4
+        programs, warps, partials = tuning().gate_programs, 4, None
         if self.norm:        # it holds several tiles of a row's group at once and sums each row twice
-            BR, warps, programs = tuning().norm_bwd
+            BR, warps, programs, partials = tuning().norm_bwd
         n_blocks, n_cols = _cdiv(b * l, BR), _cdiv(dim, gs)
-        n_inner = max(1, _cdiv(n_blocks * n_cols, programs))
+        n_inner = max(1, _cdiv(n_blocks * n_cols, programs), _cdiv(n_blocks, partials or n_blocks))
         n_row_progs = _cdiv(n_blocks, n_inner)
         dy = torch.empty(y.shape, device=y.device, dtype=y.dtype)
         dw_part = torch.empty((n_row_progs, dim), device=y.device, dtype=torch.float32) if self.norm else None

@@ -1962,12 +1962,14 @@ def test_split_conv1d_scan_single_device(name):
     expect({name: errs}, FP32_BOUND)
 
 
-def test_split_gate_norm_programs_loop(tuned):
-    """Few programs, so each walks several row blocks and sums the norm weight's gradient over
-    them (the GPU's plan at long sequences)."""
-    tuned(dataclasses.replace(mamba_cp.tuning(), norm_bwd=mamba_cp.tuning().norm_bwd._replace(programs=2)))
+@pytest.mark.parametrize("launch", [dict(programs=2), dict(partials=3)])
+def test_split_gate_norm_programs_loop(tuned, launch):
+    """Few programs, or few rows of the norm weight's partial gradients, so each program walks
+    several row blocks and sums that gradient over them (the GPU's plan at long sequences, and
+    with one norm group of all channels)."""
+    tuned(dataclasses.replace(mamba_cp.tuning(), norm_bwd=mamba_cp.tuning().norm_bwd._replace(**launch)))
     errs = split_case_errors(dict(shape=SPLIT_SMALL, layout="none", seed=6, norm=True), 0, 1, None, DEVICE)
-    expect({"norm, 2 programs": errs}, FP32_BOUND)
+    expect({f"norm, {launch}": errs}, FP32_BOUND)
 
 
 def test_split_gpu_tiles(tuned):

@@ -1,6 +1,7 @@
 """This tree's SSD (mamba_chunk_scan_combined) and mixer entry (mamba_split_conv1d_scan_combined,
-z gate; --calls adds "mixer", the entry with the gated RMSNorm and out projection) timed against mamba_cp.py as committed at git revision REV (or in the file REV, for a
-machine without the history), both imported in one process and run in turn on the same inputs.
+z gate; --calls adds "mixer", the entry with the gated RMSNorm and out projection) timed
+against mamba_cp.py as committed at git revision REV (or in the file REV, for a machine without
+the history), both imported in one process and run in turn on the same inputs.
 
     python tools/against.py REV [--lengths 4096,16384,65536] [--iters 20] [--warmup 5] [shape flags]
 

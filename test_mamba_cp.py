@@ -1043,7 +1043,7 @@ def test_group_split(tuned):
     kernel summing the shares (the GPU splits where chunks x groups are too few: one group of 48
     heads at a few thousand tokens): 4 heads a group in 4 splits, with documents and every option."""
     tuned(dataclasses.replace(mamba_cp.tuning(), group_wave=10 ** 6))
-    shape = SMALL._replace(nheads=8)
+    shape = SMALL._replace(nheads=8, headdim=8, seqlen=45)
     plan = mamba_cp.LaunchPlan((shape.batch, shape.seqlen, shape.nheads, shape.headdim, shape.ngroups, shape.dstate),
                                torch.float32, shape.chunk, None, True, (0.0, math.inf), None)
     assert plan.group_splits == 4

@@ -112,7 +112,7 @@ def main():
           f"{__import__('triton').__version__}; {args.dtype}, nheads {args.nheads} headdim {args.headdim} ngroups "
           f"{args.ngroups} dstate {args.dstate} chunk {args.chunk}", flush=True)
     for L in args.lengths:
-        for (call, phase), fn in common.steps(mamba_cp, args, L, "cuda").items():
+        for (call, phase), fn in common.steps(mamba_cp, args, L, "cuda", args.calls).items():
             fn()
             eager, graphed = p50_ms(fn, args.iters, 3), graph_p50_ms(fn, args.iters, 3)
             host = host_ms(fn, args.iters)
@@ -121,7 +121,7 @@ def main():
             print(f"L={L:>6} {call:>5} {phase:>6}: eager {eager:.3f} ms, graphed {graphed:.3f} ms "
                   f"({eager / graphed:.2f}x), host {host:.3f} ms (GPU idle {idle:.3f}) for {kernels} GPU kernels "
                   f"({triton_kernels} Triton): {1e3 * host / kernels:.0f} us a kernel", flush=True)
-    fn = common.steps(mamba_cp, args, args.lengths[0], "cuda")["entry", "fwdbwd"]
+    fn = common.steps(mamba_cp, args, args.lengths[0], "cuda", ("entry",))["entry", "fwdbwd"]
     fn()
     print("\n# torch host operations, us:", {k: round(v, 1) for k, v in torch_costs().items()})
     print(f"\n# each Triton launch of the entry's forward+backward at L={args.lengths[0]}, host us p50 "

@@ -14,25 +14,25 @@
                                          [--checkpointing none|layer|hf] [--optimizer none|adamw]
         One training step (forward+backward; with --optimizer adamw, AdamW's step too) of a
         GraniteMoeHybridForCausalLM of granite-4.0-h-tiny's size class (GRANITE_4_H_TINY: its
-        widths, heads, experts and layer pattern, cut to the first --layers of its 40 layers;
-        random init), bf16, batch 1, on one GPU: tokens/s, peak memory, and time per layer kind
-        (Mamba2, attention, MoE with its shared MLP, the rest), each kind timed alone,
-        forward+backward, on the inputs the model hands it, times its count; each also by its
-        kernels' GPU time (torch.profiler, one call), and the step by the GPU's busy time: eager,
-        a short call's wall time is its host's. Paths: "ours" (enable_cp in a world of one),
-        "transformers" (the model as transformers builds it: mamba_ssm's kernels where
-        importable, else its torch path; SDPA attention). Then, where --world > 1, the work of one rank at --world ranks of
-        --global-length tokens ("ours_rank_of_W"): each attention layer's keys and values are
-        what the all-gather returns (here the rank's own, repeated: the same arithmetic), the
-        Mamba2 mixers run in a world of one on the rank's tokens (the exchange of one state
-        summary and conv halo per layer not run), and the communication is modelled (K and V
-        all-gathered forward and reduce-scattered backward at --link-gbps). --checkpointing
-        recomputes each decoder layer in the backward as examples/train_cp.py does ("layer":
-        torch.utils.checkpoint around each layer's forward; "hf": transformers' switch, not
-        reentrant); --optimizer adamw adds AdamW's step and zero_grad to every step (its states
-        are in the parameters' dtype, bf16: a trainer with float32 master weights holds 8 bytes
-        more per parameter, over its FSDP2 shards). The step's time and peak memory include
-        them; the layer kinds are timed without them, so "rest" holds the recompute and AdamW.
+        widths, heads, experts and layer pattern, cut to the first --layers of its 40 layers; random
+        init), bf16, batch 1, on one GPU: tokens/s, peak memory, and time per layer kind (Mamba2,
+        attention, MoE with its shared MLP, the rest), each kind timed alone, forward+backward, on
+        the inputs the model hands it, times its count; each also by its kernels' GPU time
+        (torch.profiler, one call), and the step by the GPU's busy time: eager, a short call's wall
+        time is its host's. Paths: "ours" (enable_cp in a world of one), "transformers" (the model
+        as transformers builds it: mamba_ssm's kernels where importable, else its torch path; SDPA
+        attention). Then, where --world > 1, the work of one rank at --world ranks of
+        --global-length tokens ("ours_rank_of_W"): each attention layer's keys and values are what
+        the all-gather returns (here the rank's own, repeated: the same arithmetic), the Mamba2
+        mixers run in a world of one on the rank's tokens (the exchange of one state summary and
+        conv halo per layer not run), and the communication is modelled (K and V all-gathered
+        forward and reduce-scattered backward at --link-gbps). --checkpointing recomputes each
+        decoder layer in the backward as examples/train_cp.py does ("layer": torch.utils.checkpoint
+        around each layer's forward; "hf": transformers' switch, not reentrant); --optimizer adamw
+        adds AdamW's step and zero_grad to every step (its states are in the parameters' dtype,
+        bf16: a trainer with float32 master weights holds 8 bytes more per parameter, over its FSDP2
+        shards). The step's time and peak memory include them; the layer kinds are timed without
+        them, so "rest" holds the recompute and AdamW.
 
 Prints one `RESULT {json}` line per case and a table last.
 """

@@ -2866,7 +2866,7 @@ def _core_fake(o, xBC, dt, conv_weight, conv_bias, dt_bias, A, D, initial_states
     rows, s, conv_dim = xBC.shape
     h, p = dt.shape[2], o.headdim
     n = (conv_dim - h * p) // (2 * o.ngroups)
-    count = (2 if o.load_balancing == "virtual" else 1) * _world_of(o.group)
+    count = _per_row(o) * _world_of(o.group)
     f32 = dict(device=xBC.device, dtype=torch.float32)
     kept = [xBC.new_empty(0) for _ in range(5)]     # a single segment keeps nothing
     if count > 1:
@@ -2890,6 +2890,12 @@ def _core_agrees(o, tensors):
 
 
 CORE_OPS = _as_ops("core", METHOD, CoreOptions, _core_plan, 2, _core_fake, _core_agrees)
+
+
+def _per_row(o):
+    """Segments a row of the caller's tensors holds under options o (their computed layout): a
+    rank's two zigzag pieces under "virtual", else one."""
+    return 2 if o.load_balancing == "virtual" else 1
 
 
 def _rows(t, per_row):
@@ -2943,7 +2949,7 @@ def mamba_conv1d_ssd_cp(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_si
     else:
         def prepare():
             o = options()
-            return o, _core_plan(_segment_rows(call, 2 if o.load_balancing == "virtual" else 1), o, cp_group)
+            return o, _core_plan(_segment_rows(call, _per_row(o)), o, cp_group)
         key = _call_key(cp_group, *call, chunk_size, headdim, ngroups, load_balancing, dt_limit, return_final_states,
                         activation, state_dtype, summary_exchange)
         o, plan = _prepared(key, prepare, cp_group, world, ref, seq_idx, load_balancing,
@@ -2955,7 +2961,7 @@ def mamba_conv1d_ssd_cp(xBC, dt, conv_weight, conv_bias, dt_bias, A, D, chunk_si
         xBC, dt = _permute_op(xBC, o.group, load_balancing, True), _permute_op(dt, o.group, load_balancing, True)
         seq_idx = None if seq_idx is None else _permute_op(seq_idx.to(torch.int32), o.group, load_balancing, True)
         call = Call(xBC, dt, *call[2:8], seq_idx)
-    y, final = StatePassingFn.apply(steps, arg, *_segment_rows(call, 2 if o.load_balancing == "virtual" else 1))
+    y, final = StatePassingFn.apply(steps, arg, *_segment_rows(call, _per_row(o)))
     y = y.reshape(o.batch, -1, *y.shape[2:])                                     # the rows back to (b, l, h, p)
     if permuted:
         y = _permute_op(y, o.group, load_balancing, False)
@@ -3087,11 +3093,13 @@ class _GateNorm(NamedTuple):
         written into it again."""
         b, l, dim = y.shape
         gs, BG, BR = self.tiles(dim)
-        programs, warps, partials = tuning().gate_programs, 4, None
+        programs, warps = tuning().gate_programs, 4
         if self.norm:        # it holds several tiles of a row's group at once and sums each row twice
             BR, warps, programs, partials = tuning().norm_bwd
         n_blocks, n_cols = _cdiv(b * l, BR), _cdiv(dim, gs)
-        n_inner = max(1, _cdiv(n_blocks * n_cols, programs), _cdiv(n_blocks, partials or n_blocks))
+        n_inner = max(1, _cdiv(n_blocks * n_cols, programs))
+        if self.norm:        # at most `partials` rows of the weight's partial gradient
+            n_inner = max(n_inner, _cdiv(n_blocks, partials))
         n_row_progs = _cdiv(n_blocks, n_inner)
         dy = torch.empty(y.shape, device=y.device, dtype=y.dtype)
         dw_part = torch.empty((n_row_progs, dim), device=y.device, dtype=torch.float32) if self.norm else None
@@ -3415,7 +3423,7 @@ class _MixerPlan(NamedTuple):
 
 def _mixer_plan(tensors, o, group=None):
     m = MixerCall(*tensors)
-    per_row = 2 if o.load_balancing == "virtual" else 1
+    per_row = _per_row(o)
     xBC, dt = m.zxbcdt.split_with_sizes(o.widths, -1)[3:]
     core = _core_plan(Call(_rows(xBC, per_row), _rows(dt, per_row), *m[1:7], m.seq_idx),
                       CoreOptions(*o[:len(CoreOptions._fields)]), group)
@@ -3501,7 +3509,7 @@ def _mixer_backward(plan, grads, tensors, kept):
 def _mixer_fake(o, zxbcdt, conv_weight, conv_bias, dt_bias, A, D, initial_states, rmsnorm_weight, outproj_weight,
                 outproj_bias, seq_idx):
     b, l, _ = zxbcdt.shape
-    per_row = 2 if o.load_balancing == "virtual" else 1
+    per_row = _per_row(o)
     xBC, dt = (zxbcdt.new_empty((b * per_row, l // per_row, width)) for width in o.widths[3:])
     y, final, *kept = _core_fake(CoreOptions(*o[:len(CoreOptions._fields)]), xBC, dt, conv_weight, conv_bias, dt_bias,
                                  A, D, initial_states, seq_idx)
@@ -3615,7 +3623,7 @@ def mamba_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias
         seq_idx = seq_idx.to(torch.int32)
         if o.layout.startswith("permute") and world > 1:
             seq_idx = _permute_op(seq_idx, o.group, o.layout, True)
-        seq_idx = _rows(seq_idx, 2 if o.load_balancing == "virtual" else 1).contiguous()
+        seq_idx = _rows(seq_idx, _per_row(o)).contiguous()
     out, final = StatePassingFn.apply(steps, arg, zxbcdt, *m[1:10], seq_idx)
     return (out, final) if return_final_states else out
 

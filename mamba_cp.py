@@ -368,7 +368,9 @@ METHOD = Steps(_method_forward_step, _method_backward_step)
 # tokens, so the u of the d-1 tokens before (the window) and, backward, their partial du are
 # carried from step to step. A program walks one strip on a GPU, many side by side as one tile in
 # the interpreter (which pays per step). No atomics: dweight and dbias are per-program partial
-# sums, summed by torch in a fixed order. Offsets are int64.
+# sums, summed by torch in a fixed order. Offsets are int64. The conv is a pass of its own: the
+# chunk kernels load each x, B and C tile more than once (B and C per head), and a conv in their
+# loads, repeated for each, measured slower (README "The conv halo").
 # ---------------------------------------------------------------------------------------------
 
 # A conv kernel gathers its operands once into tuples: xs, u's two sources (the shard, then the

@@ -1825,6 +1825,17 @@ def test_conv_gpu_tiles(tuned):
     conv_check(inp, dout)
 
 
+def test_conv_documents_at_program_edges(tuned):
+    """Strips of 8 tokens, one a program, and documents that start where a program's reads
+    cross its edges: just before a forward strip (token 7: the window of the strip from 8),
+    just past a backward strip's last du token (30 and 21: the g it reads ahead), and inside
+    the halo: each program's own tokens are of one document, the tokens it reads are not."""
+    launch = mamba_cp.ConvLaunch(strips=1, channels=32, tokens=8, unroll=2, warps=1)
+    tuned(dataclasses.replace(mamba_cp.tuning(), conv_fwd=launch, conv_bwd=launch))
+    inp, dout = conv_inputs(CONV_SMALL._replace(seqlen=40), 7, halo=True, bias=True, starts=[[7, 30], [-2, 21]])
+    conv_check(inp, dout)
+
+
 def test_conv_deterministic(tuned):
     """Two calls, bitwise alike, with four runs a program and several programs a row. On a GPU
     programs run at once; in the interpreter, one at a time, this catches reads of memory that

@@ -664,9 +664,9 @@ def on_cpu(test):
                         f"here: {why}")
         node = os.environ["PYTEST_CURRENT_TEST"].rsplit(" (", 1)[0]
         env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1")
-        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", node], env=env,
-                             capture_output=True, text=True, timeout=900, cwd=os.path.dirname(os.path.abspath(__file__)))
-        assert run.returncode == 0, f"{node} without CUDA:\n{run.stdout[-4000:]}\n{run.stderr[-2000:]}"
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", node], env=env,
+                              capture_output=True, text=True, timeout=900, cwd=os.path.dirname(os.path.abspath(__file__)))
+        assert done.returncode == 0, f"{node} without CUDA:\n{done.stdout[-4000:]}\n{done.stderr[-2000:]}"
     return run
 
 

@@ -2197,10 +2197,13 @@ def _check_layout(load_balancing):
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _INTS = (torch.int32, torch.int64)
+_CPU_TENSORS_OK = INTERPRET     # the interpreter's kernels read CPU tensors, the GPU's cannot (tools/sass.py
+                                # compiles the GPU's from CPU tensors, launching nothing: it sets this)
 
 
 def _check_tensor(t, name, shape, ref, *, dtypes=None, allow_none=True):
-    """Shape (None entries are free), device of `ref`, floating dtype (or one of `dtypes`)."""
+    """Shape (None entries are free), device of `ref`, floating dtype (or one of `dtypes`); on a
+    device the kernels can read (with CUDA present they were compiled for the GPU)."""
     if t is None:
         _expect(allow_none, name, "None", "a tensor")
         return
@@ -2210,6 +2213,8 @@ def _check_tensor(t, name, shape, ref, *, dtypes=None, allow_none=True):
     ok = all(s is None or s == d for s, d in zip(shape, t.shape))
     _expect(ok, name, f"shape {tuple(t.shape)}", f"shape {tuple('*' if s is None else s for s in shape)}")
     _expect(t.device == ref.device, name, f"device {t.device}", f"device {ref.device} (like x)")
+    _expect(_CPU_TENSORS_OK or t.is_cuda, name, f"a tensor on {t.device}", "a CUDA tensor: mamba_cp compiled its kernels "
+            "for the GPU (for CPU tensors set TRITON_INTERPRET=1 before importing mamba_cp: Triton's interpreter)")
     if dtypes is None:
         _expect(t.is_floating_point(), name, f"dtype {t.dtype}", "a floating dtype")
     else:
@@ -3564,6 +3569,7 @@ def _split_widths(zxbcdt, conv1d_weight, A, D, headdim, ngroups):
 
 def _check_split_options(widths, activation, rmsnorm_weight, rmsnorm_eps, outproj_weight, outproj_bias, ngroups, ref):
     d_nonssm, _, dim = widths[:3]
+    _check_tensor(ref, "zxbcdt", (None, None, None), ref, dtypes=_FLOATS)
     _expect(activation in _ACTIVATIONS, "activation", repr(activation), f"one of {_ACTIVATIONS}")
     if rmsnorm_weight is not None:
         _check_tensor(rmsnorm_weight, "rmsnorm_weight", (dim,), ref)

@@ -664,8 +664,9 @@ def on_cpu(test):
                         f"here: {why}")
         node = os.environ["PYTEST_CURRENT_TEST"].rsplit(" (", 1)[0]
         env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1")
+        here = os.path.dirname(os.path.abspath(__file__))
         done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", node], env=env,
-                              capture_output=True, text=True, timeout=900, cwd=os.path.dirname(os.path.abspath(__file__)))
+                              capture_output=True, text=True, timeout=900, cwd=here)
         assert done.returncode == 0, f"{node} without CUDA:\n{done.stdout[-4000:]}\n{done.stderr[-2000:]}"
     return run
 
@@ -1288,11 +1289,12 @@ def test_varlen_states_have_no_backward():
 # ---------------------------------------------------------------------------------------------
 
 def _bad_cases():
-    drawn = ssd_inputs(Shape(batch=1, seqlen=20, nheads=4, headdim=8, ngroups=2, dstate=8, chunk=16), 8, device="cpu",
+    drawn = ssd_inputs(Shape(batch=1, seqlen=20, nheads=4, headdim=8, ngroups=2, dstate=8, chunk=16), 8, device=DEVICE,
                        D="h", z=True, dt_bias=True, initial_states=True)
     ok = {k: v for k, v in drawn.items() if k not in ("D", "z", "dt_bias", "initial_states")}
     x, B = ok["x"], ok["B"]
-    seq = torch.tensor([[0] * 8 + [1] * 12], dtype=torch.int32)        # documents [0, 8) and [8, 20)
+    on = functools.partial(torch.tensor, device=DEVICE)     # where the kernels run: each case bad one way only
+    seq = on([[0] * 8 + [1] * 12], dtype=torch.int32)               # documents [0, 8) and [8, 20)
     return {
         "x_rank": ("x", dict(x=x[0])),
         "dt_shape": ("dt", dict(dt=ok["dt"][:, :10])),
@@ -1304,23 +1306,23 @@ def _bad_cases():
         "z_shape": ("z", dict(z=drawn["z"][..., :7])),                                        # (1, 20, 4, 7)
         "dt_bias_shape": ("dt_bias", dict(dt_bias=drawn["dt_bias"][:, None])),                # (4, 1)
         "init_shape": ("initial_states", dict(initial_states=F.pad(drawn["initial_states"], (0, 1)))),  # n = 9
-        "seq_float": ("seq_idx", dict(seq_idx=torch.zeros(1, 20))),
-        "seq_decreasing": ("seq_idx", dict(seq_idx=torch.tensor([[1] * 10 + [0] * 10], dtype=torch.int32))),
+        "seq_float": ("seq_idx", dict(seq_idx=torch.zeros(1, 20, device=DEVICE))),
+        "seq_decreasing": ("seq_idx", dict(seq_idx=on([[1] * 10 + [0] * 10], dtype=torch.int32))),
         "chunk_not_pow2": ("chunk_size", dict(chunk_size=48)),
         "chunk_small": ("chunk_size", dict(chunk_size=8)),
         "dtype_mismatch": ("B", dict(B=B.double())),
         "device_mismatch": ("A", dict(A=ok["A"].to("meta"))),
         "state_dtype": ("state_dtype", dict(state_dtype=torch.float64)),
         "varlen_without_cu_seqlens": ("cu_seqlens", dict(return_varlen_states=True)),
-        "cu_seqlens_without_seq_idx": ("seq_idx", dict(cu_seqlens=torch.tensor([0, 8, 20]))),
-        "cu_seqlens_float": ("cu_seqlens", dict(seq_idx=seq, cu_seqlens=torch.tensor([0.0, 8.0, 20.0]))),
-        "cu_seqlens_not_increasing": ("cu_seqlens", dict(seq_idx=seq, cu_seqlens=torch.tensor([0, 8, 8, 20]))),
-        "cu_seqlens_not_ending_at_L": ("cu_seqlens", dict(seq_idx=seq, cu_seqlens=torch.tensor([0, 8, 19]))),
-        "cu_seqlens_disagree_with_seq_idx": ("cu_seqlens", dict(seq_idx=seq, cu_seqlens=torch.tensor([0, 9, 20]),
+        "cu_seqlens_without_seq_idx": ("seq_idx", dict(cu_seqlens=on([0, 8, 20]))),
+        "cu_seqlens_float": ("cu_seqlens", dict(seq_idx=seq, cu_seqlens=on([0.0, 8.0, 20.0]))),
+        "cu_seqlens_not_increasing": ("cu_seqlens", dict(seq_idx=seq, cu_seqlens=on([0, 8, 8, 20]))),
+        "cu_seqlens_not_ending_at_L": ("cu_seqlens", dict(seq_idx=seq, cu_seqlens=on([0, 8, 19]))),
+        "cu_seqlens_disagree_with_seq_idx": ("cu_seqlens", dict(seq_idx=seq, cu_seqlens=on([0, 9, 20]),
                                                                 return_varlen_states=True)),
         "cu_seqlens_batch_2": ("x", dict(x=torch.cat([x, x]), dt=torch.cat([ok["dt"]] * 2),
                                          B=torch.cat([B, B]), C=torch.cat([ok["C"]] * 2),
-                                         seq_idx=torch.cat([seq, seq]), cu_seqlens=torch.tensor([0, 8, 20]))),
+                                         seq_idx=torch.cat([seq, seq]), cu_seqlens=on([0, 8, 20]))),
     }, ok
 
 
@@ -1340,6 +1342,28 @@ def test_bad_input_raises(case):
     name, change = cases[case]
     with pytest.raises(ValueError, match=rf"^{name}: got .*, expected "):
         mamba_cp.mamba_chunk_scan_combined(**{**ok, **change})
+
+
+def test_cpu_tensors_refused_where_kernels_are_for_the_gpu(monkeypatch):
+    """With CUDA present mamba_cp compiles its kernels for the GPU, which cannot read CPU tensors:
+    each entry refuses them with a ValueError naming its first tensor and the way to the
+    interpreter (here the module is told it compiled for the GPU; shapes no other test uses, so
+    that no signature's checks were passed before)."""
+    monkeypatch.setattr(mamba_cp, "_CPU_TENSORS_OK", False)
+    fix = r": got a tensor on cpu, expected a CUDA tensor: .*TRITON_INTERPRET=1"
+    ssd = ssd_inputs(Shape(batch=1, seqlen=21, nheads=2, headdim=8, ngroups=1, dstate=8, chunk=16), 9, device="cpu")
+    with pytest.raises(ValueError, match="^x" + fix):
+        mamba_cp.mamba_chunk_scan_combined(**ssd)
+    inp, _ = conv_inputs(CONV_SMALL._replace(seqlen=11), halo=False, bias=True, starts=None)
+    with pytest.raises(ValueError, match="^xBC" + fix):
+        mamba_cp.conv1d_fwd(**{k: v.cpu() if torch.is_tensor(v) else v for k, v in inp.items()})
+    shape = SPLIT_SMALL._replace(seqlen=19)
+    full, opts = fused_inputs(shape, 0, device="cpu")
+    with pytest.raises(ValueError, match="^xBC" + fix):
+        mamba_cp.mamba_conv1d_ssd_cp(**full, **opts)
+    split, opts = split_inputs(shape, 0, norm=True, device="cpu")
+    with pytest.raises(ValueError, match="^zxbcdt" + fix):
+        mamba_cp.mamba_split_conv1d_scan_combined(**split, **opts)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -42,6 +42,8 @@ class CompileOnly:
         self.target, self.compiled = GPUTarget("cuda", arch, 32), {}
         # the modules' launchers, and whether each launched directly (older revisions have none)
         self.launched = [(m._Launched, m._Launched.direct) for m in modules if hasattr(m, "_Launched")]
+        # and whether each takes CPU tensors (its checks refuse them for GPU kernels, but nothing launches here)
+        self.cpu_ok = [(m, m._CPU_TENSORS_OK) for m in modules if hasattr(m, "_CPU_TENSORS_OK")]
 
     def get_current_target(self):
         return self.target
@@ -68,6 +70,8 @@ class CompileOnly:
         JITFunction.run = compile_only
         for launched, _ in self.launched:      # every launch through JITFunction.run
             launched.direct = False
+        for m, _ in self.cpu_ok:
+            m._CPU_TENSORS_OK = True
         return self
 
     def __exit__(self, *exc):
@@ -76,6 +80,8 @@ class CompileOnly:
         JITFunction.run = self.run
         for launched, direct in self.launched:
             launched.direct = direct
+        for m, ok in self.cpu_ok:
+            m._CPU_TENSORS_OK = ok
         try:
             driver.reset_active()
         except RuntimeError:        # a machine without a GPU driver has no default to go back to

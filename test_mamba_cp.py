@@ -517,8 +517,10 @@ def shard_errors(outputs, final, grads, g_ref, per_token, rank, world, group, la
 
 
 def split_case_errors(case, rank, world, group, device):
-    """Relative RMS errors of one mamba_split_conv1d_scan_combined case on this rank."""
+    """Relative RMS errors of one mamba_split_conv1d_scan_combined case on this rank (case "path":
+    a function with its signature in its place)."""
     full, opts = case_inputs(case, world, split_inputs, device)
+    entry = case.get("path", mamba_cp.mamba_split_conv1d_scan_combined)
     layout = case["layout"]
     per_token = ("zxbcdt", "seq_idx")
     leaves = {k: full[k].detach().clone().requires_grad_(True) for k in SPLIT_LEAVES if full[k] is not None}
@@ -536,7 +538,7 @@ def split_case_errors(case, rank, world, group, device):
     local = {k: mamba_cp.shard(v, rank, world, layout) if k in per_token and v is not None else v
              for k, v in full.items()}
     mine = {k: local[k].detach().clone().requires_grad_(True) for k in leaves}
-    out, f = mamba_cp.mamba_split_conv1d_scan_combined(
+    out, f = entry(
         **{**local, **mine}, **opts, return_final_states=True, cp_group=group, load_balancing=layout,
         summary_exchange=case.get("exchange", "auto"))
     w = mamba_cp.shard(w_full, rank, world, layout)
@@ -2015,6 +2017,31 @@ SPLIT_OPTIONS = {
 @pytest.mark.parametrize("name", list(SPLIT_OPTIONS))
 def test_split_conv1d_scan_single_device(name):
     errs = split_case_errors(dict(shape=SPLIT_SMALL, layout="none", seed=1) | SPLIT_OPTIONS[name], 0, 1, None, DEVICE)
+    expect({name: errs}, FP32_BOUND)
+
+
+def graphed_by_torch(**call):
+    """mamba_split_conv1d_scan_combined(**call) as a trainer runs a layer it graphed with
+    torch.cuda.make_graphed_callables (README "CUDA graphs"): captured, after torch's eager
+    warm-up calls, on copies of the tensors, then replayed with the call's own (so their values
+    are copied in, and the gradients flow back to them)."""
+    names = [k for k, v in call.items() if isinstance(v, torch.Tensor)]
+    options = {k: v for k, v in call.items() if k not in names}
+
+    def layer(*tensors):
+        return tuple(mamba_cp.mamba_split_conv1d_scan_combined(**dict(zip(names, tensors)), **options))
+
+    copies = tuple(call[k].detach().clone().requires_grad_(call[k].requires_grad) for k in names)
+    return torch.cuda.make_graphed_callables(layer, copies)(*(call[k] for k in names))
+
+
+@gpu
+@pytest.mark.parametrize("name", ["gate", "outproj_bias_documents"])
+def test_split_graphed_by_torch_gpu(name):
+    """The mixer entry inside torch.cuda.make_graphed_callables: the replays, fed new inputs,
+    match the oracle, gradients included."""
+    errs = split_case_errors(dict(shape=SPLIT_SMALL, layout="none", seed=8, path=graphed_by_torch)
+                             | SPLIT_OPTIONS[name], 0, 1, None, DEVICE)
     expect({name: errs}, FP32_BOUND)
 
 

@@ -12,8 +12,7 @@ forward and forward+backward, beside the copy floor: one device copy of the byte
 must move (x, B, C, dt read, y written); a copy reads and writes each byte, so the memory floor
 is half of it. (3) In a world of one (one rank's work): mamba_conv1d_ssd_cp, conv included,
 against the unfused layer (conv1d, then the SSD) and the SSD alone; the mixer entry
-mamba_split_conv1d_scan_combined with the z gate against the core followed by the gate in torch,
-and (GPU) the same entry as a layer graphed by torch.cuda.make_graphed_callables, called eagerly.
+mamba_split_conv1d_scan_combined with the z gate against the core followed by the gate in torch.
 
 torchrun: forward+backward of conv1d + SSD + exchanges at each global length (L/W tokens a rank,
 L divisible by 2W) on each path: a2a (mamba_conv1d_ssd_a2a, the head-parallel baseline, fed the
@@ -272,34 +271,6 @@ def unfused_call(t, args, group=None):
     return ssd_call(dict(t, x=x, B=B, C=C), args)
 
 
-class LayerInputs(dict):
-    """A call's leaves, and `layer`: the entry on tensors like them, graphed by torch."""
-
-
-def make_graphed_layer(args, L):
-    """make_gated_local's inputs, and the entry as a trainer graphs its layer with
-    torch.cuda.make_graphed_callables: captured on copies of them, so that each call copies its
-    inputs into the graphs' own, as a step's new activations would be (README "CUDA graphs")."""
-    leaves, grad = make_gated_local(args, L)
-    names = list(leaves)
-
-    def layer(*tensors):
-        return entry_call(dict(zip(names, tensors)), args)
-
-    t = LayerInputs(leaves)
-    free()
-    before = torch.cuda.memory_reserved()
-    t.layer = torch.cuda.make_graphed_callables(layer, tuple(v.detach().clone().requires_grad_(True)
-                                                              for v in leaves.values()))
-    free()                      # the graphs' memory pool stays reserved: what they hold
-    t.held_mib = (torch.cuda.memory_reserved() - before) / MIB
-    return t, grad
-
-
-def layer_call(t, args, group=None):
-    return t.layer(*t.values())
-
-
 def make_steps(call, leaves, grad, args, group=None):
     """(forward under no_grad, forward+backward by autograd.grad into every leaf) as closures."""
     def fwd():
@@ -433,25 +404,20 @@ LOCAL_CALLS = (
     ("split", "mamba_split_conv1d_scan_combined on zxbcdt, z gate", make_gated_local, entry_call),
     ("core_gate", "mamba_conv1d_ssd_cp on a contiguous xBC, then y * silu(z) in torch",
      functools.partial(make_gated_local, separate=True), core_gate_call),
-    ("split_layer", "the same graphed by torch.cuda.make_graphed_callables, called eagerly (inputs copied in)",
-     make_graphed_layer, layer_call),
 )
-LOCAL_RATIOS = (("cp", "unfused"), ("unfused", "ssd"), ("cp", "ssd"), ("split", "core_gate"), ("split_layer", "split"))
-GRAPHED_BY_TORCH = ("split_layer",)    # GPU only; no graph of its own; in place of a peak, what its graphs hold
+LOCAL_RATIOS = (("cp", "unfused"), ("unfused", "ssd"), ("cp", "ssd"), ("split", "core_gate"))
 
 
 def measure_call(name, call, inputs, args, graph_errors):
     """(eager ms, graph ms, peak MiB) of call on inputs: forward+backward, or the forward with
-    --fwd-only. The peak is taken before the graph exists: its memory pool would count. A layer
-    graphed by torch has no graph of its own, and in place of a peak the memory its graphs hold."""
+    --fwd-only. The peak is taken before the graph exists: its memory pool would count."""
     fwd, fwdbwd = make_steps(call, *inputs, args)
     step = fwd if args.fwd_only else fwdbwd
     ms = p50_ms(step, args.iters, args.warmup)
     if not CUDA:
         return ms, None, None
-    if name in GRAPHED_BY_TORCH:
-        return ms, None, inputs[0].held_mib
-    return ms, None if args.no_graph else graph_ms(name, step, args, graph_errors), peak_mib(step)[0]
+    peak = peak_mib(step)[0]
+    return ms, None if args.no_graph else graph_ms(name, step, args, graph_errors), peak
 
 
 def bench_local(args, L, sweep):
@@ -463,9 +429,6 @@ def bench_local(args, L, sweep):
     same = [s for s in sweep if s["L"] == L and s[f"{phase}_ms"] is not None]
     for name, what, make, call in LOCAL_CALLS:
         keys = (f"{name}_ms", f"{name}_graph_ms", f"{name}_peak_mib")
-        if name in GRAPHED_BY_TORCH and not CUDA:
-            r.update(dict.fromkeys(keys))
-            continue
         if name == "ssd" and same:
             r.update(zip(keys, (same[0][f"{phase}_ms"], same[0][f"{phase}_graph_ms"], same[0]["peak_mib"])))
             r["ssd_source"] = "the SSD above"
@@ -490,8 +453,7 @@ def human_local(r):
     for name, what, _, _ in LOCAL_CALLS:
         source = f" [{r['ssd_source']}]" if name == "ssd" else ""
         out.append(f"  {fmt(r[f'{name}_ms']):>10}{graphed(r[f'{name}_graph_ms'])}  {what}{source}"
-                   + (f", {'its graphs hold' if name in GRAPHED_BY_TORCH else 'peak'} "
-                      f"{fmt(r[f'{name}_peak_mib'], '.0f', ' MiB')}" if CUDA else ""))
+                   + (f", peak {fmt(r[f'{name}_peak_mib'], '.0f', ' MiB')}" if CUDA else ""))
     out.append("  " + ", ".join(f"{a} / {b} {fmt(r[f'{a}_over_{b}'], '.2f', 'x')}"
                                 f"{graphed(r[f'{a}_over_{b}_graph'], '.2f', 'x')}" for a, b in LOCAL_RATIOS))
     out += [f"  [{k}: {r[k]}]" for k in ("error", "graph_error") if r[k]]

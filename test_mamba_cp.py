@@ -2020,11 +2020,12 @@ def test_split_conv1d_scan_single_device(name):
     expect({name: errs}, FP32_BOUND)
 
 
-def graphed_by_torch(**call):
+def graphed_by_torch(checkpointed=False, **call):
     """mamba_split_conv1d_scan_combined(**call) as a trainer runs a layer it graphed with
     torch.cuda.make_graphed_callables (README "CUDA graphs"): captured, after torch's eager
     warm-up calls, on copies of the tensors, then replayed with the call's own (so their values
-    are copied in, and the gradients flow back to them)."""
+    are copied in, and the gradients flow back to them); checkpointed: inside torch.utils.checkpoint
+    (not reentrant), as examples/train_cp.py wraps each decoder layer."""
     names = [k for k, v in call.items() if isinstance(v, torch.Tensor)]
     options = {k: v for k, v in call.items() if k not in names}
 
@@ -2032,17 +2033,22 @@ def graphed_by_torch(**call):
         return tuple(mamba_cp.mamba_split_conv1d_scan_combined(**dict(zip(names, tensors)), **options))
 
     copies = tuple(call[k].detach().clone().requires_grad_(call[k].requires_grad) for k in names)
-    return torch.cuda.make_graphed_callables(layer, copies)(*(call[k] for k in names))
+    graphed, tensors = torch.cuda.make_graphed_callables(layer, copies), [call[k] for k in names]
+    if checkpointed:
+        return torch.utils.checkpoint.checkpoint(graphed, *tensors, use_reentrant=False)
+    return graphed(*tensors)
 
 
 @gpu
+@pytest.mark.parametrize("checkpointed", [False, True])
 @pytest.mark.parametrize("name", ["gate", "outproj_bias_documents"])
-def test_split_graphed_by_torch_gpu(name):
-    """The mixer entry inside torch.cuda.make_graphed_callables: the replays, fed new inputs,
-    match the oracle, gradients included."""
-    errs = split_case_errors(dict(shape=SPLIT_SMALL, layout="none", seed=8, path=graphed_by_torch)
-                             | SPLIT_OPTIONS[name], 0, 1, None, DEVICE)
-    expect({name: errs}, FP32_BOUND)
+def test_split_graphed_by_torch_gpu(name, checkpointed):
+    """The mixer entry inside torch.cuda.make_graphed_callables, with and without activation
+    checkpointing around it: the replays, fed new inputs, match the oracle, gradients included."""
+    path = functools.partial(graphed_by_torch, checkpointed=checkpointed)
+    errs = split_case_errors(dict(shape=SPLIT_SMALL, layout="none", seed=8, path=path) | SPLIT_OPTIONS[name],
+                             0, 1, None, DEVICE)
+    expect({f"{name}, checkpointed {checkpointed}": errs}, FP32_BOUND)
 
 
 @pytest.mark.parametrize("launch", [dict(programs=2), dict(partials=3)])

@@ -107,7 +107,7 @@ def _interpreter_patches_language_once():
 
 def _interpreter_remembers_types():
     """A third of an interpreted forward and backward's time, saved (the CP tests' case "virtual
-    all options" in a world of one: 10.9 to 7.4 s on 2 cores), with what the kernels compute
+    all options" in a world of one: 10.9 to 7.0 s on 2 cores), with what the kernels compute
     unchanged, bit for bit. The Triton interpreter runs every operation of a kernel through
     Triton's front end, which describes each value it makes anew: its block type (shape checked,
     name formatted), the tensor's shape as constexprs, and its NumPy dtype (a dict of every dtype

@@ -16,20 +16,12 @@ A developer instrument (the project never imports it). It needs CUDA.
 """
 
 import argparse
-import gc
 
 import common
 import mamba_cp
 import torch
 from against import taking_turns
-
-MIB = 2 ** 20
-
-
-def free():
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
+from bench import MIB, free     # free: collect, synchronize, empty the cache
 
 
 def main():

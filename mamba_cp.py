@@ -367,7 +367,10 @@ METHOD = Steps(_method_forward_step, _method_backward_step)
 # Both kernels walk the tokens in order, one per step: a register tile cannot be shifted by
 # tokens, so the u of the d-1 tokens before (the window) and, backward, their partial du are
 # carried from step to step. A program walks one strip on a GPU, many side by side as one tile in
-# the interpreter (which pays per step). No atomics: dweight and dbias are per-program partial
+# the interpreter (which pays per step). On a GPU a step is bound by the instructions it issues,
+# not its bytes, so: only a strip's first steps can reach the halo, and they run apart, so that
+# the rest load neither the halo nor its ids; and each tap's document mask is applied once, to the
+# window, whose masked taps serve the pre-activation and, backward, dweight. No atomics: dweight and dbias are per-program partial
 # sums, summed by torch in a fixed order. Offsets are int64. The conv is a pass of its own: the
 # chunk kernels load each x, B and C tile more than once (B and C per head), and a conv in their
 # loads, repeated for each, measured slower (README "The conv halo").
@@ -428,15 +431,24 @@ def _u_at(xs, t, mask_c, seqlen, HALO: tl.constexpr, HAS_HALO: tl.constexpr):
 
 
 @triton.jit
-def _preact(w, bias, win, docs, u, doc, TAPS: tl.constexpr, HAS_SEQ: tl.constexpr):
-    """Pre-activation (M, BC) of tokens t: bias + sum_k w_k u[t-(TAPS-1)+k], from the window
-    (u and ids of tokens t-TAPS+1 .. t-1) and token t itself; a tap from another document dropped."""
+def _in_document(vs, docs, doc, HAS_SEQ: tl.constexpr):
+    """vs (TAPS-1 (M, BC) tiles, one a window token) with those of a token of another document
+    than token t (docs, their ids; doc, t's) zeroed."""
+    if not HAS_SEQ:
+        return vs
+    out = ()
+    for k in tl.static_range(len(vs)):
+        out = out + (tl.where((docs[k] == doc)[:, None], vs[k], 0.0),)
+    return out
+
+
+@triton.jit
+def _preact(w, bias, taps, u, TAPS: tl.constexpr):
+    """Pre-activation (M, BC) of tokens t: bias + sum_k w_k u[t-(TAPS-1)+k], from the taps (u of
+    tokens t-TAPS+1 .. t-1, those of another document zeroed) and token t itself."""
     acc = bias[None, :] + w[TAPS - 1] * u
     for k in tl.static_range(TAPS - 1):
-        uk = win[k]
-        if HAS_SEQ:
-            uk = tl.where((docs[k] == doc)[:, None], uk, 0.0)
-        acc += w[k] * uk
+        acc += w[k] * taps[k]
     return acc
 
 
@@ -452,6 +464,29 @@ def _sigmoid(p, FAST: tl.constexpr):
     return tl.sigmoid(p)
 
 
+@triton.jit
+def _conv_fwd_steps(i0, win, docs, first, xs, w, bias, seqs, mask_c, o_row0, o_col, stride_o_l, seqlen, S,
+                    TAPS: tl.constexpr, U: tl.constexpr, HAS_HALO: tl.constexpr, HAS_SEQ: tl.constexpr,
+                    HAS_HALO_SEQ: tl.constexpr, SILU: tl.constexpr, FAST: tl.constexpr):
+    """U steps from token first + i0 of each strip: their u loaded first, then each convolved with
+    the window. Returns the window (u and ids of the TAPS-1 tokens last convolved)."""
+    ahead = ()
+    for k in tl.static_range(U):
+        t = first + (i0 + k)
+        doc = _doc(seqs, t, seqlen, TAPS - 1, HAS_HALO_SEQ) if HAS_SEQ else t.to(tl.int64)
+        ahead = ahead + ((_u_at(xs, t, mask_c, seqlen, TAPS - 1, HAS_HALO), doc),)
+    for k in tl.static_range(U):
+        t = first + (i0 + k)
+        u, doc = ahead[k]
+        p = _preact(w, bias, _in_document(win, docs, doc, HAS_SEQ), u, TAPS)   # (M, BC)
+        out = p * _sigmoid(p, FAST) if SILU else p
+        tl.store(o_row0 + t.to(tl.int64)[:, None] * stride_o_l + o_col[None, :], out.to(o_row0.dtype.element_ty),
+                 mask=((t >= first) & (t < first + S) & (t < seqlen))[:, None] & mask_c[None, :])
+        win = win[1:] + (u,)
+        docs = docs[1:] + (doc,)
+    return win, docs
+
+
 @_Launched
 @triton.jit
 def _conv_fwd_kernel(
@@ -463,7 +498,9 @@ def _conv_fwd_kernel(
 ):
     """M strips of S output tokens each (this program's), BC channels, one batch row: out =
     silu(pre-activation), or the pre-activation itself without SILU. A step loads U tokens of
-    every strip, then convolves them one by one with the window of the d-1 tokens before."""
+    every strip, then convolves them one by one with the window of the d-1 tokens before. Only
+    the first steps can reach a token before the shard (the halo's): they run apart, so that the
+    rest load neither the halo nor its ids."""
     bb, offs_c, mask_c, xs, w, bias, seqs = _conv_program(
         x_ptr, stride_x, halo_ptr, stride_h, w_ptr, stride_w, bias_ptr, stride_bias, seq_ptr, stride_s, hseq_ptr,
         stride_hs, dim, BC, TAPS, HAS_BIAS)
@@ -471,21 +508,14 @@ def _conv_fwd_kernel(
     first = (tl.program_id(0) * M + tl.arange(0, M)) * S       # (M,) each strip's first token
     win = (tl.zeros((M, BC), dtype=tl.float32),) * (TAPS - 1)  # u of the TAPS-1 tokens before
     docs = (tl.full((M,), -1, tl.int64),) * (TAPS - 1)           # and their documents
-    for i0 in range(-(TAPS - 1), S, U):     # the first TAPS-1 steps only fill the window
-        ahead = ()
-        for k in tl.static_range(U):
-            t = first + (i0 + k)
-            doc = _doc(seqs, t, seqlen, TAPS - 1, HAS_HALO_SEQ) if HAS_SEQ else t.to(tl.int64)
-            ahead = ahead + ((_u_at(xs, t, mask_c, seqlen, TAPS - 1, HAS_HALO), doc),)
-        for k in tl.static_range(U):
-            t = first + (i0 + k)
-            u, doc = ahead[k]
-            p = _preact(w, bias, win, docs, u, doc, TAPS, HAS_SEQ)              # (M, BC)
-            out = p * _sigmoid(p, FAST) if SILU else p
-            tl.store(o_row0 + t.to(tl.int64)[:, None] * stride_o.l + o_col[None, :], out.to(out_ptr.dtype.element_ty),
-                     mask=((t >= first) & (t < first + S) & (t < seqlen))[:, None] & mask_c[None, :])
-            win = win[1:] + (u,)
-            docs = docs[1:] + (doc,)
+    # the steps up to the last that reads a halo token (t < 0); the first TAPS-1 only fill the window
+    HALO_STEPS: tl.constexpr = U * ((TAPS - 1 + U - 1) // U) if HAS_HALO else 0
+    for i0 in tl.static_range(-(TAPS - 1), -(TAPS - 1) + HALO_STEPS, U):
+        win, docs = _conv_fwd_steps(i0, win, docs, first, xs, w, bias, seqs, mask_c, o_row0, o_col, stride_o.l,
+                                    seqlen, S, TAPS, U, HAS_HALO, HAS_SEQ, HAS_HALO_SEQ, SILU, FAST)
+    for i0 in range(-(TAPS - 1) + HALO_STEPS, S, U):
+        win, docs = _conv_fwd_steps(i0, win, docs, first, xs, w, bias, seqs, mask_c, o_row0, o_col, stride_o.l,
+                                    seqlen, S, TAPS, U, False, HAS_SEQ, False, SILU, FAST)
 
 
 @functools.lru_cache(maxsize=None)
@@ -520,6 +550,57 @@ def _conv1d_fwd(xBC, weight, bias=None, halo=None, seq_idx=None, halo_seq=None, 
     return out
 
 
+@triton.jit
+def _conv_bwd_steps(i0, win, docs, part, dw, db, first, xs, w, bias, seqs, mask_c, do_row0, do_col, stride_do_l,
+                    dx_row0, dx_col, stride_dx_l, dhalo_ptr, bb, offs_c, dim, seqlen, S,
+                    TAPS: tl.constexpr, U: tl.constexpr, HAS_HALO: tl.constexpr, HAS_SEQ: tl.constexpr,
+                    HAS_HALO_SEQ: tl.constexpr, NEED_DHALO: tl.constexpr, SILU: tl.constexpr, FAST: tl.constexpr):
+    """U steps from token first + i0 of each strip: their dout and u loaded first, then each
+    step's g handed to the du of the tokens before it. Returns what the steps carry: the window,
+    the partial du, and the partial dweight and dbias."""
+    ahead = ()
+    for k in tl.static_range(U):
+        t = first + (i0 + k)
+        has_g = (t >= first) & (t >= 0) & (t < seqlen)      # g = 0 off [0, seqlen) and before the window fills
+        do = tl.load(do_row0 + t.to(tl.int64)[:, None] * stride_do_l + do_col[None, :],
+                     mask=has_g[:, None] & mask_c[None, :], other=0.0)
+        doc = _doc(seqs, t, seqlen, TAPS - 1, HAS_HALO_SEQ) if HAS_SEQ else t.to(tl.int64)
+        ahead = ahead + ((_u_at(xs, t, mask_c, seqlen, TAPS - 1, HAS_HALO), do, doc),)
+    for k in tl.static_range(U):
+        t = first + (i0 + k)
+        u, do, doc = ahead[k]
+        taps = _in_document(win, docs, doc, HAS_SEQ)
+        g = do.to(tl.float32)
+        if SILU:
+            p = _preact(w, bias, taps, u, TAPS)
+            sig = _sigmoid(p, FAST)
+            g = g * sig * (1.0 + p * (1.0 - sig))     # silu'(p) = sig(p) (1 + p (1 - sig(p)))
+        # g[t]'s share of du at token t-TAPS+1+j (weight j): zero across a document boundary
+        share = _in_document((g,) * (TAPS - 1), docs, doc, HAS_SEQ)
+        s = t - (TAPS - 1)                                  # the du token g[t] completes
+        du = part[0] + w[0] * share[0]
+        keep = (s >= first) & (s < first + S) & (s < seqlen)
+        tl.store(dx_row0 + s.to(tl.int64)[:, None] * stride_dx_l + dx_col[None, :], du.to(dx_row0.dtype.element_ty),
+                 mask=(keep & (s >= 0))[:, None] & mask_c[None, :])
+        if NEED_DHALO:
+            tl.store(dhalo_ptr + (bb * (TAPS - 1) + s.to(tl.int64) + (TAPS - 1))[:, None] * dim + offs_c[None, :],
+                     du, mask=(keep & (s < 0))[:, None] & mask_c[None, :])
+        nxt = ()
+        for j in tl.static_range(1, TAPS - 1):
+            nxt = nxt + (part[j] + w[j] * share[j],)
+        part = nxt + (w[TAPS - 1] * g,)
+        # dweight and dbias count the g tokens this strip owns: one select, then FMAs
+        g_own = tl.where(((t >= first) & (t < first + S))[:, None], g, 0.0)
+        sums = ()
+        for j in tl.static_range(TAPS - 1):                # the taps' masks are g's
+            sums = sums + (dw[j] + taps[j] * g_own,)
+        dw = sums + (dw[TAPS - 1] + u * g_own,)
+        db += g_own
+        win = win[1:] + (u,)
+        docs = docs[1:] + (doc,)
+    return win, docs, part, dw, db
+
+
 @_Launched
 @triton.jit
 def _conv_bwd_kernel(
@@ -534,7 +615,8 @@ def _conv_bwd_kernel(
     with a halo), BC channels, one batch row: du per token (into dx, or dhalo for s < 0), and the
     dweight, dbias of the g tokens it owns in this program's partial rows. Step t computes g[t]
     and hands its share to the du of tokens t-TAPS+1 .. t (`part`), the oldest then complete; a
-    strip's steps run from TAPS-1 tokens before its first du token to TAPS-1 past its last."""
+    strip's steps run from TAPS-1 tokens before its first du token to TAPS-1 past its last. As
+    forward, the first steps, which alone can reach the halo, run apart from the rest."""
     bb, offs_c, mask_c, xs, w, bias, seqs = _conv_program(
         x_ptr, stride_x, halo_ptr, stride_h, w_ptr, stride_w, bias_ptr, stride_bias, seq_ptr, stride_s, hseq_ptr,
         stride_hs, dim, BC, TAPS, HAS_BIAS)
@@ -548,50 +630,18 @@ def _conv_bwd_kernel(
     part = (zero,) * (TAPS - 1)                         # du of tokens t-TAPS+1 .. t-1, so far
     dw = (zero,) * TAPS                                 # dweight per tap, per strip
     db = zero
-    for i0 in range(-(TAPS - 1), S + TAPS - 1, U):
-        ahead = ()
-        for k in tl.static_range(U):
-            t = first + (i0 + k)
-            has_g = (t >= first) & (t >= 0) & (t < seqlen)      # g = 0 off [0, seqlen) and before the window fills
-            do = tl.load(do_row0 + t.to(tl.int64)[:, None] * stride_do.l + do_col[None, :],
-                         mask=has_g[:, None] & mask_c[None, :], other=0.0)
-            doc = _doc(seqs, t, seqlen, TAPS - 1, HAS_HALO_SEQ) if HAS_SEQ else t.to(tl.int64)
-            ahead = ahead + ((_u_at(xs, t, mask_c, seqlen, TAPS - 1, HAS_HALO), do, doc),)
-        for k in tl.static_range(U):
-            t = first + (i0 + k)
-            u, do, doc = ahead[k]
-            g = do.to(tl.float32)
-            if SILU:
-                p = _preact(w, bias, win, docs, u, doc, TAPS, HAS_SEQ)
-                sig = _sigmoid(p, FAST)
-                g = g * sig * (1.0 + p * (1.0 - sig))     # silu'(p) = sig(p) (1 + p (1 - sig(p)))
-            # g[t]'s share of du at token t-TAPS+1+j (weight j): zero across a document boundary
-            share = ()
-            for j in tl.static_range(TAPS - 1):
-                gj = tl.where((docs[j] == doc)[:, None], g, 0.0) if HAS_SEQ else g
-                share = share + (gj,)
-            s = t - (TAPS - 1)                                  # the du token g[t] completes
-            du = part[0] + w[0] * share[0]
-            keep = (s >= first) & (s < first + S) & (s < seqlen)
-            tl.store(dx_row0 + s.to(tl.int64)[:, None] * stride_dx.l + dx_col[None, :], du.to(dx_ptr.dtype.element_ty),
-                     mask=(keep & (s >= 0))[:, None] & mask_c[None, :])
-            if NEED_DHALO:
-                tl.store(dhalo_ptr + (bb * (TAPS - 1) + s.to(tl.int64) + (TAPS - 1))[:, None] * dim + offs_c[None, :],
-                         du, mask=(keep & (s < 0))[:, None] & mask_c[None, :])
-            nxt = ()
-            for j in tl.static_range(1, TAPS - 1):
-                nxt = nxt + (part[j] + w[j] * share[j],)
-            part = nxt + (w[TAPS - 1] * g,)
-            # dweight and dbias count the g tokens this strip owns: one select, then FMAs
-            g_own = tl.where(((t >= first) & (t < first + S))[:, None], g, 0.0)
-            sums = ()
-            for j in tl.static_range(TAPS - 1):
-                gj = tl.where((docs[j] == doc)[:, None], g_own, 0.0) if HAS_SEQ else g_own
-                sums = sums + (dw[j] + win[j] * gj,)
-            dw = sums + (dw[TAPS - 1] + u * g_own,)
-            db += g_own
-            win = win[1:] + (u,)
-            docs = docs[1:] + (doc,)
+    # the steps up to the last that reads a halo token (t < 0)
+    HALO_STEPS: tl.constexpr = U * ((SHIFT + TAPS - 1 + U - 1) // U) if HAS_HALO else 0
+    for i0 in tl.static_range(-(TAPS - 1), -(TAPS - 1) + HALO_STEPS, U):
+        win, docs, part, dw, db = _conv_bwd_steps(
+            i0, win, docs, part, dw, db, first, xs, w, bias, seqs, mask_c, do_row0, do_col, stride_do.l, dx_row0,
+            dx_col, stride_dx.l, dhalo_ptr, bb, offs_c, dim, seqlen, S, TAPS, U, True, HAS_SEQ, HAS_HALO_SEQ,
+            NEED_DHALO, SILU, FAST)
+    for i0 in range(-(TAPS - 1) + HALO_STEPS, S + TAPS - 1, U):
+        win, docs, part, dw, db = _conv_bwd_steps(
+            i0, win, docs, part, dw, db, first, xs, w, bias, seqs, mask_c, do_row0, do_col, stride_do.l, dx_row0,
+            dx_col, stride_dx.l, dhalo_ptr, bb, offs_c, dim, seqlen, S, TAPS, U, False, HAS_SEQ, False,
+            NEED_DHALO, SILU, FAST)
 
     # this program's partials: dweight's (dim, TAPS) as the weight lies, then dbias's (dim,)
     at = (bb * tl.num_programs(0) + tl.program_id(0)) * (TAPS + HAS_BIAS) * dim

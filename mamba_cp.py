@@ -630,7 +630,8 @@ def _conv_bwd_kernel(
     part = (zero,) * (TAPS - 1)                         # du of tokens t-TAPS+1 .. t-1, so far
     dw = (zero,) * TAPS                                 # dweight per tap, per strip
     db = zero
-    # the steps up to the last that reads a halo token (t < 0)
+    # the steps up to the last that reads a halo token (t < 0); the halo's du, whose tokens
+    # complete TAPS-1 steps after they are read, may still be stored after them
     HALO_STEPS: tl.constexpr = U * ((SHIFT + TAPS - 1 + U - 1) // U) if HAS_HALO else 0
     for i0 in tl.static_range(-(TAPS - 1), -(TAPS - 1) + HALO_STEPS, U):
         win, docs, part, dw, db = _conv_bwd_steps(

@@ -1,11 +1,13 @@
 """Every kernel of the SSD (mamba_chunk_scan_combined) and of the mixer entry
 (mamba_split_conv1d_scan_combined, z gate; --calls adds "mixer", with the gated RMSNorm and out
-projection), forward and backward, compiled (never run) for one
-GPU arch, on any machine, a GPU's or not; per kernel its registers, stack bytes (spills) and SASS
-instructions, and one `RESULT {json}` line.
+projection, and "conv", the conv alone in bench.py --conv's four cases: plain, a halo, document
+ids, both; or one case, "conv_plain", "conv_halo", "conv_ids" or "conv_halo_ids"), forward and
+backward, compiled (never run) for one GPU arch, on any machine, a GPU's or not; per kernel its
+registers, stack bytes (spills), SASS instructions and those of its longest loop's body (where a
+kernel spends its steps: the conv's time follows it), and one `RESULT {json}` line.
 
     python tools/sass.py [--arch 90] [--against REV] [--lengths 16384] [shape flags] [--fwd-only]
-                         [--launch JSON] [--kernel-chunk Q]
+                         [--launch JSON] [--kernel-chunk Q] [--calls ssd,entry,mixer,conv]
 
 How: Triton's driver is replaced by a stand-in that reports a GPU of compute capability ARCH, and
 every kernel launch becomes its compile (Triton's warm-up path), so the public functions run on
@@ -89,7 +91,8 @@ class CompileOnly:
 
 
 def sass_counts(kernel):
-    """(registers, stack bytes a thread, SASS instructions) of a compiled kernel."""
+    """(registers, stack bytes a thread, SASS instructions, those of its longest loop's body: from a
+    backward branch's target to the branch, 0 without a loop) of a compiled kernel."""
     tool = os.path.join(os.path.dirname(mamba_cp.triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
@@ -97,7 +100,15 @@ def sass_counts(kernel):
         usage, sass = (subprocess.run([tool, flag, f.name], capture_output=True, text=True, check=True).stdout
                        for flag in ("-res-usage", "-sass"))
     regs, stack = re.search(r"REG:(\d+) STACK:(\d+)", usage).groups()
-    return int(regs), int(stack), len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+\S", sass, re.M))
+    lines = re.findall(r"^\s+/\*([0-9a-f]{4,})\*/\s+(\S[^;]*)", sass, re.M)   # (address, instruction)
+    at = {int(a, 16): i for i, (a, _) in enumerate(lines)}
+    loop = 0
+    for i, (a, ins) in enumerate(lines):
+        target = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", ins)
+        # a branch back, not the exit's branch to itself
+        if target and int(target.group(1), 16) < int(a, 16) and int(target.group(1), 16) in at:
+            loop = max(loop, i - at[int(target.group(1), 16)] + 1)
+    return int(regs), int(stack), len(lines), loop
 
 
 def main():
@@ -122,19 +133,37 @@ def main():
           + (f"; tuning {json.dumps(args.tuning)}" if args.tuning else ""), flush=True)
     with CompileOnly(args.arch, [m for _, m in modules]) as stand_in:
         for label, module in modules:
-            calls = common.steps(module, args, L, "cpu", args.calls)
-            for call in args.calls:
+            calls = common.steps(module, args, L, "cpu", [c for c in args.calls if not c.startswith("conv")])
+            calls.update({(f"conv_{case}", phase): fn for case, fn in conv_cases(module, args, L, phase)
+                          if "conv" in args.calls or f"conv_{case}" in args.calls})
+            for call in [c for c, ph in calls if ph == phase]:
                 stand_in.compiled.clear()
                 calls[call, phase]()
                 for name, kernel in stand_in.compiled.values():
-                    regs, stack, count = sass_counts(kernel)
+                    regs, stack, count, loop = sass_counts(kernel)
                     r = dict(bench="sass", call=call, kernel=name, arch=args.arch, L=L, dtype=args.dtype,
-                             registers=regs, stack_bytes=stack, instructions=count)
+                             registers=regs, stack_bytes=stack, instructions=count, loop_instructions=loop)
                     if label:
                         r["module"] = label
-                    print((f"{label:>6} " if label else "") + f"{call:>5} {name:<28} {regs:>4} registers "
-                          f"{stack:>5} stack bytes {count:>6} instructions")
+                    print((f"{label:>6} " if label else "") + f"{call:>13} {name:<28} {regs:>4} registers "
+                          f"{stack:>5} stack bytes {count:>6} instructions, {loop:>5} in its longest loop")
                     print("RESULT " + json.dumps(r), flush=True)
+
+
+def conv_cases(module, args, L, phase):
+    """(case, closure) of the conv alone on xBC, as bench.py --conv's four cases: its forward, and
+    with "fwdbwd" its backward (which the mixer entry runs after the forward's recompute)."""
+    dim, d, dtype = args.nheads * args.headdim + 2 * args.ngroups * args.dstate, args.d_conv, common.DTYPES[args.dtype]
+    xBC, w, bias = torch.randn(args.batch, L, dim).to(dtype), torch.randn(dim, d), torch.randn(dim)
+    halo, halo_seq = torch.randn(args.batch, d - 1, dim).to(dtype), torch.zeros(args.batch, d - 1, dtype=torch.int32)
+    seq = (torch.arange(L) // max(1, L // 3)).to(torch.int32).expand(args.batch, L).contiguous()
+    for case, kw in (("plain", {}), ("halo", dict(halo=halo)), ("ids", dict(seq_idx=seq)),
+                     ("halo_ids", dict(halo=halo, seq_idx=seq, halo_seq=halo_seq))):
+        def run(kw=kw):
+            module.conv1d_fwd(xBC, w, bias, **kw)
+            if phase == "fwdbwd":
+                module.conv1d_bwd(xBC, xBC, w, bias, **kw)
+        yield case, run
 
 
 if __name__ == "__main__":

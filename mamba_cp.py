@@ -370,10 +370,10 @@ METHOD = Steps(_method_forward_step, _method_backward_step)
 # the interpreter (which pays per step). On a GPU a step is bound by the instructions it issues,
 # not its bytes, so: only a strip's first steps can reach the halo, and they run apart, so that
 # the rest load neither the halo nor its ids; and each tap's document mask is applied once, to the
-# window, whose masked taps serve the pre-activation and, backward, dweight. No atomics: dweight and dbias are per-program partial
-# sums, summed by torch in a fixed order. Offsets are int64. The conv is a pass of its own: the
-# chunk kernels load each x, B and C tile more than once (B and C per head), and a conv in their
-# loads, repeated for each, measured slower (README "The conv halo").
+# window, whose masked taps serve the pre-activation and, backward, dweight. No atomics: dweight
+# and dbias are per-program partial sums, summed by torch in a fixed order. Offsets are int64. The
+# conv is a pass of its own: the chunk kernels load each x, B and C tile more than once (B and C
+# per head), and a conv in their loads, repeated for each, measured slower (README "The conv halo").
 # ---------------------------------------------------------------------------------------------
 
 # A conv kernel gathers its operands once into tuples: xs, u's two sources (the shard, then the

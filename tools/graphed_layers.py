@@ -2,13 +2,15 @@
 graphs"): N layers of it in a step (every layer's forward, then one backward through all),
 eager against the same N layers graphed together by torch (one memory pool shared by their
 graphs; each call copies its inputs in, as a step's new activations would be), and beside them
-the memory the graphs hold and the eager step's peak.
+the memory the graphs hold and the eager step's peak; last, the whole step captured as one CUDA
+graph, the floor that no host work reaches.
 
     python tools/graphed_layers.py [--lengths 4096,16384] [--layers 1,4,8] [--calls entry,mixer] [shape flags]
 
 Per length, call and N: the step's p50 eager and with the graphed layers (CUDA events after a
 synchronize, the two taking turns), the memory the graphs reserve (after torch's warm-up and
-capture, caches emptied), and the eager step's peak above its inputs. One layer alone is the
+capture, caches emptied), the eager step's peak above its inputs, and the replay of one CUDA graph
+of the whole step (p50, a synchronize before each). One layer alone is the
 latency of one call; with several, the host's work for one layer overlaps the GPU's for the
 layers before it, as in a model.
 
@@ -20,7 +22,7 @@ import argparse
 import common
 import mamba_cp
 import torch
-from against import taking_turns
+from against import graph_p50_ms, taking_turns
 from bench import MIB, free     # free: collect, synchronize, empty the cache
 
 
@@ -60,10 +62,14 @@ def main():
                 torch.cuda.synchronize()
                 peak = (torch.cuda.max_memory_allocated() - base) / MIB
                 eager, by_torch = taking_turns([lambda: step([layer] * n), lambda: step(graphed)], args.iters, 3)
+                del graphed
+                free()
+                whole = graph_p50_ms(lambda: step([layer] * n), args.iters, 3)
                 print(f"L={L:>6} {name:>5} x {n}: step eager {eager:.3f} ms, graphed layers {by_torch:.3f} ms "
-                      f"({eager / by_torch:.2f}x); the graphs hold {held:.0f} MiB, the eager step's peak above its "
-                      f"inputs {peak:.0f} MiB", flush=True)
-                del graphed, layers
+                      f"({eager / by_torch:.2f}x), one graph of the step {whole:.3f} ms (eager {eager / whole:.2f}x); "
+                      f"the graphs hold {held:.0f} MiB, the eager step's peak above its inputs {peak:.0f} MiB",
+                      flush=True)
+                del layers
                 free()
 
 

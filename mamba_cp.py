@@ -509,11 +509,11 @@ def _conv_fwd_kernel(
     win = (tl.zeros((M, BC), dtype=tl.float32),) * (TAPS - 1)  # u of the TAPS-1 tokens before
     docs = (tl.full((M,), -1, tl.int64),) * (TAPS - 1)           # and their documents
     # the steps up to the last that reads a halo token (t < 0); the first TAPS-1 only fill the window
-    HALO_STEPS: tl.constexpr = U * ((TAPS - 1 + U - 1) // U) if HAS_HALO else 0
-    for i0 in tl.static_range(-(TAPS - 1), -(TAPS - 1) + HALO_STEPS, U):
+    FIRST_STEPS: tl.constexpr = U * ((TAPS - 1 + U - 1) // U) if HAS_HALO else 0
+    for i0 in tl.static_range(-(TAPS - 1), -(TAPS - 1) + FIRST_STEPS, U):
         win, docs = _conv_fwd_steps(i0, win, docs, first, xs, w, bias, seqs, mask_c, o_row0, o_col, stride_o.l,
                                     seqlen, S, TAPS, U, HAS_HALO, HAS_SEQ, HAS_HALO_SEQ, SILU, FAST)
-    for i0 in range(-(TAPS - 1) + HALO_STEPS, S, U):
+    for i0 in range(-(TAPS - 1) + FIRST_STEPS, S, U):
         win, docs = _conv_fwd_steps(i0, win, docs, first, xs, w, bias, seqs, mask_c, o_row0, o_col, stride_o.l,
                                     seqlen, S, TAPS, U, False, HAS_SEQ, False, SILU, FAST)
 
@@ -632,14 +632,14 @@ def _conv_bwd_kernel(
     db = zero
     # the steps up to the last that reads a halo token (t < 0); the halo's du, whose tokens
     # complete TAPS-1 steps after they are read, may still be stored after them. With ids and no
-    # halo they run apart too: the loop left then compiles to fewer instructions (README "f.")
-    HALO_STEPS: tl.constexpr = U * ((SHIFT + TAPS - 1 + U - 1) // U) if HAS_HALO or HAS_SEQ else 0
-    for i0 in tl.static_range(-(TAPS - 1), -(TAPS - 1) + HALO_STEPS, U):
+    # halo they run apart too: the loop left compiles to fewer instructions (README "The conv halo")
+    FIRST_STEPS: tl.constexpr = U * ((SHIFT + TAPS - 1 + U - 1) // U) if HAS_HALO or HAS_SEQ else 0
+    for i0 in tl.static_range(-(TAPS - 1), -(TAPS - 1) + FIRST_STEPS, U):
         win, docs, part, dw, db = _conv_bwd_steps(
             i0, win, docs, part, dw, db, first, xs, w, bias, seqs, mask_c, do_row0, do_col, stride_do.l, dx_row0,
             dx_col, stride_dx.l, dhalo_ptr, bb, offs_c, dim, seqlen, S, TAPS, U, HAS_HALO, HAS_SEQ, HAS_HALO_SEQ,
             NEED_DHALO, SILU, FAST)
-    for i0 in range(-(TAPS - 1) + HALO_STEPS, S + TAPS - 1, U):
+    for i0 in range(-(TAPS - 1) + FIRST_STEPS, S + TAPS - 1, U):
         win, docs, part, dw, db = _conv_bwd_steps(
             i0, win, docs, part, dw, db, first, xs, w, bias, seqs, mask_c, do_row0, do_col, stride_do.l, dx_row0,
             dx_col, stride_dx.l, dhalo_ptr, bb, offs_c, dim, seqlen, S, TAPS, U, False, HAS_SEQ, False,

@@ -10,9 +10,9 @@ graph, the floor that no host work reaches.
 Per length, call and N: the step's p50 eager and with the graphed layers (CUDA events after a
 synchronize, the two taking turns), the memory the graphs reserve (after torch's warm-up and
 capture, caches emptied), the eager step's peak above its inputs, and the replay of one CUDA graph
-of the whole step (p50, a synchronize before each). One layer alone is the
-latency of one call; with several, the host's work for one layer overlaps the GPU's for the
-layers before it, as in a model.
+of the whole step (p50, a synchronize before each). One layer alone is the latency of one call;
+with several, the host's work for one layer overlaps the GPU's for the layers before it, as in a
+model.
 
 A developer instrument (the project never imports it). It needs CUDA.
 """

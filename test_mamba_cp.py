@@ -174,7 +174,7 @@ def _interpreter_skips_unasserted_overflow_checks():
     try:
         from triton.runtime import interpreter
         builder = interpreter.interpreter_builder
-        if builder.options.debug:                  # a debugging Triton asserts them: keep the checks
+        if builder.options.debug:                  # with the debug option the checks assert: keep them
             return
         builder.options = dataclasses.replace(builder.options, sanitize_overflow=False)
     except (ImportError, AttributeError, TypeError):

@@ -1167,14 +1167,16 @@ def test_runs_lengthen_while_the_gpu_stays_busy(tuned):
 def test_every_kernel_compiles_for_the_gpu():
     """The interpreter runs code the GPU's compiler would refuse: `tools/sass.py` compiles every
     kernel of the SSD and of the mixer entry (z gate; and gated RMSNorm with out projection),
-    forward and backward, and the conv with a halo and document ids (the CP path's, with packed
-    documents: its first steps apart, and the masks), for sm_90 under the GPU's tuning, on this
-    machine, at an awkward bf16 shape (6 heads of 24 in 3 groups, dstate 20, 1100 tokens: masked
-    tiles, two runs, so the summary scan too), and reads each one's registers."""
+    forward and backward, and the conv with document ids, with a halo (the CP path's, with packed
+    documents) and without (a world of one's): its first steps apart, and the masks; for sm_90
+    under the GPU's tuning, on this machine, at an awkward bf16 shape (6 heads of 24 in 3 groups,
+    dstate 20, 1100 tokens: masked tiles, two runs, so the summary scan too), and reads each
+    one's registers."""
     here = os.path.dirname(os.path.abspath(__file__))
     run = subprocess.run([sys.executable, os.path.join(here, "tools", "sass.py"), "--lengths", "1100", "--nheads",
                           "6", "--headdim", "24", "--ngroups", "3", "--dstate", "20", "--calls",
-                          "ssd,entry,mixer,conv_halo_ids"], cwd=here, capture_output=True, text=True, timeout=300)
+                          "ssd,entry,mixer,conv_ids,conv_halo_ids"], cwd=here, capture_output=True, text=True,
+                         timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     seen = {(r["call"], r["kernel"]): r for r in
             (json.loads(line[len("RESULT "):]) for line in run.stdout.splitlines() if line.startswith("RESULT "))}
@@ -1182,11 +1184,12 @@ def test_every_kernel_compiles_for_the_gpu():
                      "_chunk_bwd_group_kernel", "_chunk_bwd_BC_kernel", "_chunk_bwd_x_kernel")
     want = {("ssd", k) for k in chunk_kernels} | {("entry", k) for k in chunk_kernels + (
         "_conv_fwd_kernel", "_conv_bwd_kernel", "_gate_norm_bwd_kernel")} | {
-        ("mixer", "_gate_norm_fwd_kernel"), ("mixer", "_gate_norm_bwd_kernel"),
-        ("conv_halo_ids", "_conv_fwd_kernel"), ("conv_halo_ids", "_conv_bwd_kernel")}
+        ("mixer", "_gate_norm_fwd_kernel"), ("mixer", "_gate_norm_bwd_kernel")} | {
+        (case, k) for case in ("conv_ids", "conv_halo_ids") for k in ("_conv_fwd_kernel", "_conv_bwd_kernel")}
     assert want <= set(seen), sorted(want - set(seen))
     assert all(0 < r["registers"] <= 255 and r["instructions"] > 0 for r in seen.values()), seen
-    assert all(seen["conv_halo_ids", k]["loop_instructions"] > 0 for k in ("_conv_fwd_kernel", "_conv_bwd_kernel"))
+    assert all(seen[case, k]["loop_instructions"] > 0 for case in ("conv_ids", "conv_halo_ids")
+               for k in ("_conv_fwd_kernel", "_conv_bwd_kernel"))
 
 
 def test_dt_limit_clamps():

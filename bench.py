@@ -820,10 +820,33 @@ def main_hybrid(args):
 MODES = dict(model=main_model, conv=main_conv, hybrid=main_hybrid, cp=main_distributed, single=main_single)
 
 
+def add_tuning_flags(ap):
+    """The flags apply_tuning reads (bench.py's, and tools/sass.py's and tools/against.py's)."""
+    ap.add_argument("--launch", metavar="JSON", help="tuning: kernels' launch options, e.g. "
+                    f"'{{\"bwd_x\": {{\"num_warps\": 4}}}}' (kernels: {', '.join(mamba_cp.TUNED_KERNELS)}; GPU only)")
+    ap.add_argument("--kernel-chunk", dest="kernel_chunk", type=int, help="tuning: the kernels' chunk length, forward "
+                    f"and backward (default {mamba_cp.tuning().chunk_fwd}; a power of two from 16)")
+    ap.add_argument("--tuning-fields", dest="tuning_fields", metavar="JSON", help="tuning: any of its fields, e.g. "
+                    "'{\"state_tile\": 32}' (a list for a tuple field)")
+
+
 def apply_tuning(ap, args):
-    """--launch and --kernel-chunk: a variant of mamba_cp's Tuning for this process, so that a
-    tuning run needs no edit of mamba_cp.py; args.tuning records what changed."""
+    """--launch, --kernel-chunk and --tuning-fields: a variant of mamba_cp's Tuning for this
+    process, so that a tuning run needs no edit of mamba_cp.py; args.tuning records what changed."""
     base, changes, args.tuning = mamba_cp.tuning(), {}, {}
+    if args.tuning_fields:
+        try:
+            fields = json.loads(args.tuning_fields)
+        except json.JSONDecodeError:
+            fields = None
+        names = sorted(f.name for f in dataclasses.fields(base) if f.name != "name")
+        if not isinstance(fields, dict) or not set(fields) <= set(names):
+            ap.error(f"--tuning-fields: got {args.tuning_fields!r}, expected a JSON object of some of "
+                     f"{', '.join(names)}")
+        for k, v in fields.items():
+            was = getattr(base, k)
+            changes[k] = (was._make(v) if hasattr(was, "_make") else tuple(v)) if isinstance(was, tuple) else v
+        args.tuning.update(fields)
     if args.launch:
         try:
             launch = json.loads(args.launch)
@@ -876,10 +899,7 @@ def parse_args(argv=None):
     ap.add_argument("--model-local-length", type=int, default=16384, help="--model: tokens a rank")
     ap.add_argument("--timeout", type=int, default=600, help="torchrun: the process group's timeout, seconds")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--launch", metavar="JSON", help="tuning: kernels' launch options, e.g. "
-                    f"'{{\"bwd_x\": {{\"num_warps\": 4}}}}' (kernels: {', '.join(mamba_cp.TUNED_KERNELS)}; GPU only)")
-    ap.add_argument("--kernel-chunk", dest="kernel_chunk", type=int, help="tuning: the kernels' chunk length, forward "
-                    f"and backward (default {mamba_cp.tuning().chunk_fwd}; a power of two from 16)")
+    add_tuning_flags(ap)
     args = ap.parse_args(argv)
     apply_tuning(ap, args)
     flagged = [m for m in ("model", "conv", "hybrid") if getattr(args, m) not in (None, False)]

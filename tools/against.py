@@ -4,11 +4,11 @@ against mamba_cp.py as committed at git revision REV (or in the file REV, for a 
 the history), both imported in one process and run in turn on the same inputs.
 
     python tools/against.py REV [--lengths 4096,16384,65536] [--iters 20] [--warmup 5] [shape flags]
-    python tools/against.py HEAD --tuning '{"state_tile": 32}'     # a tuning against the tree's own
+    python tools/against.py HEAD --tuning-fields '{"state_tile": 32}'   # a tuning against the tree's own
 
-With --tuning, this tree's module runs under its Tuning with those fields changed (a list for a
-tuple field), so REV = HEAD (or the file mamba_cp.py, where there is no history) times a tuning
-variant against the same code's own choices.
+bench.py's tuning flags (--launch, --kernel-chunk, --tuning-fields) run this tree's module under a
+variant of its Tuning, so REV = HEAD (or the file mamba_cp.py, where there is no history) times
+a tuning variant against the same code's own choices.
 
 Forward (under no_grad) and forward+backward (autograd.grad into every input), each timed eager
 (CUDA events around one call after a synchronize; the two modules' calls take turns, so the
@@ -24,7 +24,6 @@ renamed). The project never imports it.
 """
 
 import argparse
-import dataclasses
 import gc
 import json
 import statistics
@@ -33,6 +32,7 @@ import time
 import common
 import mamba_cp  # before anything that imports triton: it picks the interpreter when CUDA is absent
 import torch
+import bench  # its tuning flags (add_tuning_flags, apply_tuning)
 from bench import call_ms as one_ms   # one call's latency: CUDA events after a synchronize (wall clock on CPU)
 
 CUDA = torch.cuda.is_available()
@@ -165,19 +165,14 @@ def main():
     ap.add_argument("--iters", type=int, default=20 if CUDA else 2)
     ap.add_argument("--warmup", type=int, default=5 if CUDA else 1)
     ap.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph replays")
-    ap.add_argument("--tuning", metavar="JSON", help="fields of this tree's Tuning to change, as a JSON object")
+    bench.add_tuning_flags(ap)
     common.add_shape_flags(ap, defaults)
     args = ap.parse_args()
     modules = (("before", common.load_revision(args.rev)), ("after", mamba_cp))
-    if args.tuning:
-        base = mamba_cp.tuning()
-        changes = {}
-        for k, v in json.loads(args.tuning).items():
-            was = getattr(base, k)
-            changes[k] = (was._make(v) if hasattr(was, "_make") else tuple(v)) if isinstance(was, tuple) else v
-        mamba_cp.set_tuning(dataclasses.replace(base, name=f"{base.name} with {args.tuning}", **changes))
+    bench.apply_tuning(ap, args)         # this tree's module only: REV's keeps its own
     graphs = CUDA and not args.no_graph
-    print(f"# before = mamba_cp.py at {args.rev}, after = this tree's (tuning: {mamba_cp.tuning().name}); one process, "
+    print(f"# before = mamba_cp.py at {args.rev}, after = this tree's"
+          + (f" (tuning {json.dumps(args.tuning)})" if args.tuning else "") + "; one process, "
           f"{torch.cuda.get_device_name() if CUDA else 'CPU: Triton interpreter, wall clock, NOT a GPU timing'}; "
           f"{args.dtype}, batch {args.batch}, nheads {args.nheads} headdim {args.headdim} ngroups {args.ngroups} "
           f"dstate {args.dstate} chunk {args.chunk}; ms p50 of {args.iters} after {args.warmup} warm-up, "

@@ -3,7 +3,9 @@
 projection), forward and forward+backward: torch.profiler's table
 over --iters calls after one untimed call, per call, phase and length.
 
-    python tools/kernel_times.py [--lengths 4096,16384,65536] [--iters 5] [shape flags]
+    python tools/kernel_times.py [--lengths 4096,16384,65536] [--iters 5] [shape flags] [tuning flags]
+
+bench.py's tuning flags (--launch, --kernel-chunk, --tuning-fields) profile a variant of the GPU tuning.
 
 Without CUDA it profiles the host instead (the Triton interpreter, at a small float32 shape):
 that checks the script, not the kernels.
@@ -16,6 +18,7 @@ import argparse
 import common
 import mamba_cp  # before anything that imports triton: it picks the interpreter when CUDA is absent
 import torch
+import bench  # its tuning flags (add_tuning_flags, apply_tuning)
 from torch.profiler import ProfilerActivity, profile
 
 CUDA = torch.cuda.is_available()
@@ -27,7 +30,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--iters", type=int, default=5 if CUDA else 1, help="profiled calls (default 5 GPU, 1 CPU)")
     common.add_shape_flags(ap, GPU_SHAPE if CUDA else CPU_SHAPE)
+    bench.add_tuning_flags(ap)
     args = ap.parse_args()
+    bench.apply_tuning(ap, args)
     activity, column = (ProfilerActivity.CUDA, "device_time_total") if CUDA else (ProfilerActivity.CPU,
                                                                                   "cpu_time_total")
     for L in args.lengths:

@@ -1754,6 +1754,7 @@ class Tuning:
     longest_run: int                    # doubled up to this many while the state pass keeps
     state_wave: int                     # this many programs
     state_tile: Optional[int]           # the state passes' (p, n) tile width (None: whole)
+    bwd_one_run_tile: Optional[int]     # and a short sequence's in backward, where that makes it one run (None: never)
     bwd_state_tiles: tuple              # the n tile of the chunk-backward kernels (group, BC, x)
     group_wave: int                     # below this many programs the group kernel splits a group's heads
     heads_per_output: Optional[int]     # heads per output program (None: a whole group)
@@ -1770,18 +1771,19 @@ class Tuning:
 # scan too). The GPU's were the fastest measured on an H200 at the record shape (BENCHMARKS.md,
 # "The launch choices"): the chunk kernels are latency-bound chains of small products, so what
 # pays is programs per SM (4 warps, one head per output program, register caps where they buy a
-# program); runs of 16 chunks, doubled up to 64 while the state pass keeps 512 programs; a
-# group's heads split over 2, 4, ... group-kernel programs while chunks x groups fall short of
-# 256 (one group of many heads at a few thousand tokens: granite-4.0-h's 48).
+# program); runs of 16 chunks, doubled up to 64 while the state pass keeps 512 programs, and a
+# backward of at most 64 chunks as one run on tiles of 32 where those keep 512 (measured on an
+# H100); a group's heads split over 2, 4, ... group-kernel programs while chunks x groups fall
+# short of 256 (one group of many heads at a few thousand tokens: granite-4.0-h's 48).
 TUNED_KERNELS = ("cumsum", "state", "output", "bwd_group", "bwd_bc", "bwd_x")  # chunk kernels with launch options
 TUNINGS = {
     "interpreter": Tuning("interpreter", chunk_fwd=64, chunk_bwd=64, chunks_per_run=2, longest_run=2, state_wave=1,
-                          state_tile=None, bwd_state_tiles=(16, 16, 16), group_wave=16, heads_per_output=None,
-                          launch={}, scan_block=None, conv_fwd=ConvLaunch(32, 64, 64, 1, 4),
+                          state_tile=None, bwd_one_run_tile=None, bwd_state_tiles=(16, 16, 16), group_wave=16,
+                          heads_per_output=None, launch={}, scan_block=None, conv_fwd=ConvLaunch(32, 64, 64, 1, 4),
                           conv_bwd=ConvLaunch(32, 64, 64, 1, 1), gate_tile=64, gate_programs=4096,
                           norm_bwd=NormLaunch(4, 4, 4096, 4096)),
     "gpu": Tuning("gpu", chunk_fwd=64, chunk_bwd=64, chunks_per_run=16, longest_run=64, state_wave=512,
-                  state_tile=64, bwd_state_tiles=(64, 64, 64), group_wave=256, heads_per_output=1,
+                  state_tile=64, bwd_one_run_tile=32, bwd_state_tiles=(64, 64, 64), group_wave=256, heads_per_output=1,
                   launch=dict(cumsum=dict(num_warps=1), state=dict(num_warps=4, num_stages=2),
                               output=dict(num_warps=4, num_stages=1, maxnreg=168),
                               bwd_group=dict(num_warps=4, num_stages=2), bwd_bc=dict(num_warps=4, num_stages=2),
@@ -1811,7 +1813,8 @@ class LaunchPlan:
     """The sizes, tiles and flags of one SSD's launches: shape (b, l, h, p, g, n), x's dtype, the
     chunk length Q; dt_bias and seq_idx only by whether they are given."""
 
-    def __init__(self, shape, dtype, chunk, dt_bias, dt_softplus, dt_limit, seq_idx, state_dtype=None):
+    def __init__(self, shape, dtype, chunk, dt_bias, dt_softplus, dt_limit, seq_idx, state_dtype=None,
+                 backward=False):
         t = tuning()
         self.batch, self.seqlen, self.nheads, self.headdim, self.ngroups, self.dstate = shape
         self.heads_per_group = self.nheads // self.ngroups
@@ -1819,11 +1822,23 @@ class LaunchPlan:
         self.nchunks = _cdiv(self.seqlen, chunk)
         self.BP, self.BN = _pow2(self.headdim), _pow2(self.dstate)
         self.n_p_blocks = _cdiv(self.headdim, self.BP)
-        self.BP_state, self.BN_state = min(self.BP, t.state_tile or self.BP), min(self.BN, t.state_tile or self.BN)
+        def programs(tile):                   # a state pass's programs per run on (tile, tile) tiles
+            return self.batch * self.nheads * _cdiv(self.headdim, min(self.BP, tile or self.BP)) * _cdiv(
+                self.dstate, min(self.BN, tile or self.BN))
+        tile = t.state_tile
+        # the backward of a sequence of at most one longest run takes it as one run on smaller
+        # tiles where those still give state_wave programs: no summaries to scan, and no run
+        # entry or exit to fold into the chunk kernels' states (what the BC kernel paid most
+        # for). Its state passes then walk the whole sequence; a forward, with one state pass
+        # and one fold, loses by that (BENCHMARKS.md).
+        if (backward and t.bwd_one_run_tile and self.nchunks <= t.longest_run and programs(tile) < t.state_wave
+                and programs(t.bwd_one_run_tile) >= t.state_wave):
+            tile = t.bwd_one_run_tile
+        self.BP_state, self.BN_state = min(self.BP, tile or self.BP), min(self.BN, tile or self.BN)
         self.n_p_tiles, self.n_n_tiles = _cdiv(self.headdim, self.BP_state), _cdiv(self.dstate, self.BN_state)
         # runs as long as the state pass still has state_wave programs: fewer runs, fewer
         # summaries to store and scan
-        per_run = self.batch * self.nheads * self.n_p_tiles * self.n_n_tiles      # programs per run
+        per_run = programs(tile)
         self.chunks_per_run = t.chunks_per_run
         while (2 * self.chunks_per_run <= t.longest_run
                and per_run * _cdiv(self.nchunks, 2 * self.chunks_per_run) >= t.state_wave):
@@ -1879,8 +1894,8 @@ class Plan:
         t, shape = tuning(), (rows, s, self.nheads, headdim, ngroups, self.dstate)
         self.fwd = LaunchPlan(shape, call.xBC.dtype, min(chunk_size, t.chunk_fwd), call.dt_bias, True, dt_limit,
                               call.seq_idx, state_dtype)
-        self.bwd = self.fwd if t.chunk_bwd == t.chunk_fwd else LaunchPlan(
-            shape, call.xBC.dtype, min(chunk_size, t.chunk_bwd), call.dt_bias, True, dt_limit, call.seq_idx, state_dtype)
+        self.bwd = LaunchPlan(shape, call.xBC.dtype, min(chunk_size, t.chunk_bwd), call.dt_bias, True, dt_limit,
+                              call.seq_idx, state_dtype, backward=True)
 
 
 # =============================================================================================
@@ -3294,7 +3309,8 @@ def _scan_plan(tensors, o):
     call, t = ScanCall(*tensors), tuning()
     shape = (*call.x.shape, *call.B.shape[2:])
     fwd, bwd = (LaunchPlan(shape, call.x.dtype, min(o.chunk_size, q), call.dt_bias, o.dt_softplus, (o.dt_min, o.dt_max),
-                           call.seq_idx, o.state_dtype) for q in (t.chunk_fwd, t.chunk_bwd))
+                           call.seq_idx, o.state_dtype, backward) for q, backward in ((t.chunk_fwd, False),
+                                                                                     (t.chunk_bwd, True)))
     return _ScanPlan(o, fwd, bwd)
 
 

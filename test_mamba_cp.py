@@ -1165,6 +1165,24 @@ def test_runs_lengthen_while_the_gpu_stays_busy(tuned):
         assert plan.chunks_per_run == want, (wave, plan.chunks_per_run)
 
 
+def test_a_short_backward_runs_once_on_smaller_tiles(tuned):
+    """A backward over at most longest_run chunks whose state passes would take several runs takes
+    one on bwd_one_run_tile's tiles where those still give state_wave programs; the forward keeps
+    its tiles and runs. At SMALL (5 chunks): 8 programs a run on whole (32, 32) tiles, 32 on 16s;
+    the gradients of such a call, with documents and every option, against the oracle."""
+    x, B = (torch.empty(SMALL.batch, SMALL.seqlen, n, d) for n, d in ((SMALL.nheads, SMALL.headdim),
+                                                                      (SMALL.ngroups, SMALL.dstate)))
+    for wave, longest, want_tile, want_runs in ((32, 8, 16, 1), (33, 8, 32, 5), (32, 4, 32, 5)):
+        tuned(dataclasses.replace(mamba_cp.TUNINGS["interpreter"], chunks_per_run=1, longest_run=longest,
+                                  state_wave=wave, bwd_one_run_tile=16))
+        fwd, bwd = (mamba_cp.LaunchPlan((*x.shape, *B.shape[2:]), x.dtype, SMALL.chunk, None, True, (0.0, math.inf),
+                                        None, backward=backward) for backward in (False, True))
+        assert (bwd.BP_state, bwd.BN_state, bwd.nruns) == (want_tile, want_tile, want_runs), (wave, longest)
+        assert (fwd.BP_state, fwd.BN_state, fwd.nruns) == (32, 32, 5), (wave, longest)
+        if want_runs == 1:              # a backward on other tiles and runs than its forward's, against the oracle
+            assert_close(run_both(ssd_inputs(SMALL, 5, **OPTIONS["all"])), FP32_BOUND)
+
+
 def test_every_kernel_compiles_for_the_gpu():
     """The interpreter runs code the GPU's compiler would refuse: `tools/sass.py` compiles every
     kernel of the SSD and of the mixer entry (z gate; and gated RMSNorm with out projection),

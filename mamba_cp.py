@@ -1754,7 +1754,7 @@ class Tuning:
     longest_run: int                    # doubled up to this many while the state pass keeps
     state_wave: int                     # this many programs
     state_tile: Optional[int]           # the state passes' (p, n) tile width (None: whole)
-    bwd_one_run_tile: Optional[int]     # and a short sequence's in backward, where that makes it one run (None: never)
+    bwd_one_run_tile: Optional[int]     # a backward's, where that makes one run of several (None: never)
     bwd_state_tiles: tuple              # the n tile of the chunk-backward kernels (group, BC, x)
     group_wave: int                     # below this many programs the group kernel splits a group's heads
     heads_per_output: Optional[int]     # heads per output program (None: a whole group)
@@ -1822,27 +1822,26 @@ class LaunchPlan:
         self.nchunks = _cdiv(self.seqlen, chunk)
         self.BP, self.BN = _pow2(self.headdim), _pow2(self.dstate)
         self.n_p_blocks = _cdiv(self.headdim, self.BP)
-        def programs(tile):                   # a state pass's programs per run on (tile, tile) tiles
-            return self.batch * self.nheads * _cdiv(self.headdim, min(self.BP, tile or self.BP)) * _cdiv(
+        def run_length(tile):
+            """Chunks a run on (tile, tile) state tiles: doubled from chunks_per_run while the
+            state pass keeps state_wave programs (fewer runs, fewer summaries to store and scan)."""
+            programs = self.batch * self.nheads * _cdiv(self.headdim, min(self.BP, tile or self.BP)) * _cdiv(
                 self.dstate, min(self.BN, tile or self.BN))
+            n = t.chunks_per_run
+            while 2 * n <= t.longest_run and programs * _cdiv(self.nchunks, 2 * n) >= t.state_wave:
+                n *= 2
+            return n
         tile = t.state_tile
-        # the backward of a sequence of at most one longest run takes it as one run on smaller
-        # tiles where those still give state_wave programs: no summaries to scan, and no run
-        # entry or exit to fold into the chunk kernels' states (what the BC kernel paid most
-        # for). Its state passes then walk the whole sequence; a forward, with one state pass
-        # and one fold, loses by that (BENCHMARKS.md).
-        if (backward and t.bwd_one_run_tile and self.nchunks <= t.longest_run and programs(tile) < t.state_wave
-                and programs(t.bwd_one_run_tile) >= t.state_wave):
+        # a backward its tiles would cut into several runs, and narrower ones into one, takes the
+        # narrower: no summaries to scan, and no run entry or exit to fold into the chunk kernels'
+        # states (what the BC kernel paid most for). Its state passes then walk the whole
+        # sequence; a forward, with one state pass and one fold, loses by that (BENCHMARKS.md).
+        if (backward and t.bwd_one_run_tile and self.nchunks > run_length(tile)
+                and self.nchunks <= run_length(t.bwd_one_run_tile)):
             tile = t.bwd_one_run_tile
         self.BP_state, self.BN_state = min(self.BP, tile or self.BP), min(self.BN, tile or self.BN)
         self.n_p_tiles, self.n_n_tiles = _cdiv(self.headdim, self.BP_state), _cdiv(self.dstate, self.BN_state)
-        # runs as long as the state pass still has state_wave programs: fewer runs, fewer
-        # summaries to store and scan
-        per_run = programs(tile)
-        self.chunks_per_run = t.chunks_per_run
-        while (2 * self.chunks_per_run <= t.longest_run
-               and per_run * _cdiv(self.nchunks, 2 * self.chunks_per_run) >= t.state_wave):
-            self.chunks_per_run *= 2
+        self.chunks_per_run = run_length(tile)
         self.nruns = _cdiv(self.nchunks, self.chunks_per_run)
         self.BN_group, self.BN_bc, self.BN_x = (min(self.BN, n) for n in t.bwd_state_tiles)
         self.group_splits = 1                      # a power of two dividing heads_per_group

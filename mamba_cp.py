@@ -1831,17 +1831,17 @@ class LaunchPlan:
             while 2 * n <= t.longest_run and programs * _cdiv(self.nchunks, 2 * n) >= t.state_wave:
                 n *= 2
             return n
-        tile = t.state_tile
+        tile, self.chunks_per_run = t.state_tile, run_length(t.state_tile)
         # a backward its tiles would cut into several runs, and narrower ones into one, takes the
         # narrower: no summaries to scan, and no run entry or exit to fold into the chunk kernels'
         # states (what the BC kernel paid most for). Its state passes then walk the whole
         # sequence; a forward, with one state pass and one fold, loses by that (BENCHMARKS.md).
-        if (backward and t.bwd_one_run_tile and self.nchunks > run_length(tile)
-                and self.nchunks <= run_length(t.bwd_one_run_tile)):
-            tile = t.bwd_one_run_tile
+        if backward and t.bwd_one_run_tile and self.nchunks > self.chunks_per_run:
+            narrower = run_length(t.bwd_one_run_tile)
+            if self.nchunks <= narrower:
+                tile, self.chunks_per_run = t.bwd_one_run_tile, narrower
         self.BP_state, self.BN_state = min(self.BP, tile or self.BP), min(self.BN, tile or self.BN)
         self.n_p_tiles, self.n_n_tiles = _cdiv(self.headdim, self.BP_state), _cdiv(self.dstate, self.BN_state)
-        self.chunks_per_run = run_length(tile)
         self.nruns = _cdiv(self.nchunks, self.chunks_per_run)
         self.BN_group, self.BN_bc, self.BN_x = (min(self.BN, n) for n in t.bwd_state_tiles)
         self.group_splits = 1                      # a power of two dividing heads_per_group

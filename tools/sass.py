@@ -7,15 +7,15 @@ registers, stack bytes (spills), SASS instructions and those of its longest loop
 kernel spends its steps: the conv's time follows it), and one `RESULT {json}` line.
 
     python tools/sass.py [--arch 90] [--against REV] [--lengths 16384] [shape flags] [--fwd-only]
-                         [--launch JSON] [--kernel-chunk Q] [--calls ssd,entry,mixer,conv]
+                         [--launch JSON] [--kernel-chunk Q] [--tuning-fields JSON] [--calls ssd,entry,mixer,conv]
 
 How: Triton's driver is replaced by a stand-in that reports a GPU of compute capability ARCH, and
 every kernel launch becomes its compile (Triton's warm-up path), so the public functions run on
 CPU tensors and compile what they would launch (what they return is garbage); the counts are
 read with the cuobjdump that ships with Triton. With --against REV, mamba_cp.py at git revision
-REV (or the file REV) is compiled too: rows "before" (REV) and "after" (this tree). --launch and
---kernel-chunk compile a variant of this tree's GPU tuning, as bench.py's flags of those names
-time one (REV keeps its own).
+REV (or the file REV) is compiled too: rows "before" (REV) and "after" (this tree). bench.py's
+tuning flags (--launch, --kernel-chunk, --tuning-fields) compile a variant of this tree's GPU
+tuning, as bench.py times one (REV keeps its own).
 
 A developer instrument: it reaches into Triton's runtime (driver.set_active, JITFunction.run).
 The project never imports it.

@@ -58,7 +58,7 @@ Words, one meaning each:
             load_balancing="virtual". The method sees each as one batch row.
   summary   (S_ext, a) of a run or a segment: its exit state from a zero entry, and its decay.
   decay     exp of the sum of dt'*A over a span of tokens (a chunk, a run, a segment, or from a
-            run's edge to a chunk's: gamma, rho), 0 where a document starts inside the span.
+            run's entry to a chunk's: gamma), 0 where a document starts inside the span.
   entry     the state entering a chunk, run or segment; backward, its exit gradient is the
             gradient arriving at its end.
   slot      a chunk's, run's or segment's index in the buffers of each: b * nchunks + c, b * nruns + r, ...
@@ -275,13 +275,12 @@ def method_backward(dy, dfinal, call, kept, plan, dxBC=None, ddt=None):
     ssd = ssd_tensors(*split_xBC(conv_out, plan.bwd), call, plan.bwd)
     grad_pass = GradPass(dy, ssd, plan.bwd)                                    # (4) reversed: G
     if alone:
-        entries, dexit, summary = call.initial_states, dfinal, Summary(ssd, plan.bwd)
+        dexit, states = dfinal, chunk_states(ssd, plan.bwd, call.initial_states)
     else:                                                                      # (3) reversed, and (2) again
-        entries = kept.entries
-        dexit, dinit, summary = plan.exchange.exit_grads(grad_pass.G, dfinal, kept.a, kept.cont, plan,
-                                                         lambda: Summary(ssd, plan.bwd))
+        dexit, dinit, states = plan.exchange.exit_grads(grad_pass.G, dfinal, kept.a, kept.cont, plan,
+                                                        lambda: chunk_states(ssd, plan.bwd, kept.entries))
     dconv_out = torch.empty_like(conv_out)
-    dx, dB, dC, ddt, dA, dD, ddt_bias, dentry = ssd_grads(ssd, summary, grad_pass, dy, entries, dexit,
+    dx, dB, dC, ddt, dA, dD, ddt_bias, dentry = ssd_grads(ssd, states, grad_pass, dy, dexit,
                                                           *split_xBC(dconv_out, plan.bwd), ddt)
     if alone:
         dinit = dentry
@@ -870,21 +869,22 @@ def _selected_exp(keep, log_v):
 @_Launched
 @triton.jit
 def _state_pass_kernel(
-    head_ptr, group_ptr, cums, seq_ptr, chunk_ptr, decay_ptr, sum_ptr, a_ptr,
+    head_ptr, group_ptr, cums, seq_ptr, edge_ptr, chunk_ptr, decay_ptr, sum_ptr, a_ptr,
     seqlen, nheads: tl.constexpr, headdim: tl.constexpr, dstate: tl.constexpr, nchunks, chunks_per_run,
     n_p_tiles: tl.constexpr, n_n_tiles: tl.constexpr, heads_per_group: tl.constexpr,
     stride_head, stride_group, stride_seq,
     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-    HAS_SEQ: tl.constexpr, REVERSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_SEQ: tl.constexpr, REVERSE: tl.constexpr, HAS_EDGE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """One run of one (batch, head, state tile), from zero: walk its chunks carrying a (BP, BN)
-    value V, store V as each chunk meets it, then  V <- decay V + sum_j w_j h_j g_j^T  (h the
-    per-head operand, g the per-group one). Forward (x, B): chunks in order, V the state
-    entering a chunk, w_j = w_dec_j dt'_j. REVERSE (dy, C): chunks last to first, V the gradient
-    arriving at a chunk's exit, w_i = e_i. Also store per chunk the decay from the run's edge
-    (gamma(c) from its entry to c's; rho(c) from c's exit to its exit), and the run's summary:
-    what is left (S_ext, or G, the pull of its outputs on its entry) and its decay a. Chunk c's
-    true entry state is then states(c) + gamma(c) S_entry (exit gradient: dstates(c) + rho(c) dS_exit)."""
+    """One run of one (batch, head, state tile), from zero, or with HAS_EDGE from the value at the
+    run's edge (edge_ptr): walk its chunks carrying a (BP, BN) value V, store V as each chunk
+    meets it, then  V <- decay V + sum_j w_j h_j g_j^T  (h the per-head operand, g the per-group
+    one). Forward (x, B): chunks in order, V the state entering a chunk, w_j = w_dec_j dt'_j.
+    REVERSE (dy, C): chunks last to first, V the gradient arriving at a chunk's exit, w_i = e_i.
+    Also store per chunk the decay from the run's edge (gamma(c), from its entry to c's, what the
+    forward folds with), and what is left at the run's far edge (from zero: its summary S_ext, or
+    G, the pull of its outputs on its entry) and its decay a. From zero, chunk c's true entry
+    state is states(c) + gamma(c) S_entry."""
     pid, pid_bh = tl.program_id(0), tl.program_id(1)    # runs x p-tiles x n-tiles, batch x heads
     n_tiles = n_p_tiles * n_n_tiles
     run, pid_p, pid_n = pid // n_tiles, (pid % n_tiles) // n_n_tiles, pid % n_n_tiles
@@ -896,8 +896,12 @@ def _state_pass_kernel(
     offs_n = pid_n * BN + tl.arange(0, BN)
     mask_pn = (offs_p[:, None] < headdim) & (offs_n[None, :] < dstate)
     first_tile = (pid_p == 0) & (pid_n == 0)          # one program per head writes the decays
+    run_slot = b64 * tl.cdiv(nchunks, chunks_per_run) + run
 
     V = tl.zeros((BP, BN), dtype=tl.float32)                                      # (BP, BN)
+    if HAS_EDGE:
+        V = tl.load(edge_ptr + _state_tile(run_slot, h, offs_p, offs_n, nheads, headdim, dstate), mask=mask_pn,
+                    other=0.0)
     log_decay = tl.zeros((), dtype=tl.float64)
     alive = tl.full((), 1, tl.int1)                   # False once a document starts in between
     c_first = run * chunks_per_run
@@ -921,15 +925,15 @@ def _state_pass_kernel(
         hw = (ht.to(tl.float32) * w[:, None]).to(gt.dtype)                        # (Q, BP)
         V = decay * V + tl.dot(tl.trans(hw), gt, input_precision=DOT_PRECISION)   # (BP, BN)
 
-    run_slot = b64 * tl.cdiv(nchunks, chunks_per_run) + run
     tl.store(a_ptr + _slot_head(run_slot, h, nheads), _selected_exp(alive, log_decay), mask=first_tile)
     tl.store(sum_ptr + _state_tile(run_slot, h, offs_p, offs_n, nheads, headdim, dstate), V, mask=mask_pn)
 
 
-def _state_pass(head_in, group_in, ssd, plan, reverse):
-    """Every run from zero, forward (head_in = x, group_in = B) or reverse (dy, C): per chunk the
-    carried value (b, nchunks, h, p, n) and decay (b, nchunks, h); per run what is left
-    (b, nruns, h, p, n) and its decay a (b, nruns, h)."""
+def _state_pass(head_in, group_in, ssd, plan, reverse, run_edge=None):
+    """Every run from zero, or from its edge value run_edge (b, nruns, h, p, n) fp32, forward
+    (head_in = x, group_in = B) or reverse (dy, C): per chunk the carried value
+    (b, nchunks, h, p, n) and decay (b, nchunks, h); per run what is left (b, nruns, h, p, n)
+    and its decay a (b, nruns, h)."""
     dev = head_in.device
     per_chunk = torch.empty(plan.batch, plan.nchunks, plan.nheads, plan.headdim, plan.dstate, device=dev,
                             dtype=plan.state_dtype)
@@ -937,12 +941,12 @@ def _state_pass(head_in, group_in, ssd, plan, reverse):
     left = torch.empty(plan.batch, plan.nruns, plan.nheads, plan.headdim, plan.dstate, device=dev, dtype=torch.float32)
     a = torch.empty(plan.batch, plan.nruns, plan.nheads, device=dev, dtype=torch.float32)
     _state_pass_kernel[(plan.nruns * plan.n_p_tiles * plan.n_n_tiles, plan.batch * plan.nheads)](
-        head_in, group_in, ssd.cums, ssd.seq_idx, per_chunk, decay, left, a,
+        head_in, group_in, ssd.cums, ssd.seq_idx, left if run_edge is None else run_edge, per_chunk, decay, left, a,
         plan.seqlen, plan.nheads, plan.headdim, plan.dstate, plan.nchunks, plan.chunks_per_run, plan.n_p_tiles,
         plan.n_n_tiles, plan.heads_per_group, _BLHP(*head_in.stride()), _BLGN(*group_in.stride()),
         _ZERO_BL if ssd.seq_idx is None else _BL(*ssd.seq_idx.stride()),
-        Q=plan.Q, BP=plan.BP_state, BN=plan.BN_state, REVERSE=reverse, DOT_PRECISION=plan.state_precision,
-        **plan.launch.get("state", {}), **plan.flags)
+        Q=plan.Q, BP=plan.BP_state, BN=plan.BN_state, REVERSE=reverse, HAS_EDGE=run_edge is not None,
+        DOT_PRECISION=plan.state_precision, **plan.launch.get("state", {}), **plan.flags)
     return per_chunk, decay, left, a
 
 
@@ -1003,18 +1007,19 @@ def scan_summaries(src, a, start=None, cont=None, reverse=False):
     return out, end
 
 
-# What gives every chunk's true entry state (exit gradient), stored(c) + decay(c) * run(r): what a
-# state pass stored from a zero run entry (exit), (b, nchunks, h, p, n); gamma (rho), (b, nchunks,
-# h) fp32; the runs' entry states (exit gradients), (b, nruns, h, p, n) fp32, or a stand-in.
+# What gives every chunk's true entry state in the forward, stored(c) + gamma(c) * run(r): what
+# the state pass stored from a zero run entry, (b, nchunks, h, p, n); gamma, (b, nchunks, h) fp32;
+# the runs' entry states, (b, nruns, h, p, n) fp32, or a stand-in. (The backward, which reads each
+# state twice and with its exit gradient too, walks the runs again from their true edges instead:
+# section 5.)
 _ChunkEdge = collections.namedtuple("_ChunkEdge", "stored decay run")
 
 
 @triton.jit
 def _true_chunk_edge(edge, chunk_slot, run_slot, h, offs_p, offs_n, mask_pn, nheads, headdim, dstate,
                      HAS_RUN: tl.constexpr):
-    """A (BP, BN) float32 tile of chunk c's true entry state (or exit gradient), edge a
-    _ChunkEdge: the stored value, plus, with HAS_RUN, decay(c) * run(r), what the run's entry
-    state adds (in the backward: what the gradient at the run's exit adds)."""
+    """A (BP, BN) float32 tile of chunk c's true entry state, edge a _ChunkEdge: the stored
+    value, plus, with HAS_RUN, gamma(c) * run(r), what the run's entry state adds."""
     v = tl.load(edge.stored + _state_tile(chunk_slot, h, offs_p, offs_n, nheads, headdim, dstate),
                 mask=mask_pn, other=0.0).to(tl.float32)
     if HAS_RUN:
@@ -1156,29 +1161,126 @@ def ssd_output(ssd, summary, entry=None, y=None, need_exit=False, gate=None):
 # ---------------------------------------------------------------------------------------------
 
 
+# The backward reads every chunk's entry state and exit gradient in two kernels (BC, x), with
+# both edges at once: folding a run's edge into each of them there cost more than one more pass
+# over the run's tokens (BENCHMARKS.md). So the backward gives its kernels the true values: each
+# run's summary first, as one product over its tokens with no chunk states stored; the scan then
+# gives each run's true edge; the state pass walks the runs from those and stores true values.
+# One run, entered (or left) with a known value, needs neither summary nor scan.
+
+@_Launched
+@triton.jit
+def _run_summary_kernel(
+    head_ptr, group_ptr, cums, seq_ptr, sum_ptr, a_ptr,
+    seqlen, nheads: tl.constexpr, headdim: tl.constexpr, dstate: tl.constexpr, nchunks, chunks_per_run,
+    n_p_tiles: tl.constexpr, n_n_tiles: tl.constexpr, heads_per_group: tl.constexpr,
+    stride_head, stride_group, stride_seq,
+    Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+    HAS_SEQ: tl.constexpr, REVERSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One run's summary for one (batch, head, state tile): what _state_pass_kernel leaves at the
+    run's far edge from zero, and the run's decay a, without its chunk states. Each token's term
+    is weighted by its decay to the far edge,
+        S_ext = sum_j decay(j -> run exit) dt'_j x_j B_j^T      G = sum_i decay(run entry -> i) C_i dy_i^T
+    (h and g as in the state pass), so the walk, from the far edge inward, accumulates products
+    and never rescales what it has summed: the tensor cores pipeline it."""
+    pid, pid_bh = tl.program_id(0), tl.program_id(1)    # runs x p-tiles x n-tiles, batch x heads
+    n_tiles = n_p_tiles * n_n_tiles
+    run, pid_p, pid_n = pid // n_tiles, (pid % n_tiles) // n_n_tiles, pid % n_n_tiles
+    b, h = pid_bh // nheads, pid_bh % nheads
+    g = h // heads_per_group
+    b64 = b.to(tl.int64)
+    offs_q = tl.arange(0, Q)
+    offs_p = pid_p * BP + tl.arange(0, BP)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    mask_pn = (offs_p[:, None] < headdim) & (offs_n[None, :] < dstate)
+
+    S = tl.zeros((BP, BN), dtype=tl.float32)                                      # (BP, BN)
+    log_far = tl.zeros((), dtype=tl.float64)          # from this chunk's far edge to the run's
+    alive = tl.full((), 1, tl.int1)                   # False once a document starts in between
+    c_first = run * chunks_per_run
+    c_end = tl.minimum(c_first + chunks_per_run, nchunks)
+    for i in range(c_end - c_first):
+        c = c_first + i if REVERSE else c_end - 1 - i
+        start = c * Q
+        dt, e, w_dec, decay, hi, lo, seq, total, continues = _chunk_decays(
+            cums, seq_ptr, stride_seq, b, h, c, seqlen, nheads, Q, HAS_SEQ)
+        w = e if REVERSE else w_dec * dt                                           # (Q,) to c's far edge
+        w = tl.where(w != 0.0, w * _selected_exp(alive, log_far), 0.0)            # to the run's
+        log_far += total
+        alive = alive & continues
+        t64 = (start + offs_q).to(tl.int64)
+        valid = start + offs_q < seqlen
+        ht = _load_tile(head_ptr, stride_head, b64, t64, h, offs_p, valid[:, None] & (offs_p[None, :] < headdim))
+        gt = _load_tile(group_ptr, stride_group, b64, t64, g, offs_n, valid[:, None] & (offs_n[None, :] < dstate))
+        hw = (ht.to(tl.float32) * w[:, None]).to(gt.dtype)                        # (Q, BP)
+        S = tl.dot(tl.trans(hw), gt, acc=S, input_precision=DOT_PRECISION)        # (BP, BN)
+
+    run_slot = b64 * tl.cdiv(nchunks, chunks_per_run) + run
+    tl.store(a_ptr + _slot_head(run_slot, h, nheads), _selected_exp(alive, log_far),
+             mask=(pid_p == 0) & (pid_n == 0))
+    tl.store(sum_ptr + _state_tile(run_slot, h, offs_p, offs_n, nheads, headdim, dstate), S, mask=mask_pn)
+
+
+def _run_summaries(head_in, group_in, ssd, plan, reverse):
+    """Every run's summary, forward (x, B: S_ext) or reverse (dy, C: G), (b, nruns, h, p, n)
+    fp32, and its decay a (b, nruns, h)."""
+    dev = head_in.device
+    left = torch.empty(plan.batch, plan.nruns, plan.nheads, plan.headdim, plan.dstate, device=dev, dtype=torch.float32)
+    a = torch.empty(plan.batch, plan.nruns, plan.nheads, device=dev, dtype=torch.float32)
+    n_p, n_n = _cdiv(plan.headdim, plan.BP_summary), _cdiv(plan.dstate, plan.BN_summary)
+    _run_summary_kernel[(plan.nruns * n_p * n_n, plan.batch * plan.nheads)](
+        head_in, group_in, ssd.cums, ssd.seq_idx, left, a,
+        plan.seqlen, plan.nheads, plan.headdim, plan.dstate, plan.nchunks, plan.chunks_per_run, n_p, n_n,
+        plan.heads_per_group, _BLHP(*head_in.stride()), _BLGN(*group_in.stride()),
+        _ZERO_BL if ssd.seq_idx is None else _BL(*ssd.seq_idx.stride()),
+        Q=plan.Q, BP=plan.BP_summary, BN=plan.BN_summary, REVERSE=reverse, DOT_PRECISION=plan.state_precision,
+        **plan.launch.get("summary", {}), **plan.flags)
+    return left, a
+
+
+def chunk_states(ssd, plan, entry=None):
+    """Every chunk's true entry state (b, nchunks, h, p, n), in the state dtype, of a sequence
+    entered with `entry` (b, h, p, n) or zero."""
+    entry = _f32(entry)
+    if plan.nruns == 1:
+        run_entry = None if entry is None else entry[:, None]
+    else:
+        run_entry, _ = scan_summaries(*_run_summaries(ssd.x, ssd.B, ssd, plan, False), entry)
+    return _state_pass(ssd.x, ssd.B, ssd, plan, False, run_entry)[0]
+
+
 class GradPass:
-    """A sequence's reverse state pass from a zero gradient at its exit: the chunks' exit
-    gradients, and G (b, h, p, n), the pull of its outputs on its entry state. G is known
-    before the gradient at the exit is (it is what a CP rank sends in backward)."""
+    """A sequence's pass in reverse: G (b, h, p, n), the pull of its outputs on its entry state
+    with zero gradient at its exit, which is known before that gradient is (it is what a CP rank
+    sends in backward); then, given it, every chunk's true exit gradient."""
 
     def __init__(self, dy, ssd, plan):
-        self.dstates, self.rho, self.run_G, self.run_a = _state_pass(dy, ssd.C, ssd, plan, True)
-        self.plan = plan
+        self.dy, self.ssd, self.plan, self._runs = dy, ssd, plan, None
+
+    def runs(self):
+        """The runs' G and decays a (the reverse summaries), computed once."""
+        if self._runs is None:
+            self._runs = _run_summaries(self.dy, self.ssd.C, self.ssd, self.plan, True)
+        return self._runs
 
     @property
     def G(self):
         """Its runs' pulls composed (one reverse scan); only CP needs it alone."""
-        return self.run_G[:, 0] if self.plan.nruns == 1 else scan_summaries(self.run_G, self.run_a, reverse=True)[1]
+        run_G, run_a = self.runs()
+        return run_G[:, 0] if self.plan.nruns == 1 else scan_summaries(run_G, run_a, reverse=True)[1]
 
-    def exits_and_entry(self, dexit):
-        """Given the gradient at the sequence's exit (b, h, p, n) or None: the gradient arriving
-        at each run's exit (b, nruns, h, p, n) or None, and the gradient at the
-        sequence's entry, G + a dexit (b, h, p, n), both from one reverse scan."""
-        if dexit is not None:                 # the kernels read it as a (b, nruns, h, p, n) buffer
-            dexit = _f32(dexit)
-        if self.plan.nruns == 1 and dexit is None:
-            return None, self.run_G[:, 0]
-        return scan_summaries(self.run_G, self.run_a, dexit, reverse=True)
+    def exit_grads(self, dexit):
+        """Given the gradient at the sequence's exit (b, h, p, n) or None: every chunk's true exit
+        gradient (b, nchunks, h, p, n) in the state dtype, and the gradient at the sequence's
+        entry, G + a dexit (b, h, p, n)."""
+        dexit = _f32(dexit)
+        if self.plan.nruns == 1:
+            run_dexit = None if dexit is None else dexit[:, None]
+        else:
+            run_dexit, dentry = scan_summaries(*self.runs(), dexit, reverse=True)
+        dstates, _, left, _ = _state_pass(self.dy, self.ssd.C, self.ssd, self.plan, True, run_dexit)
+        return dstates, (left[:, 0] if self.plan.nruns == 1 else dentry)
 
 
 @triton.jit
@@ -1287,13 +1389,13 @@ def _chunk_bwd_group_kernel(
 @_Launched
 @triton.jit
 def _chunk_bwd_BC_kernel(
-    x_ptr, B_ptr, C_ptr, cums, seq_ptr, in_edge, out_edge, dout_ptr, dCB_ptr,
+    x_ptr, B_ptr, C_ptr, cums, seq_ptr, states_ptr, dstates_ptr, dout_ptr, dCB_ptr,
     dB_ptr, dC_ptr, ddA_entry_part_ptr, dw_part_ptr, carry_part_ptr,
     seqlen, headdim: tl.constexpr, dstate: tl.constexpr, heads_per_group: tl.constexpr, ngroups: tl.constexpr, batch,
-    n_n_tiles: tl.constexpr, chunks_per_run,
+    n_n_tiles: tl.constexpr,
     stride_x, stride_B, stride_C, stride_seq, stride_do, stride_dB, stride_dC,
     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr,
-    HAS_SEQ: tl.constexpr, HAS_ENTRY: tl.constexpr, HAS_EXIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_SEQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """dB and dC of one (chunk, batch, group, state tile), the group's heads summed in registers
     (each written once: no atomics), and per head, over this tile, what the x kernel needs of the
@@ -1311,7 +1413,7 @@ def _chunk_bwd_BC_kernel(
     mask_pn = (offs_p[:, None] < headdim) & (offs_n[None, :] < dstate)
     b64 = b.to(tl.int64)
     nheads = heads_per_group * ngroups
-    chunk_slot, run_slot = _chunk_slots(b, c, seqlen, chunks_per_run, Q)
+    chunk_slot = b64 * tl.cdiv(seqlen, Q) + c
 
     Bm = _load_tile(B_ptr, stride_B, b64, t64, g, offs_n, mask_qn)                # (Q, BN)
     Cm = _load_tile(C_ptr, stride_C, b64, t64, g, offs_n, mask_qn)                # (Q, BN)
@@ -1331,10 +1433,9 @@ def _chunk_bwd_BC_kernel(
         x = _load_tile(x_ptr, stride_x, b64, t64, h, offs_p, mask_qp)              # (Q, BP)
         dy = _load_tile(dout_ptr, stride_do, b64, t64, h, offs_p, mask_qp)
         # the states in the products' operand dtype, as the forward's products take them
-        S_in = _true_chunk_edge(in_edge, chunk_slot, run_slot, h, offs_p, offs_n, mask_pn, nheads, headdim, dstate,
-                                HAS_ENTRY).to(x.dtype)                             # (BP, BN)
-        dS_out = _true_chunk_edge(out_edge, chunk_slot, run_slot, h, offs_p, offs_n, mask_pn, nheads, headdim, dstate,
-                                  HAS_EXIT).to(x.dtype)                            # (BP, BN)
+        at_state = _state_tile(chunk_slot, h, offs_p, offs_n, nheads, headdim, dstate)
+        S_in = tl.load(states_ptr + at_state, mask=mask_pn, other=0.0).to(x.dtype)      # (BP, BN)
+        dS_out = tl.load(dstates_ptr + at_state, mask=mask_pn, other=0.0).to(x.dtype)  # (BP, BN)
         part = _slot_head(chunk_slot, h, nheads) * n_n_tiles + pid_n
         tl.store(carry_part_ptr + part, tl.sum(tl.sum(dS_out.to(tl.float32) * S_in.to(tl.float32), axis=1), axis=0))
         xdS = tl.dot(x, dS_out, input_precision=DOT_PRECISION)                     # (Q, BN) x_j^T dS_out
@@ -1350,14 +1451,14 @@ def _chunk_bwd_BC_kernel(
 @_Launched
 @triton.jit
 def _chunk_bwd_x_kernel(
-    B_ptr, dts, cums, D_ptr, seq_ptr, out_edge, dout_ptr, CB_ptr,
+    B_ptr, dts, cums, D_ptr, seq_ptr, dstates_ptr, dout_ptr, CB_ptr,
     ddt_pairs_ptr, ddA_pairs_ptr, ddA_entry_part_ptr, dw_part_ptr, carry_part_ptr, dx_ptr, ddt_ptr, part_ptr,
     seqlen, headdim: tl.constexpr, dstate: tl.constexpr, heads_per_group: tl.constexpr, nheads: tl.constexpr, batch,
-    chunks_per_run, n_bc_tiles: tl.constexpr, part_row,
+    n_bc_tiles: tl.constexpr, part_row,
     stride_B, stride_D, stride_seq, stride_do, stride_dx, stride_ddt,
     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_D: tl.constexpr, HAS_SEQ: tl.constexpr,
-    HAS_EXIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """dx and dt of one (chunk, batch, head), and the chunk's partials of dA and of dt_bias's
     gradient (the sum of raw dt's): dx from the group kernel's C.B and the exit gradient; dt from
@@ -1372,7 +1473,7 @@ def _chunk_bwd_x_kernel(
     g = h // heads_per_group
     start, offs_q, offs_p, t64, valid, mask_qp = _chunk_tokens(c, seqlen, headdim, Q, BP)
     b64 = b.to(tl.int64)
-    chunk_slot, run_slot = _chunk_slots(b, c, seqlen, chunks_per_run, Q)
+    chunk_slot = b64 * tl.cdiv(seqlen, Q) + c
 
     dt, e, w_dec, decay, hi, lo, seq, total, continues = _chunk_decays(
         cums, seq_ptr, stride_seq, b, h, c, seqlen, nheads, Q, HAS_SEQ)
@@ -1393,8 +1494,8 @@ def _chunk_bwd_x_kernel(
         mask_pn = (offs_p[:, None] < headdim) & (offs_n[None, :] < dstate)
         # w folded into B before the product, rounded to the operand dtype as the state pass folds its own
         Bw = (_load_tile(B_ptr, stride_B, b64, t64, g, offs_n, mask_qn).to(tl.float32) * w[:, None]).to(dy.dtype)
-        dS_out = _true_chunk_edge(out_edge, chunk_slot, run_slot, h, offs_p, offs_n, mask_pn, nheads, headdim, dstate,
-                                  HAS_EXIT).to(dy.dtype)                           # (BP, BN)
+        dS_out = tl.load(dstates_ptr + _state_tile(chunk_slot, h, offs_p, offs_n, nheads, headdim, dstate),
+                         mask=mask_pn, other=0.0).to(dy.dtype)                     # (BP, BN)
         dx = tl.dot(Bw, tl.trans(dS_out), acc=dx, input_precision=DOT_PRECISION)   # (Q, BP)
     tl.store(_tile_ptrs(dx_ptr, stride_dx, b64, t64, h, offs_p), dx.to(dx_ptr.dtype.element_ty), mask=mask_qp)
 
@@ -1418,10 +1519,9 @@ def _chunk_bwd_x_kernel(
              ddt_raw.to(ddt_ptr.dtype.element_ty), mask=valid)
 
 
-def _chunk_bwd(ssd, states, gamma, run_entry, dstates, rho, run_dexit, dout, plan, dx=None, dB=None, dC=None,
-               ddt=None):
-    """Every gradient of the SSD's chunks, given each run's entry state and the gradient at its
-    exit (b, nruns, h, p, n) fp32 (either may be None for zero). dx, dB, dC may be views into one
+def _chunk_bwd(ssd, states, dstates, dout, plan, dx=None, dB=None, dC=None, ddt=None):
+    """Every gradient of the SSD's chunks, given every chunk's true entry state and exit gradient
+    (b, nchunks, h, p, n) (chunk_states, GradPass.exit_grads). dx, dB, dC may be views into one
     buffer (the conv backward's input), ddt (b, l, h) a view too. Returns (dx, dB, dC, ddt in dt's
     dtype, dA, dD, d dt_bias), fp32 but the first four."""
     x, dt, B, C, D, seq_idx, cums = ssd.x, ssd.dt, ssd.B, ssd.C, ssd.D, ssd.seq_idx, ssd.cums
@@ -1441,8 +1541,6 @@ def _chunk_bwd(ssd, states, gamma, run_entry, dstates, rho, run_dexit, dout, pla
     # one buffer: one sum gives all three
     d_width = 0 if D is None else plan.headdim if D.dim() == 2 else 1
     part = torch.empty(slots, (2 + d_width) * plan.nheads, device=dev, dtype=torch.float32)
-    in_edge = _ChunkEdge(states, gamma, gamma if run_entry is None else run_entry)
-    out_edge = _ChunkEdge(dstates, rho, rho if run_dexit is None else run_dexit)
     s_x, s_B, s_C = _BLHP(*x.stride()), _BLGN(*B.stride()), _BLGN(*C.stride())
     s_seq, s_do = _ZERO_BL if seq_idx is None else _BL(*seq_idx.stride()), _BLHP(*dout.stride())
     _chunk_bwd_group_kernel[(plan.nchunks * plan.batch * plan.ngroups * splits,)](
@@ -1452,21 +1550,20 @@ def _chunk_bwd(ssd, states, gamma, run_entry, dstates, rho, run_dexit, dout, pla
         Q=Q, BP=plan.BP, BN=plan.BN_group, SPLITS=splits, HAS_D=D is not None, D_PER_CHANNEL=d_width > 1,
         DOT_PRECISION=plan.precision, **plan.launch.get("bwd_group", {}), **plan.flags)
     _chunk_bwd_BC_kernel[(plan.nchunks * plan.batch * plan.ngroups * n_bc_tiles,)](
-        x, B, C, cums, seq_idx, in_edge, out_edge, dout, dCB, dB, dC, ddA_entry_part, dw_part, carry_part,
+        x, B, C, cums, seq_idx, states, dstates, dout, dCB, dB, dC, ddA_entry_part, dw_part, carry_part,
         plan.seqlen, plan.headdim, plan.dstate, plan.heads_per_group, plan.ngroups, plan.batch, n_bc_tiles,
-        plan.chunks_per_run, s_x, s_B, s_C, s_seq, s_do, _BLGN(*dB.stride()), _BLGN(*dC.stride()),
-        Q=Q, BP=plan.BP, BN=plan.BN_bc, SPLITS=splits, HAS_ENTRY=run_entry is not None,
-        HAS_EXIT=run_dexit is not None,
-        DOT_PRECISION=plan.precision, **plan.launch.get("bwd_bc", {}), **plan.flags)
+        s_x, s_B, s_C, s_seq, s_do, _BLGN(*dB.stride()), _BLGN(*dC.stride()),
+        Q=Q, BP=plan.BP, BN=plan.BN_bc, SPLITS=splits, DOT_PRECISION=plan.precision, **plan.launch.get("bwd_bc", {}),
+        **plan.flags)
     del dCB                     # the x kernel's outputs take its place: the backward's peak is lower
     dx = torch.empty_like(x, memory_format=torch.contiguous_format) if dx is None else dx
     ddt = torch.empty(dt.shape, device=dev, dtype=dt.dtype) if ddt is None else ddt
     _chunk_bwd_x_kernel[(plan.nchunks * plan.batch * plan.nheads,)](
-        B, plan.dts(dt, ssd.dt_bias, ssd.A), cums, D, seq_idx, out_edge, dout, CB, ddt_pairs, ddA_pairs,
+        B, plan.dts(dt, ssd.dt_bias, ssd.A), cums, D, seq_idx, dstates, dout, CB, ddt_pairs, ddA_pairs,
         ddA_entry_part, dw_part, carry_part, dx, ddt, part,
-        plan.seqlen, plan.headdim, plan.dstate, plan.heads_per_group, plan.nheads, plan.batch, plan.chunks_per_run,
+        plan.seqlen, plan.headdim, plan.dstate, plan.heads_per_group, plan.nheads, plan.batch,
         n_bc_tiles, part.shape[1], s_B, _D_strides(D), s_seq, s_do, _BLHP(*dx.stride()), _BLH(*ddt.stride()),
-        Q=Q, BP=plan.BP, BN=plan.BN_x, HAS_D=D is not None, HAS_EXIT=run_dexit is not None,
+        Q=Q, BP=plan.BP, BN=plan.BN_x, HAS_D=D is not None,
         DOT_PRECISION=plan.precision, **plan.launch.get("bwd_x", {}), **plan.dt_flags, **plan.flags)
     h = plan.nheads
     dA, ddt_bias, dD = part.sum(dim=0).split_with_sizes((h, h, part.shape[1] - 2 * h))
@@ -1474,14 +1571,13 @@ def _chunk_bwd(ssd, states, gamma, run_entry, dstates, rho, run_dexit, dout, pla
     return dx, dB, dC, ddt, dA, dD, ddt_bias
 
 
-def ssd_grads(ssd, summary, grad_pass, dy, entry=None, dexit=None, dx=None, dB=None, dC=None, ddt=None):
-    """Every gradient of a sequence entered with state `entry` whose exit receives gradient
-    `dexit` (either (b, h, p, n) or None). dx, dB, dC, ddt may be given as output views. Returns
-    (dx, dB, dC, ddt (in dt's dtype, w.r.t. raw dt), dA, dD, d dt_bias (the sum of raw dt's
-    gradient, whether or not a dt_bias was added), d entry)."""
-    run_dexits, dentry = grad_pass.exits_and_entry(dexit)
-    grads = _chunk_bwd(ssd, summary.states, summary.gamma, summary.run_entries(entry)[0], grad_pass.dstates,
-                       grad_pass.rho, run_dexits, dy, summary.plan, dx, dB, dC, ddt)
+def ssd_grads(ssd, states, grad_pass, dy, dexit=None, dx=None, dB=None, dC=None, ddt=None):
+    """Every gradient of a sequence whose chunks' true entry states are `states`
+    (chunk_states) and whose exit receives gradient `dexit` ((b, h, p, n) or None). dx, dB, dC,
+    ddt may be given as output views. Returns (dx, dB, dC, ddt (in dt's dtype, w.r.t. raw dt),
+    dA, dD, d dt_bias (the sum of raw dt's gradient, whether or not a dt_bias was added), d entry)."""
+    dstates, dentry = grad_pass.exit_grads(dexit)
+    grads = _chunk_bwd(ssd, states, dstates, dy, grad_pass.plan, dx, dB, dC, ddt)
     return (*grads, dentry)
 
 
@@ -1710,7 +1806,7 @@ def _state_tile(slot, h, offs_p, offs_n, nheads, headdim, dstate):
 
 @triton.jit
 def _slot_head(slot, h, nheads):
-    """int64 offset of (slot, head) in a contiguous (slots, nheads) buffer: gamma, rho, a, partials."""
+    """int64 offset of (slot, head) in a contiguous (slots, nheads) buffer: gamma, a, partials."""
     return slot.to(tl.int64) * nheads + h
 
 
@@ -1755,6 +1851,7 @@ class Tuning:
     state_wave: int                     # this many programs
     state_tile: Optional[int]           # the state passes' (p, n) tile width (None: whole)
     bwd_one_run_tile: Optional[int]     # a backward's, where that makes one run of several (None: never)
+    summary_tile: Optional[tuple]       # the run summaries' (p, n) tile (None: whole)
     bwd_state_tiles: tuple              # the n tile of the chunk-backward kernels (group, BC, x)
     group_wave: int                     # below this many programs the group kernel splits a group's heads
     heads_per_output: Optional[int]     # heads per output program (None: a whole group)
@@ -1772,19 +1869,20 @@ class Tuning:
 # "The launch choices"): the chunk kernels are latency-bound chains of small products, so what
 # pays is programs per SM (4 warps, one head per output program, register caps where they buy a
 # program); runs of 16 chunks, doubled up to 64 while the state pass keeps 512 programs, and a
-# backward of at most 64 chunks as one run on tiles of 32 where those keep 512 (measured on an
-# H100); a group's heads split over 2, 4, ... group-kernel programs while chunks x groups fall
+# backward of at most 64 chunks as one run on tiles of 32 where those keep 512, and the run
+# summaries on (64, 128) tiles at 3 stages (both measured on an H100); a group's heads split over 2, 4, ... group-kernel programs while chunks x groups fall
 # short of 256 (one group of many heads at a few thousand tokens: granite-4.0-h's 48).
-TUNED_KERNELS = ("cumsum", "state", "output", "bwd_group", "bwd_bc", "bwd_x")  # chunk kernels with launch options
+TUNED_KERNELS = ("cumsum", "state", "summary", "output", "bwd_group", "bwd_bc", "bwd_x")  # with launch options
 TUNINGS = {
     "interpreter": Tuning("interpreter", chunk_fwd=64, chunk_bwd=64, chunks_per_run=2, longest_run=2, state_wave=1,
-                          state_tile=None, bwd_one_run_tile=None, bwd_state_tiles=(16, 16, 16), group_wave=16,
+                          state_tile=None, bwd_one_run_tile=None, summary_tile=None, bwd_state_tiles=(16, 16, 16), group_wave=16,
                           heads_per_output=None, launch={}, scan_block=None, conv_fwd=ConvLaunch(32, 64, 64, 1, 4),
                           conv_bwd=ConvLaunch(32, 64, 64, 1, 1), gate_tile=64, gate_programs=4096,
                           norm_bwd=NormLaunch(4, 4, 4096, 4096)),
     "gpu": Tuning("gpu", chunk_fwd=64, chunk_bwd=64, chunks_per_run=16, longest_run=64, state_wave=512,
-                  state_tile=64, bwd_one_run_tile=32, bwd_state_tiles=(64, 64, 64), group_wave=256, heads_per_output=1,
+                  state_tile=64, bwd_one_run_tile=32, summary_tile=(64, 128), bwd_state_tiles=(64, 64, 64), group_wave=256, heads_per_output=1,
                   launch=dict(cumsum=dict(num_warps=1), state=dict(num_warps=4, num_stages=2),
+                              summary=dict(num_warps=4, num_stages=3),
                               output=dict(num_warps=4, num_stages=1, maxnreg=168),
                               bwd_group=dict(num_warps=4, num_stages=2), bwd_bc=dict(num_warps=4, num_stages=2),
                               bwd_x=dict(num_warps=4, num_stages=1, maxnreg=128)),
@@ -1833,9 +1931,9 @@ class LaunchPlan:
             return n
         tile, self.chunks_per_run = t.state_tile, run_length(t.state_tile)
         # a backward its tiles would cut into several runs, and narrower ones into one, takes the
-        # narrower: no summaries to scan, and no run entry or exit to fold into the chunk kernels'
-        # states (what the BC kernel paid most for). Its state passes then walk the whole
-        # sequence; a forward, with one state pass and one fold, loses by that (BENCHMARKS.md).
+        # narrower: no run summaries to form (two more passes over the tokens) and scan. Its state
+        # passes then walk the whole sequence; a forward, with one state pass, loses by that
+        # (BENCHMARKS.md).
         if backward and t.bwd_one_run_tile and self.nchunks > self.chunks_per_run:
             narrower = run_length(t.bwd_one_run_tile)
             if self.nchunks <= narrower:
@@ -1843,6 +1941,8 @@ class LaunchPlan:
         self.BP_state, self.BN_state = min(self.BP, tile or self.BP), min(self.BN, tile or self.BN)
         self.n_p_tiles, self.n_n_tiles = _cdiv(self.headdim, self.BP_state), _cdiv(self.dstate, self.BN_state)
         self.nruns = _cdiv(self.nchunks, self.chunks_per_run)
+        self.BP_summary, self.BN_summary = (min(d, w) for d, w in zip((self.BP, self.BN), t.summary_tile or (
+            self.BP, self.BN)))
         self.BN_group, self.BN_bc, self.BN_x = (min(self.BN, n) for n in t.bwd_state_tiles)
         self.group_splits = 1                      # a power of two dividing heads_per_group
         while (self.nchunks * self.batch * self.ngroups * self.group_splits < t.group_wave
@@ -3346,8 +3446,8 @@ def _scan_backward(plan, grads, tensors, kept):
         dy = dy.unflatten(-1, call.x.shape[2:])
     ssd = ssd_tensors(call.x, call.B, call.C, call, plan.bwd)
     grad_pass = GradPass(dy, ssd, plan.bwd)
-    dx, dB, dC, ddt, dA, dD, ddt_bias, dinit = ssd_grads(ssd, Summary(ssd, plan.bwd), grad_pass, dy,
-                                                         call.initial_states, dfinal)
+    dx, dB, dC, ddt, dA, dD, ddt_bias, dinit = ssd_grads(ssd, chunk_states(ssd, plan.bwd, call.initial_states),
+                                                         grad_pass, dy, dfinal)
     return ScanCall(dx, ddt, dA.to(call.A.dtype), dB, dC, _as(dD, call.D), dz, _as(ddt_bias, call.dt_bias),
                     _as(dinit, call.initial_states), None, None)
 

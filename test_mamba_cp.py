@@ -1199,8 +1199,8 @@ def test_every_kernel_compiles_for_the_gpu():
     assert run.returncode == 0, run.stderr[-2000:]
     seen = {(r["call"], r["kernel"]): r for r in
             (json.loads(line[len("RESULT "):]) for line in run.stdout.splitlines() if line.startswith("RESULT "))}
-    chunk_kernels = ("_dt_cumsum_kernel", "_state_pass_kernel", "_summary_scan_kernel", "_output_fwd_kernel",
-                     "_chunk_bwd_group_kernel", "_chunk_bwd_BC_kernel", "_chunk_bwd_x_kernel")
+    chunk_kernels = ("_dt_cumsum_kernel", "_state_pass_kernel", "_run_summary_kernel", "_summary_scan_kernel",
+                     "_output_fwd_kernel", "_chunk_bwd_group_kernel", "_chunk_bwd_BC_kernel", "_chunk_bwd_x_kernel")
     want = {("ssd", k) for k in chunk_kernels} | {("entry", k) for k in chunk_kernels + (
         "_conv_fwd_kernel", "_conv_bwd_kernel", "_gate_norm_bwd_kernel")} | {
         ("mixer", "_gate_norm_fwd_kernel"), ("mixer", "_gate_norm_bwd_kernel")} | {
@@ -1330,13 +1330,15 @@ def test_returns_like_mamba_ssm():
 
 def test_state_dtype():
     """Chunk states stored in float32 are what float32 inputs get anyway (bitwise); stored in
-    bf16 or fp16 they cost accuracy, which shows the argument is honoured."""
+    bf16 or fp16 they cost accuracy, which shows the argument is honoured. The bounds are within
+    a few of each dtype's unit roundoff (2^-8, 2^-11): the backward stores every chunk's whole
+    state in that dtype, as mamba_ssm stores its chunk states."""
     inputs = ssd_inputs(SMALL, 12, **OPTIONS["all"])
     default = run_both(inputs)
     fp32 = run_both(dict(inputs, state_dtype=torch.float32))
     assert all(torch.equal(fp32[k][0], default[k][0]) for k in default)
     assert_close(fp32, FP32_BOUND)
-    for dtype, lowest, highest in ((torch.bfloat16, 1e-4, 3e-3), (torch.float16, 5e-6, 3e-4)):
+    for dtype, lowest, highest in ((torch.bfloat16, 1e-4, 3e-3), (torch.float16, 5e-6, 1e-3)):
         errs = assert_close(run_both(dict(inputs, state_dtype=dtype)), highest)
         assert errs["y"] > lowest, f"state_dtype={dtype}: y {errs['y']:.1e}, as exact as float32 states"
 

@@ -866,6 +866,35 @@ def _selected_exp(keep, log_v):
 #    kernel is followed by its launcher; Summary and ssd_output run them.
 # ---------------------------------------------------------------------------------------------
 
+@triton.jit
+def _run_program(nheads, headdim, dstate, n_p_tiles, n_n_tiles, heads_per_group, BP: tl.constexpr,
+                 BN: tl.constexpr):
+    """A state-pass (or run-summary) program's run, batch row, head and group, and its (BP, BN)
+    tile of the state: the grid is (runs x p-tiles x n-tiles, batch x heads)."""
+    pid, pid_bh = tl.program_id(0), tl.program_id(1)
+    n_tiles = n_p_tiles * n_n_tiles
+    run, pid_p, pid_n = pid // n_tiles, (pid % n_tiles) // n_n_tiles, pid % n_n_tiles
+    b, h = pid_bh // nheads, pid_bh % nheads
+    offs_p = pid_p * BP + tl.arange(0, BP)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    mask_pn = (offs_p[:, None] < headdim) & (offs_n[None, :] < dstate)
+    return run, b, h, h // heads_per_group, offs_p, offs_n, mask_pn, (pid_p == 0) & (pid_n == 0)
+
+
+@triton.jit
+def _weighted_operands(head_ptr, group_ptr, stride_head, stride_group, b64, h, g, c, w, seqlen, offs_p, offs_n,
+                       headdim, dstate, Q: tl.constexpr):
+    """Chunk c's operands of a state-pass step, hw (Q, BP) and g (Q, BN), whose product hw^T g
+    is sum_j w_j h_j g_j^T: h the per-head operand weighted by w (Q,), rounded to g's dtype."""
+    start = c * Q
+    offs_q = tl.arange(0, Q)
+    t64 = (start + offs_q).to(tl.int64)
+    valid = start + offs_q < seqlen
+    ht = _load_tile(head_ptr, stride_head, b64, t64, h, offs_p, valid[:, None] & (offs_p[None, :] < headdim))
+    gt = _load_tile(group_ptr, stride_group, b64, t64, g, offs_n, valid[:, None] & (offs_n[None, :] < dstate))
+    return (ht.to(tl.float32) * w[:, None]).to(gt.dtype), gt
+
+
 @_Launched
 @triton.jit
 def _state_pass_kernel(
@@ -885,17 +914,10 @@ def _state_pass_kernel(
     forward folds with), and what is left at the run's far edge (from zero: its summary S_ext, or
     G, the pull of its outputs on its entry) and its decay a. From zero, chunk c's true entry
     state is states(c) + gamma(c) S_entry."""
-    pid, pid_bh = tl.program_id(0), tl.program_id(1)    # runs x p-tiles x n-tiles, batch x heads
-    n_tiles = n_p_tiles * n_n_tiles
-    run, pid_p, pid_n = pid // n_tiles, (pid % n_tiles) // n_n_tiles, pid % n_n_tiles
-    b, h = pid_bh // nheads, pid_bh % nheads
-    g = h // heads_per_group
+    # first_tile: one program per head writes the decays
+    run, b, h, g, offs_p, offs_n, mask_pn, first_tile = _run_program(nheads, headdim, dstate, n_p_tiles, n_n_tiles,
+                                                                     heads_per_group, BP, BN)
     b64 = b.to(tl.int64)
-    offs_q = tl.arange(0, Q)
-    offs_p = pid_p * BP + tl.arange(0, BP)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    mask_pn = (offs_p[:, None] < headdim) & (offs_n[None, :] < dstate)
-    first_tile = (pid_p == 0) & (pid_n == 0)          # one program per head writes the decays
     run_slot = b64 * tl.cdiv(nchunks, chunks_per_run) + run
 
     V = tl.zeros((BP, BN), dtype=tl.float32)                                      # (BP, BN)
@@ -908,7 +930,6 @@ def _state_pass_kernel(
     c_end = tl.minimum(c_first + chunks_per_run, nchunks)
     for i in range(c_end - c_first):
         c = c_end - 1 - i if REVERSE else c_first + i
-        start = c * Q
         tl.store(chunk_ptr + _state_tile(b64 * nchunks + c, h, offs_p, offs_n, nheads, headdim, dstate),
                  V.to(chunk_ptr.dtype.element_ty), mask=mask_pn)
         tl.store(decay_ptr + _slot_head(b64 * nchunks + c, h, nheads), _selected_exp(alive, log_decay),
@@ -918,11 +939,8 @@ def _state_pass_kernel(
         w = e if REVERSE else w_dec * dt                                           # (Q,)
         log_decay += total
         alive = alive & continues
-        t64 = (start + offs_q).to(tl.int64)
-        valid = start + offs_q < seqlen
-        ht = _load_tile(head_ptr, stride_head, b64, t64, h, offs_p, valid[:, None] & (offs_p[None, :] < headdim))
-        gt = _load_tile(group_ptr, stride_group, b64, t64, g, offs_n, valid[:, None] & (offs_n[None, :] < dstate))
-        hw = (ht.to(tl.float32) * w[:, None]).to(gt.dtype)                        # (Q, BP)
+        hw, gt = _weighted_operands(head_ptr, group_ptr, stride_head, stride_group, b64, h, g, c, w, seqlen, offs_p,
+                                    offs_n, headdim, dstate, Q)                    # (Q, BP), (Q, BN)
         V = decay * V + tl.dot(tl.trans(hw), gt, input_precision=DOT_PRECISION)   # (BP, BN)
 
     tl.store(a_ptr + _slot_head(run_slot, h, nheads), _selected_exp(alive, log_decay), mask=first_tile)
@@ -1184,16 +1202,9 @@ def _run_summary_kernel(
         S_ext = sum_j decay(j -> run exit) dt'_j x_j B_j^T      G = sum_i decay(run entry -> i) C_i dy_i^T
     (h and g as in the state pass), so the walk, from the far edge inward, accumulates products
     and never rescales what it has summed: the tensor cores pipeline it."""
-    pid, pid_bh = tl.program_id(0), tl.program_id(1)    # runs x p-tiles x n-tiles, batch x heads
-    n_tiles = n_p_tiles * n_n_tiles
-    run, pid_p, pid_n = pid // n_tiles, (pid % n_tiles) // n_n_tiles, pid % n_n_tiles
-    b, h = pid_bh // nheads, pid_bh % nheads
-    g = h // heads_per_group
+    run, b, h, g, offs_p, offs_n, mask_pn, first_tile = _run_program(nheads, headdim, dstate, n_p_tiles, n_n_tiles,
+                                                                     heads_per_group, BP, BN)
     b64 = b.to(tl.int64)
-    offs_q = tl.arange(0, Q)
-    offs_p = pid_p * BP + tl.arange(0, BP)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    mask_pn = (offs_p[:, None] < headdim) & (offs_n[None, :] < dstate)
 
     S = tl.zeros((BP, BN), dtype=tl.float32)                                      # (BP, BN)
     log_far = tl.zeros((), dtype=tl.float64)          # from this chunk's far edge to the run's
@@ -1202,23 +1213,18 @@ def _run_summary_kernel(
     c_end = tl.minimum(c_first + chunks_per_run, nchunks)
     for i in range(c_end - c_first):
         c = c_first + i if REVERSE else c_end - 1 - i
-        start = c * Q
         dt, e, w_dec, decay, hi, lo, seq, total, continues = _chunk_decays(
             cums, seq_ptr, stride_seq, b, h, c, seqlen, nheads, Q, HAS_SEQ)
         w = e if REVERSE else w_dec * dt                                           # (Q,) to c's far edge
         w = tl.where(w != 0.0, w * _selected_exp(alive, log_far), 0.0)            # to the run's
         log_far += total
         alive = alive & continues
-        t64 = (start + offs_q).to(tl.int64)
-        valid = start + offs_q < seqlen
-        ht = _load_tile(head_ptr, stride_head, b64, t64, h, offs_p, valid[:, None] & (offs_p[None, :] < headdim))
-        gt = _load_tile(group_ptr, stride_group, b64, t64, g, offs_n, valid[:, None] & (offs_n[None, :] < dstate))
-        hw = (ht.to(tl.float32) * w[:, None]).to(gt.dtype)                        # (Q, BP)
+        hw, gt = _weighted_operands(head_ptr, group_ptr, stride_head, stride_group, b64, h, g, c, w, seqlen, offs_p,
+                                    offs_n, headdim, dstate, Q)                    # (Q, BP), (Q, BN)
         S = tl.dot(tl.trans(hw), gt, acc=S, input_precision=DOT_PRECISION)        # (BP, BN)
 
     run_slot = b64 * tl.cdiv(nchunks, chunks_per_run) + run
-    tl.store(a_ptr + _slot_head(run_slot, h, nheads), _selected_exp(alive, log_far),
-             mask=(pid_p == 0) & (pid_n == 0))
+    tl.store(a_ptr + _slot_head(run_slot, h, nheads), _selected_exp(alive, log_far), mask=first_tile)
     tl.store(sum_ptr + _state_tile(run_slot, h, offs_p, offs_n, nheads, headdim, dstate), S, mask=mask_pn)
 
 

@@ -1183,6 +1183,44 @@ def test_a_short_backward_runs_once_on_smaller_tiles(tuned):
             assert_close(run_both(ssd_inputs(SMALL, 5, **OPTIONS["all"])), FP32_BOUND)
 
 
+def test_run_summaries_against_oracle():
+    """Each run's summary, as the backward forms it in one product over the run's tokens
+    (_run_summary_kernel), against the token loop on the run's tokens alone: S_ext, the exit
+    state from a zero entry; G, the pull of the run's outputs on its entry (the gradient of
+    sum(y dy) with respect to initial_states); a, the run's decay. Runs of 2 chunks of 16 over
+    150 tokens, the last one partial; documents start mid-chunk, at a run's first token (whose
+    entry then reaches nothing: G = 0, a = 0) and at a chunk's first token inside a run."""
+    shape = Shape(batch=2, seqlen=150, nheads=4, headdim=8, ngroups=2, dstate=16, chunk=16)
+    inputs = ssd_inputs(shape, 21, seq_idx=[20, 64, 80, 131], dt_softplus=True, dt_bias=True)
+    x, dt, A, B, C, dt_bias, seq = (inputs[k] for k in ("x", "dt", "A", "B", "C", "dt_bias", "seq_idx"))
+    dy = draw(None, 22, device=x.device, weights=dict(dy=x.shape))["dy"]
+    plan = mamba_cp.LaunchPlan((*x.shape, *B.shape[2:]), x.dtype, shape.chunk, dt_bias, True, (0.0, math.inf), seq)
+    span = plan.chunks_per_run * plan.Q
+    assert plan.nruns == 5 and span == 32, (plan.nruns, span)
+    ssd = mamba_cp.SSD(x, dt, A, B, C, None, dt_bias, seq, mamba_cp._dt_cumsums(dt, dt_bias, A, plan))
+    S_ext, a = mamba_cp._run_summaries(x, B, ssd, plan, False)
+    G, a_rev = mamba_cp._run_summaries(dy, C, ssd, plan, True)
+    dtp = ref.process_dt(dt, dt_bias, True)                                       # (b, l, h) float64
+    errs = {}
+    for r in range(plan.nruns):
+        t = slice(r * span, min((r + 1) * span, shape.seqlen))
+        entry = torch.zeros(shape.batch, shape.nheads, shape.headdim, shape.dstate, dtype=torch.float64,
+                            device=x.device, requires_grad=True)
+        y, final = ref.ssd_reference(x[:, t], dt[:, t], A, B[:, t], C[:, t], dt_bias=dt_bias, initial_states=entry,
+                                     seq_idx=seq[:, t], dt_softplus=True)
+        pull, = torch.autograd.grad((y * dy[:, t].double()).sum(), entry)
+        # the entry reaches the run's first token unless a document starts there, and its exit
+        # (a != 0) unless a document starts anywhere in it
+        before = seq[:, t.start - 1] if r else seq[:, 0]
+        enters = (seq[:, t.start] == before)[:, None, None, None]                # (b, 1, 1, 1)
+        crosses = (seq[:, t] == before[:, None]).all(dim=1)                       # (b,)
+        decay = torch.where(crosses[:, None], torch.exp((dtp[:, t] * A.double()).sum(dim=1)), 0.0)   # (b, h)
+        errs[f"S_ext {r}"] = rel_rms(S_ext[:, r], final)
+        errs[f"G {r}"] = rel_rms(G[:, r], pull * enters)
+        errs[f"a {r}"] = max((a[:, r] - decay).abs().max().item(), (a_rev[:, r] - decay).abs().max().item())
+    expect({"runs": errs}, FP32_BOUND)
+
+
 def test_every_kernel_compiles_for_the_gpu():
     """The interpreter runs code the GPU's compiler would refuse: `tools/sass.py` compiles every
     kernel of the SSD and of the mixer entry (z gate; and gated RMSNorm with out projection),

@@ -1199,7 +1199,7 @@ def _run_summary_kernel(
     """One run's summary for one (batch, head, state tile): what _state_pass_kernel leaves at the
     run's far edge from zero, and the run's decay a, without its chunk states. Each token's term
     is weighted by its decay to the far edge,
-        S_ext = sum_j decay(j -> run exit) dt'_j x_j B_j^T      G = sum_i decay(run entry -> i) C_i dy_i^T
+        S_ext = sum_j decay(j -> run exit) dt'_j x_j B_j^T      G = sum_i decay(run entry -> i) dy_i C_i^T
     (h and g as in the state pass), so the walk, from the far edge inward, accumulates products
     and never rescales what it has summed: the tensor cores pipeline it."""
     run, b, h, g, offs_p, offs_n, mask_pn, first_tile = _run_program(nheads, headdim, dstate, n_p_tiles, n_n_tiles,

@@ -947,6 +947,13 @@ def _state_pass_kernel(
     tl.store(sum_ptr + _state_tile(run_slot, h, offs_p, offs_n, nheads, headdim, dstate), V, mask=mask_pn)
 
 
+def _per_run(plan, dev):
+    """Empty buffers of a state value (b, nruns, h, p, n) and a decay (b, nruns, h) per run, fp32."""
+    return (torch.empty(plan.batch, plan.nruns, plan.nheads, plan.headdim, plan.dstate, device=dev,
+                        dtype=torch.float32),
+            torch.empty(plan.batch, plan.nruns, plan.nheads, device=dev, dtype=torch.float32))
+
+
 def _state_pass(head_in, group_in, ssd, plan, reverse, run_edge=None):
     """Every run from zero, or from its edge value run_edge (b, nruns, h, p, n) fp32, forward
     (head_in = x, group_in = B) or reverse (dy, C): per chunk the carried value
@@ -956,8 +963,7 @@ def _state_pass(head_in, group_in, ssd, plan, reverse, run_edge=None):
     per_chunk = torch.empty(plan.batch, plan.nchunks, plan.nheads, plan.headdim, plan.dstate, device=dev,
                             dtype=plan.state_dtype)
     decay = torch.empty(plan.batch, plan.nchunks, plan.nheads, device=dev, dtype=torch.float32)
-    left = torch.empty(plan.batch, plan.nruns, plan.nheads, plan.headdim, plan.dstate, device=dev, dtype=torch.float32)
-    a = torch.empty(plan.batch, plan.nruns, plan.nheads, device=dev, dtype=torch.float32)
+    left, a = _per_run(plan, dev)
     _state_pass_kernel[(plan.nruns * plan.n_p_tiles * plan.n_n_tiles, plan.batch * plan.nheads)](
         head_in, group_in, ssd.cums, ssd.seq_idx, left if run_edge is None else run_edge, per_chunk, decay, left, a,
         plan.seqlen, plan.nheads, plan.headdim, plan.dstate, plan.nchunks, plan.chunks_per_run, plan.n_p_tiles,
@@ -1231,9 +1237,7 @@ def _run_summary_kernel(
 def _run_summaries(head_in, group_in, ssd, plan, reverse):
     """Every run's summary, forward (x, B: S_ext) or reverse (dy, C: G), (b, nruns, h, p, n)
     fp32, and its decay a (b, nruns, h)."""
-    dev = head_in.device
-    left = torch.empty(plan.batch, plan.nruns, plan.nheads, plan.headdim, plan.dstate, device=dev, dtype=torch.float32)
-    a = torch.empty(plan.batch, plan.nruns, plan.nheads, device=dev, dtype=torch.float32)
+    left, a = _per_run(plan, head_in.device)
     n_p, n_n = _cdiv(plan.headdim, plan.BP_summary), _cdiv(plan.dstate, plan.BN_summary)
     _run_summary_kernel[(plan.nruns * n_p * n_n, plan.batch * plan.nheads)](
         head_in, group_in, ssd.cums, ssd.seq_idx, left, a,
@@ -1876,14 +1880,16 @@ class Tuning:
 # pays is programs per SM (4 warps, one head per output program, register caps where they buy a
 # program); runs of 16 chunks, doubled up to 64 while the state pass keeps 512 programs, and a
 # backward of at most 64 chunks as one run on tiles of 32 where those keep 512, and the run
-# summaries on (64, 128) tiles at 3 stages (both measured on an H100); a group's heads split over 2, 4, ... group-kernel programs while chunks x groups fall
-# short of 256 (one group of many heads at a few thousand tokens: granite-4.0-h's 48).
+# summaries on (64, 128) tiles at 3 stages (both measured on an H100); a group's heads split
+# over 2, 4, ... group-kernel programs while chunks x groups fall short of 256 (one group of
+# many heads at a few thousand tokens: granite-4.0-h's 48).
 TUNED_KERNELS = ("cumsum", "state", "summary", "output", "bwd_group", "bwd_bc", "bwd_x")  # with launch options
 TUNINGS = {
     "interpreter": Tuning("interpreter", chunk_fwd=64, chunk_bwd=64, chunks_per_run=2, longest_run=2, state_wave=1,
-                          state_tile=None, bwd_one_run_tile=None, summary_tile=None, bwd_state_tiles=(16, 16, 16), group_wave=16,
-                          heads_per_output=None, launch={}, scan_block=None, conv_fwd=ConvLaunch(32, 64, 64, 1, 4),
-                          conv_bwd=ConvLaunch(32, 64, 64, 1, 1), gate_tile=64, gate_programs=4096,
+                          state_tile=None, bwd_one_run_tile=None, summary_tile=None, bwd_state_tiles=(16, 16, 16),
+                          group_wave=16, heads_per_output=None, launch={}, scan_block=None,
+                          conv_fwd=ConvLaunch(32, 64, 64, 1, 4), conv_bwd=ConvLaunch(32, 64, 64, 1, 1), gate_tile=64,
+                          gate_programs=4096,
                           norm_bwd=NormLaunch(4, 4, 4096, 4096)),
     "gpu": Tuning("gpu", chunk_fwd=64, chunk_bwd=64, chunks_per_run=16, longest_run=64, state_wave=512,
                   state_tile=64, bwd_one_run_tile=32, summary_tile=(64, 128), bwd_state_tiles=(64, 64, 64), group_wave=256, heads_per_output=1,

@@ -1879,10 +1879,10 @@ class Tuning:
 # "The launch choices"): the chunk kernels are latency-bound chains of small products, so what
 # pays is programs per SM (4 warps, one head per output program, register caps where they buy a
 # program); runs of 16 chunks, doubled up to 64 while the state pass keeps 512 programs, and a
-# backward of at most 64 chunks as one run on tiles of 32 where those keep 512, and the run
-# summaries on (64, 128) tiles at 3 stages (both measured on an H100); a group's heads split
-# over 2, 4, ... group-kernel programs while chunks x groups fall short of 256 (one group of
-# many heads at a few thousand tokens: granite-4.0-h's 48).
+# backward of at most 64 chunks as one run on tiles of 32 where those keep 512, the run
+# summaries on (64, 128) tiles, and 3 stages in them and in the group and BC kernels (measured
+# on an H100); a group's heads split over 2, 4, ... group-kernel programs while chunks x groups
+# fall short of 256 (one group of many heads at a few thousand tokens: granite-4.0-h's 48).
 TUNED_KERNELS = ("cumsum", "state", "summary", "output", "bwd_group", "bwd_bc", "bwd_x")  # with launch options
 TUNINGS = {
     "interpreter": Tuning("interpreter", chunk_fwd=64, chunk_bwd=64, chunks_per_run=2, longest_run=2, state_wave=1,
@@ -1896,7 +1896,7 @@ TUNINGS = {
                   launch=dict(cumsum=dict(num_warps=1), state=dict(num_warps=4, num_stages=2),
                               summary=dict(num_warps=4, num_stages=3),
                               output=dict(num_warps=4, num_stages=1, maxnreg=168),
-                              bwd_group=dict(num_warps=4, num_stages=2), bwd_bc=dict(num_warps=4, num_stages=2),
+                              bwd_group=dict(num_warps=4, num_stages=3), bwd_bc=dict(num_warps=4, num_stages=3),
                               bwd_x=dict(num_warps=4, num_stages=1, maxnreg=128)),
                   scan_block=1024, conv_fwd=ConvLaunch(1, 256, 128, 8, 2), conv_bwd=ConvLaunch(1, 128, 256, 8, 1),
                   gate_tile=4096, gate_programs=4096, norm_bwd=NormLaunch(1, 4, 16384, 2048)),

@@ -1181,7 +1181,8 @@ def ssd_output(ssd, summary, entry=None, y=None, need_exit=False, gate=None):
 
 # ---------------------------------------------------------------------------------------------
 # 5. The backward: the state pass reversed, chunk gradients
-#    README "Backward". Each kernel is followed by its launcher; GradPass and ssd_grads run them.
+#    README "Backward". Each kernel is followed by its launcher; chunk_states, GradPass and
+#    ssd_grads run them.
 # ---------------------------------------------------------------------------------------------
 
 
@@ -1353,7 +1354,7 @@ def _chunk_bwd_group_kernel(
     start, offs_q, offs_p, t64, valid, mask_qp = _chunk_tokens(c, seqlen, headdim, Q, BP)
     b64 = b.to(tl.int64)
     nheads = heads_per_group * ngroups
-    chunk_slot = b64 * tl.cdiv(seqlen, Q) + c
+    chunk_slot = _chunk_slot(b, c, seqlen, Q)
 
     CB = tl.zeros((Q, Q), dtype=tl.float32)                                        # C_i . B_j
     for n0 in range(0, dstate, BN):
@@ -1423,7 +1424,7 @@ def _chunk_bwd_BC_kernel(
     mask_pn = (offs_p[:, None] < headdim) & (offs_n[None, :] < dstate)
     b64 = b.to(tl.int64)
     nheads = heads_per_group * ngroups
-    chunk_slot = b64 * tl.cdiv(seqlen, Q) + c
+    chunk_slot = _chunk_slot(b, c, seqlen, Q)
 
     Bm = _load_tile(B_ptr, stride_B, b64, t64, g, offs_n, mask_qn)                # (Q, BN)
     Cm = _load_tile(C_ptr, stride_C, b64, t64, g, offs_n, mask_qn)                # (Q, BN)
@@ -1483,7 +1484,7 @@ def _chunk_bwd_x_kernel(
     g = h // heads_per_group
     start, offs_q, offs_p, t64, valid, mask_qp = _chunk_tokens(c, seqlen, headdim, Q, BP)
     b64 = b.to(tl.int64)
-    chunk_slot = b64 * tl.cdiv(seqlen, Q) + c
+    chunk_slot = _chunk_slot(b, c, seqlen, Q)
 
     dt, e, w_dec, decay, hi, lo, seq, total, continues = _chunk_decays(
         cums, seq_ptr, stride_seq, b, h, c, seqlen, nheads, Q, HAS_SEQ)
@@ -1801,11 +1802,16 @@ def _chunk_tokens(c, seqlen, headdim, Q: tl.constexpr, BP: tl.constexpr):
 # row b, b * nruns + r for its run r.
 
 @triton.jit
+def _chunk_slot(b, c, seqlen, Q: tl.constexpr):
+    """Chunk c of batch row b: its slot in the chunk buffers."""
+    return b.to(tl.int64) * tl.cdiv(seqlen, Q) + c
+
+
+@triton.jit
 def _chunk_slots(b, c, seqlen, chunks_per_run, Q: tl.constexpr):
     """Chunk c of batch row b: its slot in the chunk buffers and its run's in the run buffers."""
-    nchunks = tl.cdiv(seqlen, Q)
-    b64 = b.to(tl.int64)
-    return b64 * nchunks + c, b64 * tl.cdiv(nchunks, chunks_per_run) + c // chunks_per_run
+    nruns = tl.cdiv(tl.cdiv(seqlen, Q), chunks_per_run)
+    return _chunk_slot(b, c, seqlen, Q), b.to(tl.int64) * nruns + c // chunks_per_run
 
 
 @triton.jit
@@ -1889,10 +1895,10 @@ TUNINGS = {
                           state_tile=None, bwd_one_run_tile=None, summary_tile=None, bwd_state_tiles=(16, 16, 16),
                           group_wave=16, heads_per_output=None, launch={}, scan_block=None,
                           conv_fwd=ConvLaunch(32, 64, 64, 1, 4), conv_bwd=ConvLaunch(32, 64, 64, 1, 1), gate_tile=64,
-                          gate_programs=4096,
-                          norm_bwd=NormLaunch(4, 4, 4096, 4096)),
+                          gate_programs=4096, norm_bwd=NormLaunch(4, 4, 4096, 4096)),
     "gpu": Tuning("gpu", chunk_fwd=64, chunk_bwd=64, chunks_per_run=16, longest_run=64, state_wave=512,
-                  state_tile=64, bwd_one_run_tile=32, summary_tile=(64, 128), bwd_state_tiles=(64, 64, 64), group_wave=256, heads_per_output=1,
+                  state_tile=64, bwd_one_run_tile=32, summary_tile=(64, 128), bwd_state_tiles=(64, 64, 64),
+                  group_wave=256, heads_per_output=1,
                   launch=dict(cumsum=dict(num_warps=1), state=dict(num_warps=4, num_stages=2),
                               summary=dict(num_warps=4, num_stages=3),
                               output=dict(num_warps=4, num_stages=1, maxnreg=168),

@@ -903,22 +903,22 @@ def _state_pass_kernel(
     n_p_tiles: tl.constexpr, n_n_tiles: tl.constexpr, heads_per_group: tl.constexpr,
     stride_head, stride_group, stride_seq,
     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-    HAS_SEQ: tl.constexpr, REVERSE: tl.constexpr, HAS_EDGE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_SEQ: tl.constexpr, REVERSE: tl.constexpr, HAS_EDGE: tl.constexpr, STORE_GAMMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """One run of one (batch, head, state tile), from zero, or with HAS_EDGE from the value at the
     run's edge (edge_ptr): walk its chunks carrying a (BP, BN) value V, store V as each chunk
     meets it, then  V <- decay V + sum_j w_j h_j g_j^T  (h the per-head operand, g the per-group
     one). Forward (x, B): chunks in order, V the state entering a chunk, w_j = w_dec_j dt'_j.
     REVERSE (dy, C): chunks last to first, V the gradient arriving at a chunk's exit, w_i = e_i.
-    Also store per chunk the decay from the run's edge (gamma(c), from its entry to c's, what the
-    forward folds with), and what is left at the run's far edge (from zero: its summary S_ext, or
-    G, the pull of its outputs on its entry) and its decay a. From zero, chunk c's true entry
-    state is states(c) + gamma(c) S_entry."""
+    Also store what is left at the run's far edge (from zero: its summary S_ext, or G, the pull
+    of its outputs on its entry) and its decay a; with STORE_GAMMA (the forward's pass from
+    zero), per chunk the decay from the run's entry to the chunk's, gamma(c): from zero, chunk
+    c's true entry state is states(c) + gamma(c) S_entry."""
     # first_tile: one program per head writes the decays
     run, b, h, g, offs_p, offs_n, mask_pn, first_tile = _run_program(nheads, headdim, dstate, n_p_tiles, n_n_tiles,
                                                                      heads_per_group, BP, BN)
-    b64 = b.to(tl.int64)
-    run_slot = b64 * tl.cdiv(nchunks, chunks_per_run) + run
+    run_slot = _run_slot(b, run, nchunks, chunks_per_run)
 
     V = tl.zeros((BP, BN), dtype=tl.float32)                                      # (BP, BN)
     if HAS_EDGE:
@@ -930,17 +930,19 @@ def _state_pass_kernel(
     c_end = tl.minimum(c_first + chunks_per_run, nchunks)
     for i in range(c_end - c_first):
         c = c_end - 1 - i if REVERSE else c_first + i
-        tl.store(chunk_ptr + _state_tile(b64 * nchunks + c, h, offs_p, offs_n, nheads, headdim, dstate),
+        chunk_slot = _chunk_slot(b, c, seqlen, Q)
+        tl.store(chunk_ptr + _state_tile(chunk_slot, h, offs_p, offs_n, nheads, headdim, dstate),
                  V.to(chunk_ptr.dtype.element_ty), mask=mask_pn)
-        tl.store(decay_ptr + _slot_head(b64 * nchunks + c, h, nheads), _selected_exp(alive, log_decay),
-                 mask=first_tile)
+        if STORE_GAMMA:
+            tl.store(decay_ptr + _slot_head(chunk_slot, h, nheads), _selected_exp(alive, log_decay),
+                     mask=first_tile)
         dt, e, w_dec, decay, hi, lo, seq, total, continues = _chunk_decays(
             cums, seq_ptr, stride_seq, b, h, c, seqlen, nheads, Q, HAS_SEQ)
         w = e if REVERSE else w_dec * dt                                           # (Q,)
         log_decay += total
         alive = alive & continues
-        hw, gt = _weighted_operands(head_ptr, group_ptr, stride_head, stride_group, b64, h, g, c, w, seqlen, offs_p,
-                                    offs_n, headdim, dstate, Q)                    # (Q, BP), (Q, BN)
+        hw, gt = _weighted_operands(head_ptr, group_ptr, stride_head, stride_group, b.to(tl.int64), h, g, c, w,
+                                    seqlen, offs_p, offs_n, headdim, dstate, Q)    # (Q, BP), (Q, BN)
         V = decay * V + tl.dot(tl.trans(hw), gt, input_precision=DOT_PRECISION)   # (BP, BN)
 
     tl.store(a_ptr + _slot_head(run_slot, h, nheads), _selected_exp(alive, log_decay), mask=first_tile)
@@ -954,23 +956,24 @@ def _per_run(plan, dev):
             torch.empty(plan.batch, plan.nruns, plan.nheads, device=dev, dtype=torch.float32))
 
 
-def _state_pass(head_in, group_in, ssd, plan, reverse, run_edge=None):
+def _state_pass(head_in, group_in, ssd, plan, reverse, run_edge=None, gamma=False):
     """Every run from zero, or from its edge value run_edge (b, nruns, h, p, n) fp32, forward
     (head_in = x, group_in = B) or reverse (dy, C): per chunk the carried value
-    (b, nchunks, h, p, n) and decay (b, nchunks, h); per run what is left (b, nruns, h, p, n)
-    and its decay a (b, nruns, h)."""
+    (b, nchunks, h, p, n) and, with gamma, its decay from the run's entry (b, nchunks, h), else
+    None; per run what is left (b, nruns, h, p, n) and its decay a (b, nruns, h)."""
     dev = head_in.device
     per_chunk = torch.empty(plan.batch, plan.nchunks, plan.nheads, plan.headdim, plan.dstate, device=dev,
                             dtype=plan.state_dtype)
-    decay = torch.empty(plan.batch, plan.nchunks, plan.nheads, device=dev, dtype=torch.float32)
+    decay = torch.empty(plan.batch, plan.nchunks, plan.nheads, device=dev, dtype=torch.float32) if gamma else None
     left, a = _per_run(plan, dev)
     _state_pass_kernel[(plan.nruns * plan.n_p_tiles * plan.n_n_tiles, plan.batch * plan.nheads)](
-        head_in, group_in, ssd.cums, ssd.seq_idx, left if run_edge is None else run_edge, per_chunk, decay, left, a,
+        head_in, group_in, ssd.cums, ssd.seq_idx, left if run_edge is None else run_edge, per_chunk,
+        a if decay is None else decay, left, a,
         plan.seqlen, plan.nheads, plan.headdim, plan.dstate, plan.nchunks, plan.chunks_per_run, plan.n_p_tiles,
         plan.n_n_tiles, plan.heads_per_group, _BLHP(*head_in.stride()), _BLGN(*group_in.stride()),
         _ZERO_BL if ssd.seq_idx is None else _BL(*ssd.seq_idx.stride()),
         Q=plan.Q, BP=plan.BP_state, BN=plan.BN_state, REVERSE=reverse, HAS_EDGE=run_edge is not None,
-        DOT_PRECISION=plan.state_precision, **plan.launch.get("state", {}), **plan.flags)
+        STORE_GAMMA=gamma, DOT_PRECISION=plan.state_precision, **plan.launch.get("state", {}), **plan.flags)
     return per_chunk, decay, left, a
 
 
@@ -1147,7 +1150,7 @@ class Summary:
     the entry state. Its affine summary S_out = a * S_entry + S_ext (fp32) is `affine()`."""
 
     def __init__(self, ssd, plan):
-        self.states, self.gamma, self.run_ext, self.run_a = _state_pass(ssd.x, ssd.B, ssd, plan, False)
+        self.states, self.gamma, self.run_ext, self.run_a = _state_pass(ssd.x, ssd.B, ssd, plan, False, gamma=True)
         self.plan = plan
 
     def affine(self):
@@ -1230,7 +1233,7 @@ def _run_summary_kernel(
                                     offs_n, headdim, dstate, Q)                    # (Q, BP), (Q, BN)
         S = tl.dot(tl.trans(hw), gt, acc=S, input_precision=DOT_PRECISION)        # (BP, BN)
 
-    run_slot = b64 * tl.cdiv(nchunks, chunks_per_run) + run
+    run_slot = _run_slot(b, run, nchunks, chunks_per_run)
     tl.store(a_ptr + _slot_head(run_slot, h, nheads), _selected_exp(alive, log_far), mask=first_tile)
     tl.store(sum_ptr + _state_tile(run_slot, h, offs_p, offs_n, nheads, headdim, dstate), S, mask=mask_pn)
 
@@ -1810,8 +1813,13 @@ def _chunk_slot(b, c, seqlen, Q: tl.constexpr):
 @triton.jit
 def _chunk_slots(b, c, seqlen, chunks_per_run, Q: tl.constexpr):
     """Chunk c of batch row b: its slot in the chunk buffers and its run's in the run buffers."""
-    nruns = tl.cdiv(tl.cdiv(seqlen, Q), chunks_per_run)
-    return _chunk_slot(b, c, seqlen, Q), b.to(tl.int64) * nruns + c // chunks_per_run
+    return _chunk_slot(b, c, seqlen, Q), _run_slot(b, c // chunks_per_run, tl.cdiv(seqlen, Q), chunks_per_run)
+
+
+@triton.jit
+def _run_slot(b, run, nchunks, chunks_per_run):
+    """Run `run` of batch row b: its slot in the run buffers."""
+    return b.to(tl.int64) * tl.cdiv(nchunks, chunks_per_run) + run
 
 
 @triton.jit

@@ -1183,13 +1183,15 @@ def test_a_short_backward_runs_once_on_smaller_tiles(tuned):
             assert_close(run_both(ssd_inputs(SMALL, 5, **OPTIONS["all"])), FP32_BOUND)
 
 
-def test_run_summaries_against_oracle():
+def test_run_summaries_against_oracle(tuned):
     """Each run's summary, as the backward forms it in one product over the run's tokens
     (_run_summary_kernel), against the token loop on the run's tokens alone: S_ext, the exit
     state from a zero entry; G, the pull of the run's outputs on its entry (the gradient of
     sum(y dy) with respect to initial_states); a, the run's decay. Runs of 2 chunks of 16 over
-    150 tokens, the last one partial; documents start mid-chunk, at a run's first token (whose
-    entry then reaches nothing: G = 0, a = 0) and at a chunk's first token inside a run."""
+    150 tokens (on a GPU too: the interpreter's tuning with runs of 2), the last one partial;
+    documents start mid-chunk, at a run's first token (whose entry then reaches nothing: G = 0,
+    a = 0) and at a chunk's first token inside a run."""
+    tuned(dataclasses.replace(mamba_cp.TUNINGS["interpreter"], chunks_per_run=2, longest_run=2))
     shape = Shape(batch=2, seqlen=150, nheads=4, headdim=8, ngroups=2, dstate=16, chunk=16)
     inputs = ssd_inputs(shape, 21, seq_idx=[20, 64, 80, 131], dt_softplus=True, dt_bias=True)
     x, dt, A, B, C, dt_bias, seq = (inputs[k] for k in ("x", "dt", "A", "B", "C", "dt_bias", "seq_idx"))

@@ -882,7 +882,7 @@ def _run_program(nheads, headdim, dstate, n_p_tiles, n_n_tiles, heads_per_group,
 
 
 @triton.jit
-def _weighted_operands(head_ptr, group_ptr, stride_head, stride_group, b64, h, g, c, w, seqlen, offs_p, offs_n,
+def _weighted_operands(head_ptr, group_ptr, stride_head, stride_group, b, h, g, c, w, seqlen, offs_p, offs_n,
                        headdim, dstate, Q: tl.constexpr):
     """Chunk c's operands of a state-pass step, hw (Q, BP) and g (Q, BN), whose product hw^T g
     is sum_j w_j h_j g_j^T: h the per-head operand weighted by w (Q,), rounded to g's dtype."""
@@ -890,6 +890,7 @@ def _weighted_operands(head_ptr, group_ptr, stride_head, stride_group, b64, h, g
     offs_q = tl.arange(0, Q)
     t64 = (start + offs_q).to(tl.int64)
     valid = start + offs_q < seqlen
+    b64 = b.to(tl.int64)
     ht = _load_tile(head_ptr, stride_head, b64, t64, h, offs_p, valid[:, None] & (offs_p[None, :] < headdim))
     gt = _load_tile(group_ptr, stride_group, b64, t64, g, offs_n, valid[:, None] & (offs_n[None, :] < dstate))
     return (ht.to(tl.float32) * w[:, None]).to(gt.dtype), gt
@@ -941,8 +942,8 @@ def _state_pass_kernel(
         w = e if REVERSE else w_dec * dt                                           # (Q,)
         log_decay += total
         alive = alive & continues
-        hw, gt = _weighted_operands(head_ptr, group_ptr, stride_head, stride_group, b.to(tl.int64), h, g, c, w,
-                                    seqlen, offs_p, offs_n, headdim, dstate, Q)    # (Q, BP), (Q, BN)
+        hw, gt = _weighted_operands(head_ptr, group_ptr, stride_head, stride_group, b, h, g, c, w, seqlen, offs_p,
+                                    offs_n, headdim, dstate, Q)                    # (Q, BP), (Q, BN)
         V = decay * V + tl.dot(tl.trans(hw), gt, input_precision=DOT_PRECISION)   # (BP, BN)
 
     tl.store(a_ptr + _slot_head(run_slot, h, nheads), _selected_exp(alive, log_decay), mask=first_tile)
@@ -1214,7 +1215,6 @@ def _run_summary_kernel(
     and never rescales what it has summed: the tensor cores pipeline it."""
     run, b, h, g, offs_p, offs_n, mask_pn, first_tile = _run_program(nheads, headdim, dstate, n_p_tiles, n_n_tiles,
                                                                      heads_per_group, BP, BN)
-    b64 = b.to(tl.int64)
 
     S = tl.zeros((BP, BN), dtype=tl.float32)                                      # (BP, BN)
     log_far = tl.zeros((), dtype=tl.float64)          # from this chunk's far edge to the run's
@@ -1229,7 +1229,7 @@ def _run_summary_kernel(
         w = tl.where(w != 0.0, w * _selected_exp(alive, log_far), 0.0)            # to the run's
         log_far += total
         alive = alive & continues
-        hw, gt = _weighted_operands(head_ptr, group_ptr, stride_head, stride_group, b64, h, g, c, w, seqlen, offs_p,
+        hw, gt = _weighted_operands(head_ptr, group_ptr, stride_head, stride_group, b, h, g, c, w, seqlen, offs_p,
                                     offs_n, headdim, dstate, Q)                    # (Q, BP), (Q, BN)
         S = tl.dot(tl.trans(hw), gt, acc=S, input_precision=DOT_PRECISION)        # (BP, BN)
 

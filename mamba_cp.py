@@ -522,7 +522,10 @@ def _conv_launch(tokens, dim, batch, launch, has_bias, has_halo, has_seq, silu):
     """A conv launch over `tokens` tokens of `dim` channels (launch: a ConvLaunch): its grid, tokens
     per strip S, and constexprs, no larger than the tensor needs. Cached: it runs every launch."""
     M, BC = launch.strips, min(launch.channels, max(16, _next_pow2(dim)))
-    S = max(1, min(launch.tokens, _cdiv(tokens, M)))
+    S = launch.tokens
+    while S > launch.unroll and _cdiv(tokens, M * S) * _cdiv(dim, BC) * batch < launch.programs:
+        S //= 2
+    S = max(1, min(S, _cdiv(tokens, M)))
     flags = dict(M=M, BC=BC, U=launch.unroll, num_warps=launch.warps, HAS_BIAS=has_bias, HAS_HALO=has_halo,
                  HAS_SEQ=has_seq, HAS_HALO_SEQ=has_seq and has_halo,     # without a halo its ids don't matter
                  SILU=silu, FAST=not INTERPRET)
@@ -1857,7 +1860,9 @@ def _pow2(v, lo=16):
 
 # A conv program walks `strips` strips of `tokens` consecutive tokens side by side (one tile)
 # over `channels` channels with `warps` warps, loading `unroll` tokens of each strip per step.
-ConvLaunch = collections.namedtuple("ConvLaunch", "strips channels tokens unroll warps")
+# Strips are halved (down to `unroll` tokens) while the launch has fewer than `programs` programs:
+# a short sequence's conv would otherwise be one thin wave of long chains of loads.
+ConvLaunch = collections.namedtuple("ConvLaunch", "strips channels tokens unroll warps programs", defaults=(1,))
 # The gated RMSNorm's backward: `rows` token rows a tile, `warps` warps, about `programs` programs,
 # but at most `partials` along the tokens: each writes its own row of the weight's gradient (dim
 # floats), summed after; one norm group of all channels would otherwise write one row a token.
@@ -1896,7 +1901,8 @@ class Tuning:
 # backward of at most 64 chunks as one run on tiles of 32 where those keep 512, the run
 # summaries on (64, 128) tiles, and 3 stages in them and in the group and BC kernels (measured
 # on an H100); a group's heads split over 2, 4, ... group-kernel programs while chunks x groups
-# fall short of 256 (one group of many heads at a few thousand tokens: granite-4.0-h's 48).
+# fall short of 256 (one group of many heads at a few thousand tokens: granite-4.0-h's 48); the
+# conv's strips shortened below 768 and 1536 programs (at 2k and 4k tokens: measured on an H100).
 TUNED_KERNELS = ("cumsum", "state", "summary", "output", "bwd_group", "bwd_bc", "bwd_x")  # with launch options
 TUNINGS = {
     "interpreter": Tuning("interpreter", chunk_fwd=64, chunk_bwd=64, chunks_per_run=2, longest_run=2, state_wave=1,
@@ -1912,7 +1918,8 @@ TUNINGS = {
                               output=dict(num_warps=4, num_stages=1, maxnreg=168),
                               bwd_group=dict(num_warps=4, num_stages=3), bwd_bc=dict(num_warps=4, num_stages=3),
                               bwd_x=dict(num_warps=4, num_stages=1, maxnreg=128)),
-                  scan_block=1024, conv_fwd=ConvLaunch(1, 256, 128, 8, 2), conv_bwd=ConvLaunch(1, 128, 256, 8, 1),
+                  scan_block=1024, conv_fwd=ConvLaunch(1, 256, 128, 8, 2, programs=768),
+                  conv_bwd=ConvLaunch(1, 128, 256, 8, 1, programs=1536),
                   gate_tile=4096, gate_programs=4096, norm_bwd=NormLaunch(1, 4, 16384, 2048)),
 }
 _TUNING = [TUNINGS["interpreter" if INTERPRET else "gpu"]]      # the one in use: where the kernels run

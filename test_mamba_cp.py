@@ -1987,11 +1987,13 @@ def test_conv_small_tiles_many_programs(tuned):
 
 
 def test_conv_gpu_tiles(tuned):
-    """The GPU's conv launches (one run a program, its channel tile and unroll) in the
-    interpreter, with runs cut to 32 rows so that a row of 77 tokens and a halo spans programs."""
-    gpu = mamba_cp.TUNINGS["gpu"]
-    tuned(dataclasses.replace(gpu, conv_fwd=gpu.conv_fwd._replace(tokens=32), conv_bwd=gpu.conv_bwd._replace(tokens=32)))
-    assert mamba_cp._conv_launch(3 + 77, 40, 1, mamba_cp.tuning().conv_bwd, True, True, True, True)[0][0] == 3
+    """The GPU's conv launches (one strip a program, its channel tile and unroll) in the
+    interpreter. So few programs would be one thin wave on a GPU: the strips halve down to the
+    unroll, 8 tokens, and a row of 77 tokens and a halo spans 10 programs each way."""
+    tuned("gpu")
+    for launch, tokens in ((mamba_cp.tuning().conv_fwd, 77), (mamba_cp.tuning().conv_bwd, 3 + 77)):
+        grid, strip, _ = mamba_cp._conv_launch(tokens, 40, 1, launch, True, True, True, True)
+        assert (grid, strip) == ((10, 1, 1), 8)
     inp, dout = conv_inputs(CONV_SMALL, 3, halo=True, bias=True, starts=CONV_STARTS["mixed"])
     conv_check(inp, dout)
 

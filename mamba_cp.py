@@ -1871,7 +1871,8 @@ NormLaunch = collections.namedtuple("NormLaunch", "rows warps programs partials"
 
 @dataclasses.dataclass(frozen=True)
 class Tuning:
-    """The launch choices, the same results under any of them."""
+    """The launch choices: the same results under any of them, up to rounding (on a GPU, conv
+    strips side by side with document ids round a few bf16 values of dxBC the other way)."""
     name: str
     chunk_fwd: int                      # kernel chunk lengths (may be shorter than the caller's)
     chunk_bwd: int

@@ -1903,7 +1903,8 @@ class Tuning:
 # summaries on (64, 128) tiles, and 3 stages in them and in the group and BC kernels (measured
 # on an H100); a group's heads split over 2, 4, ... group-kernel programs while chunks x groups
 # fall short of 256 (one group of many heads at a few thousand tokens: granite-4.0-h's 48); the
-# conv's strips shortened below 768 and 1536 programs (at 2k and 4k tokens: measured on an H100).
+# conv's strips shortened below 768 and 1536 programs (at 2k and 4k tokens), and at most 1024 rows
+# of the gated RMSNorm's weight-gradient partials (measured on an H100).
 TUNED_KERNELS = ("cumsum", "state", "summary", "output", "bwd_group", "bwd_bc", "bwd_x")  # with launch options
 TUNINGS = {
     "interpreter": Tuning("interpreter", chunk_fwd=64, chunk_bwd=64, chunks_per_run=2, longest_run=2, state_wave=1,
@@ -1921,7 +1922,7 @@ TUNINGS = {
                               bwd_x=dict(num_warps=4, num_stages=1, maxnreg=128)),
                   scan_block=1024, conv_fwd=ConvLaunch(1, 256, 128, 8, 2, programs=768),
                   conv_bwd=ConvLaunch(1, 128, 256, 8, 1, programs=1536),
-                  gate_tile=4096, gate_programs=4096, norm_bwd=NormLaunch(1, 4, 16384, 2048)),
+                  gate_tile=4096, gate_programs=4096, norm_bwd=NormLaunch(1, 4, 16384, 1024)),
 }
 _TUNING = [TUNINGS["interpreter" if INTERPRET else "gpu"]]      # the one in use: where the kernels run
 

@@ -970,6 +970,7 @@ def _state_pass(head_in, group_in, ssd, plan, reverse, run_edge=None, gamma=Fals
                             dtype=plan.state_dtype)
     decay = torch.empty(plan.batch, plan.nchunks, plan.nheads, device=dev, dtype=torch.float32) if gamma else None
     left, a = _per_run(plan, dev)
+    # a pointer the kernel never touches (no edge to read, no gamma to store) gets a buffer of this call
     _state_pass_kernel[(plan.nruns * plan.n_p_tiles * plan.n_n_tiles, plan.batch * plan.nheads)](
         head_in, group_in, ssd.cums, ssd.seq_idx, left if run_edge is None else run_edge, per_chunk,
         a if decay is None else decay, left, a,

@@ -24,6 +24,7 @@ renamed). The project never imports it.
 """
 
 import argparse
+import functools
 import gc
 import json
 import statistics
@@ -40,16 +41,30 @@ CPU_SHAPE = dict(nheads=4, headdim=16, ngroups=2, dstate=16, d_conv=4, chunk=16,
 GPU_SHAPE = dict(common.RECORD, lengths="4096,16384,65536")
 
 
-def busy():
-    """Hold the GPU for ~20 ms (a sleep kernel) so that what follows is only enqueued while the host is timed."""
+def busy(wake=True):
+    """Hold the GPU for ~20 ms (a sleep kernel) so that what follows is only enqueued while the host is timed.
+    With wake, then run one tiny backward: torch runs a CUDA backward on its autograd engine's own
+    thread, which falls asleep while the host waits here, and waking it costs the next backward a
+    fixed fraction of a millisecond on some hosts (torch's own, too: host_profile.py prints it). A
+    training step pays that once, in its first backward, not once per layer: it is not the call's."""
     torch.cuda.synchronize()
     torch.cuda._sleep(40_000_000)
+    if wake:
+        leaf = _leaf()
+        torch.autograd.grad(leaf.sum(), [leaf])
 
 
-def host_ms(fn, idle=False):
+@functools.cache
+def _leaf():
+    """busy()'s small CUDA leaf."""
+    return torch.zeros(8, device="cuda", requires_grad=True)
+
+
+def host_ms(fn, idle=False, wake=True):
     """The host's time to enqueue one call: with the GPU held busy first (nothing the call launches
-    waits on the GPU), or with idle, after a synchronize (the GPU runs each kernel as it comes)."""
-    (torch.cuda.synchronize if idle else busy)()
+    waits on the GPU; wake: busy()'s), or with idle, after a synchronize (the GPU runs each kernel
+    as it comes)."""
+    torch.cuda.synchronize() if idle else busy(wake)
     t0 = time.perf_counter()
     fn()
     t = (time.perf_counter() - t0) * 1e3

@@ -5,6 +5,7 @@ mixer entry (mamba_split_conv1d_scan_combined, z gate), forward and forward+back
 
 Per call and phase: the latency eager and as a CUDA-graph replay (p50, a synchronize before
 each), the host's time to enqueue it (p50, the GPU held busy by a sleep kernel first, or idle),
+with torch's autograd thread awake (against.busy: its wake is a step's, not a call's; also printed),
 and the kernels it runs on the GPU. Then, for the entry's forward+backward at the first length:
 a few torch operations' host cost; each Triton launch's through Triton's `kernel[grid]`, through
 mamba_cp's `_Launched` and through the compiled launcher alone; the call's host time with every
@@ -32,9 +33,9 @@ def p50(values):
     return statistics.median(values)
 
 
-def host_ms(fn, iters, idle=False):
-    """p50 of against.host_ms(fn, idle) over iters calls after three."""
-    return p50([enqueue_ms(fn, idle) for _ in range(iters + 3)][3:])
+def host_ms(fn, iters, idle=False, wake=True):
+    """p50 of against.host_ms(fn, idle, wake) over iters calls after three."""
+    return p50([enqueue_ms(fn, idle, wake) for _ in range(iters + 3)][3:])
 
 
 def gpu_kernels(fn):
@@ -121,8 +122,14 @@ def main():
             print(f"L={L:>6} {call:>5} {phase:>6}: eager {eager:.3f} ms, graphed {graphed:.3f} ms "
                   f"({eager / graphed:.2f}x), host {host:.3f} ms (GPU idle {idle:.3f}) for {kernels} GPU kernels "
                   f"({triton_kernels} Triton): {1e3 * host / kernels:.0f} us a kernel", flush=True)
+    leaf = torch.randn(1000, device="cuda", requires_grad=True)
+    tiny = lambda: torch.autograd.grad((leaf * 2).sum(), [leaf])      # noqa: E731
     fn = common.steps(mamba_cp, args, args.lengths[0], "cuda", ("entry",))["entry", "fwdbwd"]
     fn()
+    print(f"\n# the autograd thread's wake (against.busy): host ms with it awake / asleep, torch's own (x * 2).sum() "
+          f"backward {host_ms(tiny, args.iters):.3f} / {host_ms(tiny, args.iters, wake=False):.3f}, the entry's "
+          f"forward+backward at L={args.lengths[0]} {host_ms(fn, args.iters):.3f} / "
+          f"{host_ms(fn, args.iters, wake=False):.3f}")
     print("\n# torch host operations, us:", {k: round(v, 1) for k, v in torch_costs().items()})
     print(f"\n# each Triton launch of the entry's forward+backward at L={args.lengths[0]}, host us p50 "
           f"(triton: kernel[grid] through Triton; module: mamba_cp's launch; launcher: the compiled launcher alone)")

@@ -812,9 +812,19 @@ def _seq_ids(seq_ptr, stride_seq, b, start, seqlen, Q: tl.constexpr):
 
 
 @triton.jit
-def _chunk_decays(cums, seq_ptr, stride_seq, b, h, c, seqlen, nheads, Q: tl.constexpr, HAS_SEQ: tl.constexpr):
+def _chunk_last(cums, b, h, c, seqlen, nheads, Q: tl.constexpr):
+    """Chunk c's cs at its last token, its whole sum, as the float32 pair (hi, lo): past the
+    sequence's end dt' = 0 and cs stays."""
+    base = _cums_row(cums, b.to(tl.int64) * tl.cdiv(seqlen, Q) + c, h, nheads, Q)
+    return tl.load(base + 2 * Q - 1), tl.load(base + 3 * Q - 1)
+
+
+@triton.jit
+def _chunk_decays(cums, seq_ptr, stride_seq, b, h, c, seqlen, nheads, Q: tl.constexpr, HAS_SEQ: tl.constexpr,
+                  last=None):
     """Every decay of chunk c of one head, from the call's dt' and cs (cums, _dt_cumsum_kernel's
-    buffer); a kernel's unused ones are removed as dead code:
+    buffer), with `last` its _chunk_last where the caller read it ahead (else None); a kernel's
+    unused ones are removed as dead code:
       dt'            (Q,) the processed dt
       e              (Q,) exp(cs_i), the entry state's decay to token i (0 for a new document)
       w_dec          (Q,) exp(cs_last - cs_j), token j's decay to the exit (0 if it never gets there)
@@ -827,8 +837,9 @@ def _chunk_decays(cums, seq_ptr, stride_seq, b, h, c, seqlen, nheads, Q: tl.cons
     offs_q = tl.arange(0, Q)
     dt = tl.load(base + offs_q)
     hi, lo = tl.load(base + Q + offs_q), tl.load(base + 2 * Q + offs_q)
-    # the last token's cs is the chunk's whole sum: past the sequence's end dt' = 0 and cs stays
-    hi_last, lo_last = tl.load(base + 2 * Q - 1), tl.load(base + 3 * Q - 1)
+    if last is None:
+        last = _chunk_last(cums, b, h, c, seqlen, nheads, Q)
+    hi_last, lo_last = last
     e = tl.exp(hi + lo)
     w_dec = tl.exp((hi_last - hi) + (lo_last - lo))
     decay = tl.exp(hi_last + lo_last)
@@ -885,17 +896,30 @@ def _run_program(nheads, headdim, dstate, n_p_tiles, n_n_tiles, heads_per_group,
 
 
 @triton.jit
-def _weighted_operands(head_ptr, group_ptr, stride_head, stride_group, b, h, g, c, w, seqlen, offs_p, offs_n,
-                       headdim, dstate, Q: tl.constexpr):
-    """Chunk c's operands of a state-pass step, hw (Q, BP) and g (Q, BN), whose product hw^T g
-    is sum_j w_j h_j g_j^T: h the per-head operand weighted by w (Q,), rounded to g's dtype."""
+def _chunk_tile(ptr, stride, b, i, c, seqlen, offs, dim, Q: tl.constexpr):
+    """Chunk c's (Q, C) tile of head or group i, channels offs (C,) of dim, zeros past the end."""
     start = c * Q
     offs_q = tl.arange(0, Q)
-    t64 = (start + offs_q).to(tl.int64)
     valid = start + offs_q < seqlen
-    b64 = b.to(tl.int64)
-    ht = _load_tile(head_ptr, stride_head, b64, t64, h, offs_p, valid[:, None] & (offs_p[None, :] < headdim))
-    gt = _load_tile(group_ptr, stride_group, b64, t64, g, offs_n, valid[:, None] & (offs_n[None, :] < dstate))
+    return _load_tile(ptr, stride, b.to(tl.int64), (start + offs_q).to(tl.int64), i, offs,
+                      valid[:, None] & (offs[None, :] < dim))
+
+
+@triton.jit
+def _read_ahead(head_ptr, stride_head, cums, b, h, c, seqlen, offs_p, headdim, nheads, Q: tl.constexpr):
+    """What a walk's step on chunk c loads into registers: the head's tile h (Q, BP) and the
+    chunk's _chunk_last. The walks load them a step early: the compiler copies a step's other
+    loads (the group's tile, the cs rows) ahead by itself, into shared memory, but issues these
+    late in the step before, so that each step waited on them."""
+    return (_chunk_tile(head_ptr, stride_head, b, h, c, seqlen, offs_p, headdim, Q),
+            _chunk_last(cums, b, h, c, seqlen, nheads, Q))
+
+
+@triton.jit
+def _weighted_operands(ht, group_ptr, stride_group, b, g, c, w, seqlen, offs_n, dstate, Q: tl.constexpr):
+    """Chunk c's operands of a state-pass step, hw (Q, BP) and g (Q, BN), whose product hw^T g
+    is sum_j w_j h_j g_j^T: h the per-head tile ht weighted by w (Q,), rounded to g's dtype."""
+    gt = _chunk_tile(group_ptr, stride_group, b, g, c, seqlen, offs_n, dstate, Q)
     return (ht.to(tl.float32) * w[:, None]).to(gt.dtype), gt
 
 
@@ -932,8 +956,15 @@ def _state_pass_kernel(
     alive = tl.full((), 1, tl.int1)                   # False once a document starts in between
     c_first = run * chunks_per_run
     c_end = tl.minimum(c_first + chunks_per_run, nchunks)
-    for i in range(c_end - c_first):
+    steps = c_end - c_first
+    ahead = _read_ahead(head_ptr, stride_head, cums, b, h, c_end - 1 if REVERSE else c_first, seqlen, offs_p, headdim,
+                        nheads, Q)
+    for i in range(steps):
         c = c_end - 1 - i if REVERSE else c_first + i
+        ht, last = ahead
+        j = tl.minimum(i + 1, steps - 1)                 # the next step's (the last step's: its own, unused)
+        ahead = _read_ahead(head_ptr, stride_head, cums, b, h, c_end - 1 - j if REVERSE else c_first + j, seqlen,
+                            offs_p, headdim, nheads, Q)
         chunk_slot = _chunk_slot(b, c, seqlen, Q)
         tl.store(chunk_ptr + _state_tile(chunk_slot, h, offs_p, offs_n, nheads, headdim, dstate),
                  V.to(chunk_ptr.dtype.element_ty), mask=mask_pn)
@@ -941,12 +972,11 @@ def _state_pass_kernel(
             tl.store(decay_ptr + _slot_head(chunk_slot, h, nheads), _selected_exp(alive, log_decay),
                      mask=first_tile)
         dt, e, w_dec, decay, hi, lo, seq, total, continues = _chunk_decays(
-            cums, seq_ptr, stride_seq, b, h, c, seqlen, nheads, Q, HAS_SEQ)
+            cums, seq_ptr, stride_seq, b, h, c, seqlen, nheads, Q, HAS_SEQ, last)
         w = e if REVERSE else w_dec * dt                                           # (Q,)
         log_decay += total
         alive = alive & continues
-        hw, gt = _weighted_operands(head_ptr, group_ptr, stride_head, stride_group, b, h, g, c, w, seqlen, offs_p,
-                                    offs_n, headdim, dstate, Q)                    # (Q, BP), (Q, BN)
+        hw, gt = _weighted_operands(ht, group_ptr, stride_group, b, g, c, w, seqlen, offs_n, dstate, Q)  # (Q, BP), (Q, BN)
         V = decay * V + tl.dot(tl.trans(hw), gt, input_precision=DOT_PRECISION)   # (BP, BN)
 
     tl.store(a_ptr + _slot_head(run_slot, h, nheads), _selected_exp(alive, log_decay), mask=first_tile)
@@ -1225,16 +1255,22 @@ def _run_summary_kernel(
     alive = tl.full((), 1, tl.int1)                   # False once a document starts in between
     c_first = run * chunks_per_run
     c_end = tl.minimum(c_first + chunks_per_run, nchunks)
-    for i in range(c_end - c_first):
+    steps = c_end - c_first
+    ahead = _read_ahead(head_ptr, stride_head, cums, b, h, c_first if REVERSE else c_end - 1, seqlen, offs_p, headdim,
+                        nheads, Q)
+    for i in range(steps):
         c = c_first + i if REVERSE else c_end - 1 - i
+        ht, last = ahead
+        j = tl.minimum(i + 1, steps - 1)                 # the next step's (the last step's: its own, unused)
+        ahead = _read_ahead(head_ptr, stride_head, cums, b, h, c_first + j if REVERSE else c_end - 1 - j, seqlen,
+                            offs_p, headdim, nheads, Q)
         dt, e, w_dec, decay, hi, lo, seq, total, continues = _chunk_decays(
-            cums, seq_ptr, stride_seq, b, h, c, seqlen, nheads, Q, HAS_SEQ)
+            cums, seq_ptr, stride_seq, b, h, c, seqlen, nheads, Q, HAS_SEQ, last)
         w = e if REVERSE else w_dec * dt                                           # (Q,) to c's far edge
         w = tl.where(w != 0.0, w * _selected_exp(alive, log_far), 0.0)            # to the run's
         log_far += total
         alive = alive & continues
-        hw, gt = _weighted_operands(head_ptr, group_ptr, stride_head, stride_group, b, h, g, c, w, seqlen, offs_p,
-                                    offs_n, headdim, dstate, Q)                    # (Q, BP), (Q, BN)
+        hw, gt = _weighted_operands(ht, group_ptr, stride_group, b, g, c, w, seqlen, offs_n, dstate, Q)  # (Q, BP), (Q, BN)
         S = tl.dot(tl.trans(hw), gt, acc=S, input_precision=DOT_PRECISION)        # (BP, BN)
 
     run_slot = _run_slot(b, run, nchunks, chunks_per_run)
@@ -1901,11 +1937,12 @@ class Tuning:
 # pays is programs per SM (4 warps, one head per output program, register caps where they buy a
 # program); runs of 16 chunks, doubled up to 64 while the state pass keeps 512 programs, and a
 # backward of at most 64 chunks as one run on tiles of 32 where those keep 512, the run
-# summaries on (64, 128) tiles, and 3 stages in them and in the group and BC kernels (measured
-# on an H100); a group's heads split over 2, 4, ... group-kernel programs while chunks x groups
-# fall short of 256 (one group of many heads at a few thousand tokens: granite-4.0-h's 48); the
-# conv's strips shortened below 768 and 1536 programs (at 2k and 4k tokens), and at most 1024 rows
-# of the gated RMSNorm's weight-gradient partials (measured on an H100).
+# summaries on (64, 128) tiles, and 3 stages in them, in the state pass (whose loads into
+# registers are read a step ahead: _read_ahead) and in the group and BC kernels (measured on an
+# H100); a group's heads split over 2, 4, ... group-kernel programs while chunks x groups fall
+# short of 256 (one group of many heads at a few thousand tokens: granite-4.0-h's 48); the conv's
+# strips shortened below 768 and 1536 programs (at 2k and 4k tokens), and at most 1024 rows of the
+# gated RMSNorm's weight-gradient partials (measured on an H100).
 TUNED_KERNELS = ("cumsum", "state", "summary", "output", "bwd_group", "bwd_bc", "bwd_x")  # with launch options
 TUNINGS = {
     "interpreter": Tuning("interpreter", chunk_fwd=64, chunk_bwd=64, chunks_per_run=2, longest_run=2, state_wave=1,
@@ -1916,7 +1953,7 @@ TUNINGS = {
     "gpu": Tuning("gpu", chunk_fwd=64, chunk_bwd=64, chunks_per_run=16, longest_run=64, state_wave=512,
                   state_tile=64, bwd_one_run_tile=32, summary_tile=(64, 128), bwd_state_tiles=(64, 64, 64),
                   group_wave=256, heads_per_output=1,
-                  launch=dict(cumsum=dict(num_warps=1), state=dict(num_warps=4, num_stages=2),
+                  launch=dict(cumsum=dict(num_warps=1), state=dict(num_warps=4, num_stages=3),
                               summary=dict(num_warps=4, num_stages=3),
                               output=dict(num_warps=4, num_stages=1, maxnreg=168),
                               bwd_group=dict(num_warps=4, num_stages=3), bwd_bc=dict(num_warps=4, num_stages=3),

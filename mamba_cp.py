@@ -962,7 +962,7 @@ def _state_pass_kernel(
     for i in range(steps):
         c = c_end - 1 - i if REVERSE else c_first + i
         ht, last = ahead
-        j = tl.minimum(i + 1, steps - 1)                 # the next step's (the last step's: its own, unused)
+        j = tl.minimum(i + 1, steps - 1)                 # the next step (the last re-reads its own chunk)
         ahead = _read_ahead(head_ptr, stride_head, cums, b, h, c_end - 1 - j if REVERSE else c_first + j, seqlen,
                             offs_p, headdim, nheads, Q)
         chunk_slot = _chunk_slot(b, c, seqlen, Q)
@@ -1261,7 +1261,7 @@ def _run_summary_kernel(
     for i in range(steps):
         c = c_first + i if REVERSE else c_end - 1 - i
         ht, last = ahead
-        j = tl.minimum(i + 1, steps - 1)                 # the next step's (the last step's: its own, unused)
+        j = tl.minimum(i + 1, steps - 1)                 # the next step (the last re-reads its own chunk)
         ahead = _read_ahead(head_ptr, stride_head, cums, b, h, c_first + j if REVERSE else c_end - 1 - j, seqlen,
                             offs_p, headdim, nheads, Q)
         dt, e, w_dec, decay, hi, lo, seq, total, continues = _chunk_decays(

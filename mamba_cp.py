@@ -896,6 +896,13 @@ def _run_program(nheads, headdim, dstate, n_p_tiles, n_n_tiles, heads_per_group,
 
 
 @triton.jit
+def _walk_chunk(i, c_first, c_end, FROM_END: tl.constexpr):
+    """The chunk of step i of a walk over the run's chunks c_first .. c_end - 1: in order, or
+    FROM_END from the last to the first."""
+    return c_end - 1 - i if FROM_END else c_first + i
+
+
+@triton.jit
 def _chunk_tile(ptr, stride, b, i, c, seqlen, offs, dim, Q: tl.constexpr):
     """Chunk c's (Q, C) tile of head or group i, channels offs (C,) of dim, zeros past the end."""
     start = c * Q
@@ -957,14 +964,14 @@ def _state_pass_kernel(
     c_first = run * chunks_per_run
     c_end = tl.minimum(c_first + chunks_per_run, nchunks)
     steps = c_end - c_first
-    ahead = _read_ahead(head_ptr, stride_head, cums, b, h, c_end - 1 if REVERSE else c_first, seqlen, offs_p, headdim,
-                        nheads, Q)
+    ahead = _read_ahead(head_ptr, stride_head, cums, b, h, _walk_chunk(0, c_first, c_end, REVERSE), seqlen, offs_p,
+                        headdim, nheads, Q)
     for i in range(steps):
-        c = c_end - 1 - i if REVERSE else c_first + i
+        c = _walk_chunk(i, c_first, c_end, REVERSE)
         ht, last = ahead
-        j = tl.minimum(i + 1, steps - 1)                 # the next step (the last re-reads its own chunk)
-        ahead = _read_ahead(head_ptr, stride_head, cums, b, h, c_end - 1 - j if REVERSE else c_first + j, seqlen,
-                            offs_p, headdim, nheads, Q)
+        ahead = _read_ahead(head_ptr, stride_head, cums, b, h,                    # the last step re-reads its own
+                            _walk_chunk(tl.minimum(i + 1, steps - 1), c_first, c_end, REVERSE), seqlen, offs_p,
+                            headdim, nheads, Q)
         chunk_slot = _chunk_slot(b, c, seqlen, Q)
         tl.store(chunk_ptr + _state_tile(chunk_slot, h, offs_p, offs_n, nheads, headdim, dstate),
                  V.to(chunk_ptr.dtype.element_ty), mask=mask_pn)
@@ -1256,14 +1263,15 @@ def _run_summary_kernel(
     c_first = run * chunks_per_run
     c_end = tl.minimum(c_first + chunks_per_run, nchunks)
     steps = c_end - c_first
-    ahead = _read_ahead(head_ptr, stride_head, cums, b, h, c_first if REVERSE else c_end - 1, seqlen, offs_p, headdim,
-                        nheads, Q)
+    FROM_END: tl.constexpr = not REVERSE              # from the run's far edge inward
+    ahead = _read_ahead(head_ptr, stride_head, cums, b, h, _walk_chunk(0, c_first, c_end, FROM_END), seqlen, offs_p,
+                        headdim, nheads, Q)
     for i in range(steps):
-        c = c_first + i if REVERSE else c_end - 1 - i
+        c = _walk_chunk(i, c_first, c_end, FROM_END)
         ht, last = ahead
-        j = tl.minimum(i + 1, steps - 1)                 # the next step (the last re-reads its own chunk)
-        ahead = _read_ahead(head_ptr, stride_head, cums, b, h, c_first + j if REVERSE else c_end - 1 - j, seqlen,
-                            offs_p, headdim, nheads, Q)
+        ahead = _read_ahead(head_ptr, stride_head, cums, b, h,                    # the last step re-reads its own
+                            _walk_chunk(tl.minimum(i + 1, steps - 1), c_first, c_end, FROM_END), seqlen, offs_p,
+                            headdim, nheads, Q)
         dt, e, w_dec, decay, hi, lo, seq, total, continues = _chunk_decays(
             cums, seq_ptr, stride_seq, b, h, c, seqlen, nheads, Q, HAS_SEQ, last)
         w = e if REVERSE else w_dec * dt                                           # (Q,) to c's far edge

@@ -905,11 +905,8 @@ def _walk_chunk(i, c_first, c_end, FROM_END: tl.constexpr):
 @triton.jit
 def _chunk_tile(ptr, stride, b, i, c, seqlen, offs, dim, Q: tl.constexpr):
     """Chunk c's (Q, C) tile of head or group i, channels offs (C,) of dim, zeros past the end."""
-    start = c * Q
-    offs_q = tl.arange(0, Q)
-    valid = start + offs_q < seqlen
-    return _load_tile(ptr, stride, b.to(tl.int64), (start + offs_q).to(tl.int64), i, offs,
-                      valid[:, None] & (offs[None, :] < dim))
+    _, _, t64, valid = _chunk_rows(c, seqlen, Q)
+    return _load_tile(ptr, stride, b.to(tl.int64), t64, i, offs, valid[:, None] & (offs[None, :] < dim))
 
 
 @triton.jit
@@ -1839,14 +1836,20 @@ def _load_tile(ptr, stride, b64, t64, i, offs, mask):
 
 
 @triton.jit
-def _chunk_tokens(c, seqlen, headdim, Q: tl.constexpr, BP: tl.constexpr):
-    """Chunk c's first token, its token offsets (Q,) and headdim offsets (BP,), the tokens' int64
-    positions, which of them exist, and the (Q, BP) mask of a head tile."""
+def _chunk_rows(c, seqlen, Q: tl.constexpr):
+    """Chunk c's first token, its token offsets (Q,), the tokens' int64 positions and which of
+    them exist."""
     start = c * Q
     offs_q = tl.arange(0, Q)
+    return start, offs_q, (start + offs_q).to(tl.int64), start + offs_q < seqlen
+
+
+@triton.jit
+def _chunk_tokens(c, seqlen, headdim, Q: tl.constexpr, BP: tl.constexpr):
+    """_chunk_rows, with the headdim offsets (BP,) and the (Q, BP) mask of a head tile."""
+    start, offs_q, t64, valid = _chunk_rows(c, seqlen, Q)
     offs_p = tl.arange(0, BP)
-    valid = start + offs_q < seqlen
-    return start, offs_q, offs_p, (start + offs_q).to(tl.int64), valid, valid[:, None] & (offs_p[None, :] < headdim)
+    return start, offs_q, offs_p, t64, valid, valid[:, None] & (offs_p[None, :] < headdim)
 
 
 # The per-chunk and per-run buffers are indexed by *slot*: b * nchunks + c for chunk c of batch

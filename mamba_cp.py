@@ -896,6 +896,14 @@ def _run_program(nheads, headdim, dstate, n_p_tiles, n_n_tiles, heads_per_group,
 
 
 @triton.jit
+def _run_chunks(run, nchunks, chunks_per_run):
+    """A run's chunks c_first .. c_end - 1, and how many (the last run may be short)."""
+    c_first = run * chunks_per_run
+    c_end = tl.minimum(c_first + chunks_per_run, nchunks)
+    return c_first, c_end, c_end - c_first
+
+
+@triton.jit
 def _walk_chunk(i, c_first, c_end, FROM_END: tl.constexpr):
     """The chunk of step i of a walk over the run's chunks c_first .. c_end - 1: in order, or
     FROM_END from the last to the first."""
@@ -958,9 +966,7 @@ def _state_pass_kernel(
                     other=0.0)
     log_decay = tl.zeros((), dtype=tl.float64)
     alive = tl.full((), 1, tl.int1)                   # False once a document starts in between
-    c_first = run * chunks_per_run
-    c_end = tl.minimum(c_first + chunks_per_run, nchunks)
-    steps = c_end - c_first
+    c_first, c_end, steps = _run_chunks(run, nchunks, chunks_per_run)
     ahead = _read_ahead(head_ptr, stride_head, cums, b, h, _walk_chunk(0, c_first, c_end, REVERSE), seqlen, offs_p,
                         headdim, nheads, Q)
     for i in range(steps):
@@ -1257,9 +1263,7 @@ def _run_summary_kernel(
     S = tl.zeros((BP, BN), dtype=tl.float32)                                      # (BP, BN)
     log_far = tl.zeros((), dtype=tl.float64)          # from this chunk's far edge to the run's
     alive = tl.full((), 1, tl.int1)                   # False once a document starts in between
-    c_first = run * chunks_per_run
-    c_end = tl.minimum(c_first + chunks_per_run, nchunks)
-    steps = c_end - c_first
+    c_first, c_end, steps = _run_chunks(run, nchunks, chunks_per_run)
     FROM_END: tl.constexpr = not REVERSE              # from the run's far edge inward
     ahead = _read_ahead(head_ptr, stride_head, cums, b, h, _walk_chunk(0, c_first, c_end, FROM_END), seqlen, offs_p,
                         headdim, nheads, Q)

@@ -918,11 +918,12 @@ def _chunk_tile(ptr, stride, b, i, c, seqlen, offs, dim, Q: tl.constexpr):
 
 
 @triton.jit
-def _read_ahead(head_ptr, stride_head, cums, b, h, c, seqlen, offs_p, headdim, nheads, Q: tl.constexpr):
+def _register_loads(head_ptr, stride_head, cums, b, h, c, seqlen, offs_p, headdim, nheads, Q: tl.constexpr):
     """What a walk's step on chunk c loads into registers: the head's tile h (Q, BP) and the
-    chunk's _chunk_last. The walks load them a step early: the compiler copies a step's other
-    loads (the group's tile, the cs rows) ahead by itself, into shared memory, but issues these
-    late in the step before, so that each step waited on them."""
+    chunk's _chunk_last. The state pass loads them a step early: the compiler copies a step's
+    other loads (the group's tile, the cs rows) ahead by itself, into shared memory, but issues
+    these late in the step before, so that each step waited on them. The run summaries load their
+    own step's: reading ahead there held more registers and ran slower (measured on an H100)."""
     return (_chunk_tile(head_ptr, stride_head, b, h, c, seqlen, offs_p, headdim, Q),
             _chunk_last(cums, b, h, c, seqlen, nheads, Q))
 
@@ -967,14 +968,14 @@ def _state_pass_kernel(
     log_decay = tl.zeros((), dtype=tl.float64)
     alive = tl.full((), 1, tl.int1)                   # False once a document starts in between
     c_first, c_end, steps = _run_chunks(run, nchunks, chunks_per_run)
-    ahead = _read_ahead(head_ptr, stride_head, cums, b, h, _walk_chunk(0, c_first, c_end, REVERSE), seqlen, offs_p,
-                        headdim, nheads, Q)
+    ahead = _register_loads(head_ptr, stride_head, cums, b, h, _walk_chunk(0, c_first, c_end, REVERSE), seqlen,
+                            offs_p, headdim, nheads, Q)
     for i in range(steps):
         c = _walk_chunk(i, c_first, c_end, REVERSE)
         ht, last = ahead
-        ahead = _read_ahead(head_ptr, stride_head, cums, b, h,                    # the last step re-reads its own
-                            _walk_chunk(tl.minimum(i + 1, steps - 1), c_first, c_end, REVERSE), seqlen, offs_p,
-                            headdim, nheads, Q)
+        ahead = _register_loads(head_ptr, stride_head, cums, b, h,                # the last step re-reads its own
+                                _walk_chunk(tl.minimum(i + 1, steps - 1), c_first, c_end, REVERSE), seqlen, offs_p,
+                                headdim, nheads, Q)
         chunk_slot = _chunk_slot(b, c, seqlen, Q)
         tl.store(chunk_ptr + _state_tile(chunk_slot, h, offs_p, offs_n, nheads, headdim, dstate),
                  V.to(chunk_ptr.dtype.element_ty), mask=mask_pn)
@@ -1265,14 +1266,9 @@ def _run_summary_kernel(
     alive = tl.full((), 1, tl.int1)                   # False once a document starts in between
     c_first, c_end, steps = _run_chunks(run, nchunks, chunks_per_run)
     FROM_END: tl.constexpr = not REVERSE              # from the run's far edge inward
-    ahead = _read_ahead(head_ptr, stride_head, cums, b, h, _walk_chunk(0, c_first, c_end, FROM_END), seqlen, offs_p,
-                        headdim, nheads, Q)
     for i in range(steps):
         c = _walk_chunk(i, c_first, c_end, FROM_END)
-        ht, last = ahead
-        ahead = _read_ahead(head_ptr, stride_head, cums, b, h,                    # the last step re-reads its own
-                            _walk_chunk(tl.minimum(i + 1, steps - 1), c_first, c_end, FROM_END), seqlen, offs_p,
-                            headdim, nheads, Q)
+        ht, last = _register_loads(head_ptr, stride_head, cums, b, h, c, seqlen, offs_p, headdim, nheads, Q)
         dt, e, w_dec, decay, hi, lo, seq, total, continues = _chunk_decays(
             cums, seq_ptr, stride_seq, b, h, c, seqlen, nheads, Q, HAS_SEQ, last)
         w = e if REVERSE else w_dec * dt                                           # (Q,) to c's far edge
@@ -1953,7 +1949,7 @@ class Tuning:
 # program); runs of 16 chunks, doubled up to 64 while the state pass keeps 512 programs, and a
 # backward of at most 64 chunks as one run on tiles of 32 where those keep 512, the run
 # summaries on (64, 128) tiles, and 3 stages in them, in the state pass (whose loads into
-# registers are read a step ahead: _read_ahead) and in the group and BC kernels (measured on an
+# registers are read a step ahead: _register_loads) and in the group and BC kernels (measured on an
 # H100); a group's heads split over 2, 4, ... group-kernel programs while chunks x groups fall
 # short of 256 (one group of many heads at a few thousand tokens: granite-4.0-h's 48); the conv's
 # strips shortened below 768 and 1536 programs (at 2k and 4k tokens), and at most 1024 rows of the

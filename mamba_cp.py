@@ -864,7 +864,10 @@ def _pair_decay(hi, lo, seq, Q: tl.constexpr, HAS_SEQ: tl.constexpr):
     if HAS_SEQ:
         causal = causal & (seq[:, None] == seq[None, :])
     diff = (hi[:, None] - hi[None, :]) + (lo[:, None] - lo[None, :])
-    return tl.exp(tl.where(causal, diff, float("-inf")))
+    # 2^x flushing subnormals (ex2.approx.ftz: 2 instructions an element where tl.exp takes 5, in
+    # kernels bound by their instruction issue): a decay below 2^-126 is exactly 0, where tl.exp
+    # and mamba_ssm keep it as a subnormal
+    return tl.math.exp2(tl.where(causal, diff, float("-inf")) * 1.4426950408889634)
 
 
 @triton.jit
@@ -1112,7 +1115,7 @@ def _output_fwd_kernel(
     stride_x, stride_B, stride_C, stride_D, stride_seq, stride_y, stride_z, stride_out,
     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
     HAS_D: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_ENTRY: tl.constexpr, HAS_Z: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FAST: tl.constexpr,
 ):
     """Outputs of one (chunk, batch, block of heads_per_program heads of one group, p-block):
     C.B is formed once and reused by the block's heads; then per head
@@ -1162,7 +1165,7 @@ def _output_fwd_kernel(
         if HAS_Z:           # the mixer's gate y silu(z) on the stored y, as a kernel after this one would
             z = _load_tile(z_ptr, stride_z, b64, t64, h, offs_p, mask_qp).to(tl.float32)
             tl.store(_tile_ptrs(out_ptr, stride_out, b64, t64, h, offs_p),
-                     (y.to(tl.float32) * (z * tl.sigmoid(z))).to(out_ptr.dtype.element_ty), mask=mask_qp)
+                     (y.to(tl.float32) * (z * _sigmoid(z, FAST))).to(out_ptr.dtype.element_ty), mask=mask_qp)
 
 
 def _D_strides(D):
@@ -1187,7 +1190,7 @@ def _output_fwd(ssd, states, gamma, run_entry, plan, y=None, gate=None):
         _ZERO_BL if ssd.seq_idx is None else _BL(*ssd.seq_idx.stride()),
         _BLHP(*y.stride()), _BLHP(*z.stride()), _BLHP(*out.stride()),
         Q=plan.Q, BP=plan.BP, BN=plan.BN, HAS_D=D is not None, HAS_ENTRY=run_entry is not None, HAS_Z=gate is not None,
-        DOT_PRECISION=plan.precision, **plan.launch.get("output", {}), **plan.flags)
+        DOT_PRECISION=plan.precision, FAST=not INTERPRET, **plan.launch.get("output", {}), **plan.flags)
     return y
 
 
@@ -1351,11 +1354,23 @@ def _tf32_split(a):
 
 
 @triton.jit
+def _operand_column(r):
+    """Which column of a (M, K) accumulator tile _exact_dot reads as its operand's column r: in
+    each 8 columns, a thread's accumulator holds columns 2l and 2l+1 and its tf32 operand
+    columns l and l+4 (the mma's register layouts), so reading them in that order moves nothing."""
+    return (r // 8) * 8 + (r % 4) * 2 + (r % 8) // 4
+
+
+@triton.jit
 def _exact_dot(a, b01):
     """a (M, K) float32 times b01 (K, N), a matrix of 0s and 1s, at float32's accuracy whatever
     the kernel's precision: two tensor-core products of a's split (b01 and hi are exact in tf32,
     lo loses at most 2^-11 of itself), each term within 2^-20 of itself: nothing cancels that the
-    exact sum would not cancel."""
+    exact sum would not cancel. a's columns are read in the operand's order: b01's row r must be
+    the row for a's column _operand_column(r)."""
+    M: tl.constexpr = a.shape[0]
+    K: tl.constexpr = a.shape[1]
+    a = tl.reshape(tl.permute(tl.reshape(a, (M, K // 8, 4, 2)), (0, 1, 3, 2)), (M, K))
     hi, lo = _tf32_split(a)
     return tl.dot(hi, b01, input_precision="tf32") + tl.dot(lo, b01, input_precision="tf32")
 
@@ -1404,37 +1419,39 @@ def _chunk_bwd_group_kernel(
     nheads = heads_per_group * ngroups
     chunk_slot = _chunk_slot(b, c, seqlen, Q)
 
-    CB = tl.zeros((Q, Q), dtype=tl.float32)                                        # C_i . B_j
+    # Every (Q, Q) tile here holds the pair (i, j) at [j, i], a row per earlier token: a head's
+    # dt' shares then sum along rows, within threads. The tiles are stored as the other kernels read them.
+    CB = tl.zeros((Q, Q), dtype=tl.float32)                                        # [j, i]: C_i . B_j
     for n0 in range(0, dstate, BN):
         offs_n = n0 + tl.arange(0, BN)
         mask_qn = valid[:, None] & (offs_n[None, :] < dstate)
         Cm = _load_tile(C_ptr, stride_C, b64, t64, g, offs_n, mask_qn)
         Bm = _load_tile(B_ptr, stride_B, b64, t64, g, offs_n, mask_qn)
-        CB += tl.dot(Cm, tl.trans(Bm), input_precision=DOT_PRECISION)
+        CB += tl.dot(Bm, tl.trans(Cm), input_precision=DOT_PRECISION)
     if s == 0:
-        tl.store(CB_ptr + _pair_tile(chunk_slot, g, ngroups, Q), CB)
+        tl.store(CB_ptr + _pair_tile(chunk_slot, g, ngroups, Q), tl.trans(CB))
 
-    before = (offs_q[:, None] < offs_q[None, :]).to(tl.float32)                   # (Q, Q) [j < k]
+    after = (_operand_column(offs_q)[:, None] >= offs_q[None, :]).to(tl.float32)  # (Q, Q) [i >= k], _exact_dot's rows
     dCB = tl.zeros((Q, Q), dtype=tl.float32)
     for hh in range(heads_per_group // SPLITS):
         h = g * heads_per_group + s * (heads_per_group // SPLITS) + hh
         dt, e, w_dec, decay, hi, lo, seq, total, continues = _chunk_decays(
             cums, seq_ptr, stride_seq, b, h, c, seqlen, nheads, Q, HAS_SEQ)
-        L = _pair_decay(hi, lo, seq, Q, HAS_SEQ)
+        L = tl.trans(_pair_decay(hi, lo, seq, Q, HAS_SEQ))                          # [j, i]
         x = _load_tile(x_ptr, stride_x, b64, t64, h, offs_p, mask_qp)              # (Q, BP)
         dy = _load_tile(dout_ptr, stride_do, b64, t64, h, offs_p, mask_qp).to(x.dtype)
-        dxyL = tl.dot(dy, tl.trans(x), input_precision=DOT_PRECISION) * L          # (Q, Q) (dy_i . x_j) L_ij
-        dCB += dxyL * dt[None, :]                                                  # this head's pull on C.B
+        dxyL = tl.dot(x, tl.trans(dy), input_precision=DOT_PRECISION) * L          # [j, i]: (dy_i . x_j) L_ij
+        dCB += dxyL * dt[:, None]                                                  # this head's pull on C.B
         dxyM = dxyL * CB
         at = _slot_head(chunk_slot, h, nheads) * Q + offs_q                            # this head's (Q,) slot
-        tl.store(ddt_pairs_ptr + at, tl.sum(dxyM, axis=0))
-        # d(dt'_k A) from the pairs i >= k > j that span k: a sum along j < k, as a product with
-        # the 0/1 matrix `before` on the tensor cores (in place of a scan along j), then a sum
-        # over i >= k. L is 0 off the causal pairs of one document, so V needs no mask, and the
+        tl.store(ddt_pairs_ptr + at, tl.sum(dxyM, axis=1))
+        # d(dt'_k A) from the pairs i >= k > j that span k: a sum along i >= k, as a product with
+        # the 0/1 matrix `after` on the tensor cores (in place of a scan along i), then a sum
+        # over j < k. L is 0 off the causal pairs of one document, so V needs no mask, and the
         # diagonal j = i never meets j < k <= i.
-        V = dxyM * dt[None, :]                                                     # (Q, Q) pair (i, j)
-        spans = _exact_dot(V, before)                                    # [i, k]: sum_{j<k} V_ij
-        tl.store(ddA_pairs_ptr + at, tl.sum(tl.where(offs_q[:, None] >= offs_q[None, :], spans, 0.0), axis=0))
+        V = dxyM * dt[:, None]                                                     # [j, i]: pair (i, j)
+        spans = _exact_dot(V, after)                                     # [j, k]: sum_{i>=k} V_ij
+        tl.store(ddA_pairs_ptr + at, tl.sum(tl.where(offs_q[:, None] < offs_q[None, :], spans, 0.0), axis=0))
         dD_at = part_ptr + chunk_slot * part_row + 2 * nheads
         if HAS_D and D_PER_CHANNEL:        # (h, p): sum over tokens of dy x, per channel
             tl.store(dD_at + h * headdim + offs_p,
@@ -1442,7 +1459,7 @@ def _chunk_bwd_group_kernel(
         elif HAS_D:                        # (h,): the trace of dy x^T, which dxyL holds (L_ii = 1)
             tl.store(dD_at + h,
                      tl.sum(tl.sum(tl.where(offs_q[:, None] == offs_q[None, :], dxyL, 0.0), axis=1), axis=0))
-    tl.store(dCB_ptr + _pair_tile(chunk_slot, split, ngroups * SPLITS, Q), dCB.to(dCB_ptr.dtype.element_ty))
+    tl.store(dCB_ptr + _pair_tile(chunk_slot, split, ngroups * SPLITS, Q), tl.trans(dCB).to(dCB_ptr.dtype.element_ty))
 
 
 @_Launched
@@ -1500,8 +1517,9 @@ def _chunk_bwd_BC_kernel(
         xdS = tl.dot(x, dS_out, input_precision=DOT_PRECISION)                     # (Q, BN) x_j^T dS_out
         dB += (w_dec * dt)[:, None] * xdS
         tl.store(dw_part_ptr + part * Q + offs_q, tl.sum(Bm.to(tl.float32) * xdS, axis=1))
-        from_entry = tl.dot((dy.to(tl.float32) * e[:, None]).to(x.dtype), S_in, input_precision=DOT_PRECISION)
-        dC += from_entry                                                           # (Q, BN)
+        # e scales the product's rows, as the output kernel scales C S_in: one rounding of dy fewer
+        from_entry = e[:, None] * tl.dot(dy.to(x.dtype), S_in, input_precision=DOT_PRECISION)  # (Q, BN)
+        dC += from_entry
         tl.store(ddA_entry_part_ptr + part * Q + offs_q, tl.sum(Cm.to(tl.float32) * from_entry, axis=1))
     tl.store(_tile_ptrs(dB_ptr, stride_dB, b64, t64, g, offs_n), dB.to(dB_ptr.dtype.element_ty), mask=mask_qn)
     tl.store(_tile_ptrs(dC_ptr, stride_dC, b64, t64, g, offs_n), dC.to(dC_ptr.dtype.element_ty), mask=mask_qn)

@@ -1052,7 +1052,7 @@ def _summary_scan_kernel(
         slot = b * count + (count - 1 - i if REVERSE else i)
         if HAS_CONT and not REVERSE:
             S *= tl.load(cont_ptr + slot)
-        tl.store(out_ptr + _slot_head(slot, h, nheads) * size + offs, S, mask=mask)
+        tl.store(out_ptr + _slot_head(slot, h, nheads) * size + offs, S.to(out_ptr.dtype.element_ty), mask=mask)
         a = tl.load(a_ptr + _slot_head(slot, h, nheads))
         S = a * S + tl.load(src_ptr + _slot_head(slot, h, nheads) * size + offs, mask=mask)
         if HAS_CONT and REVERSE:
@@ -1065,15 +1065,15 @@ def _f32(t):
     return t if t is None or t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous()
 
 
-def scan_summaries(src, a, start=None, cont=None, reverse=False):
-    """The exclusive scan over K summaries, all fp32. Forward (src = S_ext (b, K, h, p, n), a
+def scan_summaries(src, a, start=None, cont=None, reverse=False, out_dtype=torch.float32):
+    """The exclusive scan over K summaries, in fp32. Forward (src = S_ext (b, K, h, p, n), a
     (b, K, h), start the initial state (b, h, p, n) or None): the entry state of each
-    (b, K, h, p, n) and the exit state of the last (b, h, p, n). Reverse (src = G, start the
+    (b, K, h, p, n) in out_dtype and the exit state of the last (b, h, p, n) fp32. Reverse (src = G, start the
     final state's gradient): the gradient arriving at each one's exit and the initial state's
     gradient. cont (b, K) fp32 document-continuation flags or None."""
     b, K, h, p, n = src.shape
     src, a, start, cont = _f32(src), _f32(a), _f32(start), _f32(cont)
-    out = torch.empty_like(src)
+    out = torch.empty_like(src, dtype=out_dtype)
     end = torch.empty(b, h, p, n, device=src.device, dtype=torch.float32)
     whole = _next_pow2(p * n)
     BLOCK = min(tuning().scan_block or whole, whole)
@@ -1085,7 +1085,7 @@ def scan_summaries(src, a, start=None, cont=None, reverse=False):
 
 # What gives every chunk's true entry state in the forward, stored(c) + gamma(c) * run(r): what
 # the state pass stored from a zero run entry, (b, nchunks, h, p, n); gamma, (b, nchunks, h) fp32;
-# the runs' entry states, (b, nruns, h, p, n) fp32, or a stand-in. (The backward, which reads each
+# the runs' entry states, (b, nruns, h, p, n) in the state dtype (or fp32), or a stand-in. (The backward, which reads each
 # state twice and with its exit gradient too, walks the runs again from their true edges instead:
 # section 5.)
 _ChunkEdge = collections.namedtuple("_ChunkEdge", "stored decay run")
@@ -1176,7 +1176,7 @@ def _D_strides(D):
 
 
 def _output_fwd(ssd, states, gamma, run_entry, plan, y=None, gate=None):
-    """y (b, l, h, p) of the SSD; run_entry (b, nruns, h, p, n) fp32: each run's entry state, or
+    """y (b, l, h, p) of the SSD; run_entry (b, nruns, h, p, n): each run's entry state, or
     None for zero. gate: None, or (z, out), both (b, l, h, p): out = y silu(z) too."""
     x, B, C, D = ssd.x, ssd.B, ssd.C, ssd.D
     if y is None:
@@ -1210,11 +1210,13 @@ class Summary:
 
     def run_entries(self, entry, need_exit=False):
         """Each run's entry state (b, nruns, h, p, n) or None for zero, given the sequence's entry
-        (or None), and with need_exit the sequence's exit state (b, h, p, n)."""
+        (or None), and with need_exit the sequence's exit state (b, h, p, n) fp32. The scan stores
+        the entries in the state dtype, as the chunk states are: the output kernel reads one a
+        program, and at bf16 half the bytes made the forward 2% to 4% faster (BENCHMARKS.md)."""
         if entry is not None:                 # the kernels read it as a (b, nruns, h, p, n) buffer
             entry = _f32(entry)
         if self.plan.nruns > 1:
-            return scan_summaries(self.run_ext, self.run_a, entry)  # later runs start where earlier end
+            return scan_summaries(self.run_ext, self.run_a, entry, out_dtype=self.plan.state_dtype)
         run_entry = None if entry is None else entry[:, None]     # one run: no scan; absent stays absent
         if not need_exit:
             return run_entry, None

@@ -1068,9 +1068,9 @@ def _f32(t):
 def scan_summaries(src, a, start=None, cont=None, reverse=False, out_dtype=torch.float32):
     """The exclusive scan over K summaries, in fp32. Forward (src = S_ext (b, K, h, p, n), a
     (b, K, h), start the initial state (b, h, p, n) or None): the entry state of each
-    (b, K, h, p, n) in out_dtype and the exit state of the last (b, h, p, n) fp32. Reverse (src = G, start the
-    final state's gradient): the gradient arriving at each one's exit and the initial state's
-    gradient. cont (b, K) fp32 document-continuation flags or None."""
+    (b, K, h, p, n), stored in out_dtype, and the exit state of the last (b, h, p, n) fp32.
+    Reverse (src = G, start the final state's gradient): the gradient arriving at each one's exit
+    and the initial state's gradient. cont (b, K) fp32 document-continuation flags or None."""
     b, K, h, p, n = src.shape
     src, a, start, cont = _f32(src), _f32(a), _f32(start), _f32(cont)
     out = torch.empty_like(src, dtype=out_dtype)
@@ -1085,9 +1085,9 @@ def scan_summaries(src, a, start=None, cont=None, reverse=False, out_dtype=torch
 
 # What gives every chunk's true entry state in the forward, stored(c) + gamma(c) * run(r): what
 # the state pass stored from a zero run entry, (b, nchunks, h, p, n); gamma, (b, nchunks, h) fp32;
-# the runs' entry states, (b, nruns, h, p, n) in the state dtype (or fp32), or a stand-in. (The backward, which reads each
-# state twice and with its exit gradient too, walks the runs again from their true edges instead:
-# section 5.)
+# the runs' entry states, (b, nruns, h, p, n) in the state dtype (fp32 where given as one run's
+# entry), or a stand-in. (The backward, which reads each state twice and with its exit gradient
+# too, walks the runs again from their true edges instead: section 5.)
 _ChunkEdge = collections.namedtuple("_ChunkEdge", "stored decay run")
 
 
@@ -1211,12 +1211,13 @@ class Summary:
     def run_entries(self, entry, need_exit=False):
         """Each run's entry state (b, nruns, h, p, n) or None for zero, given the sequence's entry
         (or None), and with need_exit the sequence's exit state (b, h, p, n) fp32. The scan stores
-        the entries in the state dtype, as the chunk states are: the output kernel reads one a
-        program, and at bf16 half the bytes made the forward 2% to 4% faster (BENCHMARKS.md)."""
+        the entries in the state dtype, as the chunk states are: every output program reads one,
+        and in bf16 their half of the bytes made the forward faster (BENCHMARKS.md)."""
         if entry is not None:                 # the kernels read it as a (b, nruns, h, p, n) buffer
             entry = _f32(entry)
         if self.plan.nruns > 1:
-            return scan_summaries(self.run_ext, self.run_a, entry, out_dtype=self.plan.state_dtype)
+            return scan_summaries(self.run_ext, self.run_a, entry,      # later runs start where earlier end
+                                  out_dtype=self.plan.state_dtype)
         run_entry = None if entry is None else entry[:, None]     # one run: no scan; absent stays absent
         if not need_exit:
             return run_entry, None

@@ -2064,8 +2064,8 @@ class LaunchPlan:
         # FMAs, everywhere but the state pass (measured: BENCHMARKS.md)
         self.precision = "tf32x3" if dtype == torch.float32 else "tf32"
         self.state_precision = "ieee" if dtype == torch.float32 else "tf32"
-        # the chunk entry states (and, in backward, exit gradients) as stored between kernels;
-        # the kernels carry them in float32 and read them back to float32
+        # the chunk and run entry states (and, in backward, exit gradients) as stored between
+        # kernels; the kernels carry them in float32 and read them back to float32
         self.state_dtype = state_dtype or (torch.float32 if dtype == torch.float32 else dtype)
         self.launch = {} if INTERPRET else t.launch        # per kernel; the interpreter takes no launch options
 
@@ -3596,8 +3596,8 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     return_varlen_states (batch 1, cu_seqlens (num_docs + 1,) bounding the documents that seq_idx
     marks) also the fp32 state after each document (num_docs, h, p, n), forward only. Return
     order as in mamba_ssm: y, then final states, then varlen states.
-    state_dtype: the dtype of the chunk entry states stored between kernels (default: x's dtype;
-    float32 for float32 x). float32 with bf16 inputs doubles that buffer for a little accuracy.
+    state_dtype: the dtype of the chunk and run entry states stored between kernels (default: x's
+    dtype; float32 for float32 x). float32 with bf16 inputs doubles them for a little accuracy.
     """
     call = ScanCall(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens)
 
